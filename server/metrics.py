@@ -1,0 +1,205 @@
+"""Prometheus collectors for one server, fed from the engine's per-step stats.
+
+This is the only module that imports `prometheus_client`. One `Metrics` object owns its own
+`CollectorRegistry` (no module globals), so tests and several servers in one process don't collide.
+
+Who calls what (all methods are thread-safe; the worker thread and the event loop may both call):
+
+* `observe_step(result)`        once per engine step, with its `StepResult` (worker thread).
+* `observe_first_token(ttft_s)` when a request's first token reaches its output queue.
+* `observe_tokens(n, gap_s)`    when n more tokens of a request arrive gap_s after its previous ones.
+* `observe_request(...)`        once when a request finishes (any finish reason).
+* `observe_error(status)`       once per HTTP error response (4xx/5xx).
+* `set_load(...)`               whenever queue lengths or KV usage change (e.g. after each step).
+* `render()`                    for GET /metrics.
+
+Contract: the speculation counters grow by exactly the sums of the per-sequence `SeqStepStats`, which
+add up to each request's `RequestStats` (`usage.speculation`): draft_tokens, accepted_tokens and
+decode_steps (one step per verify pass a sequence took part in).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import generate_latest
+
+from server.engine.types import RequestStats, StepResult
+
+METHODS = ("none", "ngram", "draft")
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Tokens emitted per verify pass is an integer in [1, K + 1], K <= 32.
+ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    """All Prometheus collectors of one server.
+
+    `model` is the served model name (the `model` label everywhere); `target`, `draft`, `method` and
+    `k` are the server's configuration, exported once as `specula_speculation_info`.
+    """
+
+    def __init__(self, model: str, target: str, draft: str | None, method: str, k: int) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        spec = ["model", "method"]
+        self.draft_tokens = Counter(
+            "specula_spec_decode_draft_tokens", "Draft tokens proposed.", spec, registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specula_spec_decode_accepted_tokens", "Draft tokens the target accepted.", spec, registry=r
+        )
+        self.steps = Counter(
+            "specula_spec_decode_steps",
+            "Verify passes, counted once per sequence per step.",
+            spec,
+            registry=r,
+        )
+        self.accepted_per_position = Counter(
+            "specula_spec_decode_accepted_tokens_per_position",
+            "Draft tokens accepted at each 0-based draft position.",
+            [*spec, "position"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "specula_prompt_tokens", "Prompt tokens of finished requests.", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "specula_generation_tokens",
+            "Tokens generated (counted per step as emitted).",
+            ["model"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "specula_requests", "Finished requests by finish reason.", ["model", "finish_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "specula_request_errors", "HTTP error responses by status code.", ["status"], registry=r
+        )
+        self.acceptance_length = Histogram(
+            "specula_spec_decode_acceptance_length",
+            "Tokens emitted per verify pass (accepted + 1).",
+            spec,
+            buckets=ACCEPTANCE_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specula_time_to_first_token_seconds",
+            "Arrival to first token.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "specula_inter_token_latency_seconds",
+            "Time between consecutive tokens, one observation per token.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specula_e2e_request_latency_seconds",
+            "Arrival to finish.",
+            ["model"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "specula_request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            ["model"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "specula_requests_running", "Sequences in the running batch.", ["model"], registry=r
+        )
+        self.waiting = Gauge(
+            "specula_requests_waiting", "Sequences waiting for admission.", ["model"], registry=r
+        )
+        self.kv_usage = Gauge(
+            "specula_kv_cache_usage_ratio",
+            "Fraction of KV cache capacity in use (0..1).",
+            ["model"],
+            registry=r,
+        )
+        Info("specula_speculation", "Server speculation configuration.", registry=r).info(
+            {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
+        )
+        # Create the series up front so dashboards show 0 (not "no data") before the first request.
+        for m in METHODS:
+            for c in (self.draft_tokens, self.accepted_tokens, self.steps):
+                c.labels(model, m)
+        for reason in FINISH_REASONS:
+            self.requests.labels(model, reason)
+        for c in (self.prompt_tokens, self.generation_tokens):
+            c.labels(model)
+        self.set_load(0, 0, 0.0)
+
+    def observe_step(self, result: StepResult) -> None:
+        """Count one engine step: per-sequence speculation figures and the tokens it emitted.
+
+        Each `SeqStepStats` is one verify pass of one sequence: +1 step, its draft/accepted tokens,
+        accepted positions 0..accepted-1, and one acceptance-length observation of `emitted_tokens`.
+        Generation tokens are the token ids of the step's outputs (after stop truncation).
+        """
+        for s in result.seq_stats:
+            labels = (self.model, s.method)
+            self.steps.labels(*labels).inc()
+            self.draft_tokens.labels(*labels).inc(s.draft_tokens)
+            self.accepted_tokens.labels(*labels).inc(s.accepted_tokens)
+            for pos in range(s.accepted_tokens):
+                self.accepted_per_position.labels(*labels, str(pos)).inc()
+            self.acceptance_length.labels(*labels).observe(s.emitted_tokens)
+        generated = sum(len(o.token_ids) for o in result.outputs)
+        if generated:
+            self.generation_tokens.labels(self.model).inc(generated)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        """A request's first token arrived `ttft_s` seconds after the request did."""
+        self.ttft.labels(self.model).observe(ttft_s)
+
+    def observe_tokens(self, n_tokens: int, gap_s: float) -> None:
+        """`n_tokens` more tokens of one request arrived `gap_s` seconds after its previous tokens.
+
+        Inter-token latency is per token, not per step: this records `n_tokens` observations of
+        `gap_s / n_tokens`. Don't call it for the first token (that is TTFT).
+        """
+        if n_tokens <= 0:
+            return
+        child = self.itl.labels(self.model)
+        per_token = gap_s / n_tokens
+        for _ in range(n_tokens):
+            child.observe(per_token)
+
+    def observe_request(
+        self, stats: RequestStats, finish_reason: str, queue_time_s: float, e2e_s: float
+    ) -> None:
+        """One request finished: its prompt tokens, finish reason, queue time and end-to-end latency.
+
+        `queue_time_s` is arrival to first scheduled; `e2e_s` arrival to finish. Speculation counters
+        are not touched here: they were counted step by step in `observe_step`.
+        """
+        self.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
+        self.requests.labels(self.model, finish_reason).inc()
+        self.queue_time.labels(self.model).observe(queue_time_s)
+        self.e2e.labels(self.model).observe(e2e_s)
+
+    def observe_error(self, status: int) -> None:
+        """One HTTP error response with this status code."""
+        self.request_errors.labels(str(status)).inc()
+
+    def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """Current running and waiting sequence counts and KV cache usage in [0, 1]."""
+        self.running.labels(self.model).set(running)
+        self.waiting.labels(self.model).set(waiting)
+        self.kv_usage.labels(self.model).set(kv_cache_usage)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its Content-Type, for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,67 @@
+"""One structured (JSON) log line per finished request.
+
+Call `log_request(...)` once when a request finishes; it logs at INFO on the `specula.request`
+logger a single line such as
+`request {"id": "cmpl-1", "model": "smollm2", "method": "ngram", "prompt_tokens": 12, ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from server.engine.types import RequestStats
+
+LOGGER = logging.getLogger("specula.request")
+
+
+def request_record(
+    request_id: str,
+    model: str,
+    stats: RequestStats,
+    finish_reason: str | None,
+    ttft_s: float | None,
+    e2e_s: float,
+) -> dict[str, object]:
+    """The fields of a finished request's log line (times in seconds, rounded to the millisecond)."""
+    return {
+        "id": request_id,
+        "model": model,
+        "method": stats.method,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "decode_steps": stats.decode_steps,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "ttft_s": None if ttft_s is None else round(ttft_s, 3),
+        "total_s": round(e2e_s, 3),
+        "finish_reason": finish_reason,
+    }
+
+
+def format_request_line(
+    request_id: str,
+    model: str,
+    stats: RequestStats,
+    finish_reason: str | None,
+    ttft_s: float | None,
+    e2e_s: float,
+) -> str:
+    """`request <json>`: one line, no newlines inside, keys in a fixed order."""
+    return "request " + json.dumps(request_record(request_id, model, stats, finish_reason, ttft_s, e2e_s))
+
+
+def log_request(
+    request_id: str,
+    model: str,
+    stats: RequestStats,
+    finish_reason: str | None,
+    ttft_s: float | None,
+    e2e_s: float,
+    logger: logging.Logger = LOGGER,
+) -> None:
+    """Log the finished request's line at INFO."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(format_request_line(request_id, model, stats, finish_reason, ttft_s, e2e_s))
