@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dashboard_queries import all_panels, dashboard_queries, load_dashboard, metric_names
-from metrics_helpers import new_metrics, samples, synthetic_steps
+from tests.dashboard_queries import all_panels, dashboard_queries, load_dashboard, metric_names
+from tests.metrics_helpers import new_metrics, samples, synthetic_steps
 
 
 def exported_sample_names() -> set[str]:

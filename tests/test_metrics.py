@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from metrics_helpers import (
+
+from server.engine.types import RequestStats, SeqStepStats, StepResult
+from server.metrics import Metrics
+from server.request_log import format_request_line, log_request
+from tests.metrics_helpers import (
     REQUIRED_FAMILIES,
     family_names,
     new_metrics,
@@ -13,10 +17,6 @@ from metrics_helpers import (
     sum_samples,
     synthetic_steps,
 )
-
-from server.engine.types import RequestStats, SeqStepStats, StepResult
-from server.metrics import Metrics
-from server.request_log import format_request_line, log_request
 
 
 def test_all_required_names_present_before_any_request() -> None:
