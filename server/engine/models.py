@@ -155,3 +155,13 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
             f"(vocab sizes {len(d.get_vocab())} vs {len(t.get_vocab())} or different token ids); "
             "speculative decoding needs a draft with the target's tokenizer"
         )
+
+
+def load_default_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The default model's tokenizer alone (from the weight cache when present, else from the GGUF)."""
+    gguf = default_model_file()
+    if cache_dir is not None:
+        cached = _gguf_cache_path(gguf, cache_dir)
+        if (cached / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(cached)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -1,0 +1,107 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every non-2xx answer.
+
+Routes raise `APIError`; `install_error_handlers` turns it, FastAPI's validation errors (malformed
+JSON, wrong types, missing or unsupported fields), Starlette's HTTP errors (unknown route, wrong
+method) and anything unexpected into that shape. Bad input is always a 4xx; a 500 means a bug.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    err = errors[0]
+    param = _param(tuple(err.get("loc", ())))
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if kind == "extra_forbidden":
+        return bad_request(f"unsupported field {param!r}: this server does not implement it", param, "unsupported_field")
+    if kind == "missing" and param is None:
+        return bad_request("request body is required (a JSON object)")
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register handlers so that every error leaves the server in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404 and message == "Not Found":
+            message = "no such route; see /docs for the API"
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()

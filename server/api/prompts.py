@@ -1,0 +1,136 @@
+"""From validated request bodies to engine requests: prompts to token ids, fields to sampling params.
+
+Everything a client can get wrong about its prompt is checked here, before the request reaches the
+scheduler, so it is answered with a 400 that names the field: an unknown model (404), a prompt that
+together with `max_tokens` does not fit the context, token ids outside the vocabulary, a chat
+without a template, the draft method on a server without a draft model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server.api.errors import APIError, bad_request
+from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
+from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API layer knows about the loaded model (no torch here)."""
+
+    name: str
+    tokenizer: Any  # a Hugging Face tokenizer
+    max_context: int
+    has_draft: bool
+    default_method: str
+    default_num_tokens: int
+    default_max_tokens: int
+
+
+def check_model(info: ModelInfo, model: str) -> None:
+    if model != info.name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+    """Render `messages` with the tokenizer's chat template (plus the assistant prefix) and tokenize."""
+    tok = info.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt; token id prompts are checked against the vocabulary."""
+    tok = info.tokenizer
+    vocab = len(tok)
+    out: list[list[int]] = []
+    for i, prompt in enumerate(body.prompt):
+        if isinstance(prompt, str):
+            out.append(list(tok(prompt)["input_ids"]))
+            continue
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", f"prompt[{i}]")
+        out.append(list(prompt))
+    return out
+
+
+def resolve_max_tokens(info: ModelInfo, requested: int | None, prompt_len: int, param: str) -> int:
+    """`requested` if prompt + it fits the context; the server default (clipped to fit) if None."""
+    room = info.max_context - prompt_len
+    if requested is None:
+        if room < 1:
+            raise _too_long(info, prompt_len, 1, param)
+        return min(info.default_max_tokens, room)
+    if requested > room:
+        raise _too_long(info, prompt_len, requested, param)
+    return requested
+
+
+def _too_long(info: ModelInfo, prompt_len: int, max_tokens: int, param: str) -> APIError:
+    return bad_request(
+        f"This model's maximum context length is {info.max_context} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
+        "Please reduce the length of the prompt or of max_tokens.",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationParams:
+    opts = body.speculation
+    method = (opts.method if opts else None) or info.default_method
+    num_tokens = (opts.num_tokens if opts else None) or info.default_num_tokens
+    if method == "draft" and not info.has_draft:
+        raise bad_request("speculation method 'draft' needs a draft model; this server has none", "speculation.method")
+    return SpeculationParams(method=method, num_tokens=num_tokens)  # type: ignore[arg-type]
+
+
+def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    top_k = body.top_k or 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(top_k, 0),
+        seed=seed,
+        stop=tuple(body.stop or ()),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logprobs=logprobs,
+    )
+
+
+def generation_requests(
+    info: ModelInfo,
+    body: _GenerationBody,
+    request_id: str,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    param: str,
+) -> list[GenerationRequest]:
+    """n requests per prompt, prompt-major (choice index = prompt index * n + j); choice j seeds seed + j."""
+    n = body.n or 1
+    spec = speculation_params(info, body)
+    out: list[GenerationRequest] = []
+    for ids in prompts:
+        limit = resolve_max_tokens(info, max_tokens, len(ids), param)
+        for j in range(n):
+            seed = None if body.seed is None else body.seed + j
+            sampling = sampling_params(body, limit, logprobs, seed)
+            out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec))
+    return out

@@ -1,0 +1,149 @@
+"""OpenAI response objects, built as plain dicts in OpenAI's exact field order and shapes.
+
+`Choice` accumulates one choice's outputs; the functions below turn choices into
+`chat.completion`, `chat.completion.chunk`, `text_completion` objects, logprobs and `usage`
+(with the `usage.speculation` extension).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine.types import RequestOutput, RequestStats, TokenLogprob
+
+
+@dataclass
+class Choice:
+    """What one choice (one engine sequence) produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or ())
+        self.stats = out.stats
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, Any]:
+    """OpenAI usage plus `speculation`: figures summed over the choices."""
+    completion = sum(len(c.token_ids) for c in choices)
+    stats = [c.stats for c in choices if c.stats is not None]
+    draft = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "speculation": {
+            "method": method,
+            "draft_tokens": draft,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft if draft else 0.0,
+            "decode_steps": sum(s.decode_steps for s in stats),
+        },
+    }
+
+
+class LogprobFormatter:
+    """Turns `TokenLogprob`s into OpenAI's chat and completions logprob shapes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        """`choices[].logprobs` of a chat completion: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+        return {
+            "content": [
+                {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                for lp in logprobs
+            ]
+        }
+
+    def completion(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        """`choices[].logprobs` of a text completion; `text_offset` counts from `offset`."""
+        tokens = [self.token(lp.token_id) for lp in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def chat_completion(
+    response_id: str, created: int, model: str, choices: list[Choice], fmt: LogprobFormatter | None,
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": fmt.chat(c.logprobs) if fmt else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool,
+    usage_: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`."""
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def text_completion(
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+    usage_: dict[str, Any] | None, include_usage: bool = True,
+) -> dict[str, Any]:
+    """A `text_completion` (whole or streamed chunk); `choices` are `{"index", "text", "logprobs", "finish_reason"}`."""
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if include_usage:
+        body["usage"] = usage_
+    return body

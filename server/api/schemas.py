@@ -1,0 +1,159 @@
+"""Request bodies of the OpenAI API, as pydantic models that refuse what they don't implement.
+
+Every field declared here is honoured. Fields OpenAI defines but this server does not implement
+(tools, response_format, logit_bias, ...) are accepted only when they carry their neutral value
+(null, empty, the default); any other value, and any unknown field, is refused with a 400 that names
+it (`extra="forbid"`). Nullable fields: a JSON `null` means "use the default".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI fields without an implementation here, and the values that mean "not used" (besides null).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        """Drop unimplemented fields that carry a neutral value; others stay and are refused."""
+        if isinstance(data, dict):
+            return {
+                k: v for k, v in data.items() if not (k in _NEUTRAL and (v is None or v in _NEUTRAL[k]))
+            }
+        return data
+
+
+class SpeculationOptions(_Body):
+    """Extension: how this request is speculated. Unset fields take the server's defaults."""
+
+    method: Literal["none", "ngram", "draft"] | None = Field(
+        default=None, description="proposer: none (plain decoding), ngram (prompt lookup) or draft (draft model)"
+    )
+    num_tokens: int | None = Field(default=None, ge=1, le=32, description="draft tokens per step (K)")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(default=None, description="send a final chunk with `usage`")
+
+
+class _GenerationBody(_Body):
+    """Fields common to chat and text completions."""
+
+    model: str = Field(description="the served model id (see GET /v1/models)")
+    max_tokens: int | None = Field(default=None, ge=1, description="most tokens to generate per choice")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
+    seed: int | None = Field(default=None, description="reproducible sampling; choice i uses seed + i")
+    stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings")
+    n: int | None = Field(default=None, ge=1, le=16, description="choices to generate")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    user: str | None = Field(default=None, description="end-user id; recorded in the request log")
+    speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _GenerationBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatMessage(_Body):
+    """One chat turn. `content`: a string or a list of `{"type": "text", "text": ...}` parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[dict[str, Any]]) -> str:
+        if isinstance(v, str):
+            return v
+        texts = []
+        for i, part in enumerate(v):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
+            if set(part) - {"type", "text"}:
+                raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_GenerationBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="same as max_tokens")
+    logprobs: bool | None = Field(default=None, description="return the chosen tokens' logprobs")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        return self
+
+
+class CompletionRequest(_GenerationBody):
+    """POST /v1/completions. Each prompt (string or token ids) gets `n` choices."""
+
+    prompt: Any = Field(description="a string, a list of strings, token ids, or a list of token id lists")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="logprobs of the top N alternatives")
+
+    @field_validator("prompt")
+    @classmethod
+    def _normalise_prompt(cls, v: Any) -> list[str | list[int]]:
+        """Always a non-empty list of prompts, each a non-empty string or a non-empty token id list."""
+
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            prompts: list[str | list[int]] = [v]
+        elif is_ids(v) and v:
+            prompts = [v]
+        elif isinstance(v, list) and v and all(isinstance(p, str) or is_ids(p) for p in v):
+            prompts = list(v)
+        else:
+            raise ValueError("must be a string, a list of strings, a list of token ids, or a list of those")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must not be empty")
+        return prompts

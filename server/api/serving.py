@@ -1,0 +1,259 @@
+"""The two generation endpoints: validate -> submit to the scheduler -> JSON or SSE.
+
+`OpenAIServing.chat` and `.completions` return either a JSON dict (stream false) or an
+`EventSourceResponse` whose events are OpenAI chunks followed by `data: [DONE]`. A client that
+disconnects has its sequences aborted (the scheduler frees their batch slots at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request, Response
+from sse_starlette import EventSourceResponse
+
+from server.api import responses as R
+from server.api.errors import APIError
+from server.api.prompts import (
+    ModelInfo,
+    chat_prompt_ids,
+    check_model,
+    completion_prompt_ids,
+    generation_requests,
+)
+from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.engine.types import GenerationRequest, RequestOutput, RequestStats
+from server.request_log import log_request
+from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Events = AsyncIterator[tuple[int, RequestOutput]]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+def scheduler_error(exc: BaseException) -> APIError:
+    """What the client sees for a scheduler-side failure."""
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="rate_limit_exceeded")
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error")
+    raise exc
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise `ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected
+
+
+class OpenAIServing:
+    """Chat and text completions over one scheduler and one model."""
+
+    def __init__(self, info: ModelInfo, scheduler: Scheduler) -> None:
+        self.info = info
+        self.scheduler = scheduler
+        self.logprobs = R.LogprobFormatter(info.tokenizer)
+
+    # ---- shared plumbing -------------------------------------------------------------------
+
+    def _submit(self, requests: list[GenerationRequest]) -> RequestStream:
+        try:
+            return self.scheduler.submit(requests)
+        except (QueueFull, ShuttingDown) as exc:
+            raise scheduler_error(exc) from exc
+
+    async def _first(self, request: Request, stream: RequestStream, events: Events) -> tuple[int, RequestOutput]:
+        """The first output, so that admission errors are still a proper 4xx before any SSE is sent."""
+        try:
+            return await _unless_disconnected(request, anext(events))
+        except ClientDisconnected:
+            self.scheduler.abort(stream)
+            raise
+        except (RequestRejected, EngineError, ShuttingDown) as exc:
+            raise scheduler_error(exc) from exc
+
+    async def _collect(self, request: Request, stream: RequestStream, choices: list[R.Choice]) -> None:
+        async def run() -> None:
+            async for index, out in stream.events():
+                choices[index].add(out)
+
+        try:
+            await _unless_disconnected(request, run())
+        except ClientDisconnected:
+            self.scheduler.abort(stream)
+            raise
+        except (RequestRejected, EngineError, ShuttingDown) as exc:
+            raise scheduler_error(exc) from exc
+
+    def _sse(self, request: Request, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> Response:
+        async def guarded() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for event in events:
+                    yield event
+            except (RequestRejected, EngineError, ShuttingDown) as exc:
+                yield {"data": json.dumps(scheduler_error(exc).body())}
+            finally:
+                if not stream.finished:
+                    self.scheduler.abort(stream)  # the client went away mid-stream
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(guarded(), sep="\n", ping=15)
+
+    def _log(self, response_id: str, choices: list[R.Choice], method: str, started: float, ttft: float | None) -> None:
+        stats = [c.stats for c in choices if c.stats is not None]
+        if not stats:
+            return
+        total = RequestStats(
+            method=method,
+            prompt_tokens=stats[0].prompt_tokens,
+            completion_tokens=sum(len(c.token_ids) for c in choices),
+            draft_tokens=sum(s.draft_tokens for s in stats),
+            accepted_tokens=sum(s.accepted_tokens for s in stats),
+            decode_steps=sum(s.decode_steps for s in stats),
+        )
+        now = time.monotonic()
+        log_request(response_id, self.info.name, total, choices[0].finish_reason, ttft, now - started)
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | Response:
+        check_model(self.info, body.model)
+        started = time.monotonic()
+        prompt = chat_prompt_ids(self.info, body)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        requests = generation_requests(self.info, body, response_id, [prompt], max_tokens, logprobs, "messages")
+        method = requests[0].speculation.method
+        choices = [R.Choice(i) for i in range(len(requests))]
+        created = int(time.time())
+        fmt = self.logprobs if logprobs is not None else None
+        stream = self._submit(requests)
+        if not body.stream:
+            await self._collect(request, stream, choices)
+            self._log(response_id, choices, method, started, None)
+            return R.chat_completion(
+                response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
+            )
+
+        events = stream.events()
+        first = await self._first(request, stream, events)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        ttft = time.monotonic() - started
+
+        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage, usage_)
+            return {"data": json.dumps(obj)}
+
+        async def gen() -> AsyncIterator[dict[str, Any]]:
+            for c in choices:
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+            pending: list[tuple[int, RequestOutput]] = [first]
+            while pending:
+                index, out = pending.pop()
+                choices[index].add(out)
+                if out.text or out.logprobs:
+                    lp = fmt.chat(out.logprobs or []) if fmt else None
+                    delta = {"content": out.text}
+                    yield chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
+                if out.finished:
+                    yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+                nxt = await anext(events, None)
+                if nxt is not None:
+                    pending.append(nxt)
+            self._log(response_id, choices, method, started, ttft)
+            if include_usage:
+                yield chunk([], R.usage(len(prompt), choices, method))
+
+        return self._sse(request, stream, gen())
+
+    # ---- text completions ------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> dict[str, Any] | Response:
+        check_model(self.info, body.model)
+        started = time.monotonic()
+        prompts = completion_prompt_ids(self.info, body)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = generation_requests(self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt")
+        method = requests[0].speculation.method
+        prompt_tokens = sum(len(p) for p in prompts)
+        choices = [R.Choice(i) for i in range(len(requests))]
+        created = int(time.time())
+        fmt = self.logprobs if body.logprobs is not None else None
+        stream = self._submit(requests)
+        if not body.stream:
+            await self._collect(request, stream, choices)
+            self._log(response_id, choices, method, started, None)
+            return R.text_completion(
+                response_id,
+                created,
+                self.info.name,
+                [
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": fmt.completion(c.logprobs) if fmt else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in choices
+                ],
+                R.usage(prompt_tokens, choices, method),
+            )
+
+        events = stream.events()
+        first = await self._first(request, stream, events)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        ttft = time.monotonic() - started
+
+        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+            obj = R.text_completion(response_id, created, self.info.name, choice_list, usage_, include_usage)
+            return {"data": json.dumps(obj)}
+
+        async def gen() -> AsyncIterator[dict[str, Any]]:
+            offsets = [0] * len(choices)
+            pending: list[tuple[int, RequestOutput]] = [first]
+            while pending:
+                index, out = pending.pop()
+                choices[index].add(out)
+                if out.text or out.logprobs or out.finished:
+                    lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
+                    offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
+                    reason = out.finish_reason if out.finished else None
+                    yield chunk([{"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}])
+                nxt = await anext(events, None)
+                if nxt is not None:
+                    pending.append(nxt)
+            self._log(response_id, choices, method, started, ttft)
+            if include_usage:
+                yield chunk([], R.usage(prompt_tokens, choices, method))
+
+        return self._sse(request, stream, gen())

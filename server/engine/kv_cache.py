@@ -1,0 +1,276 @@
+"""The KV cache of a running batch, and the one place where rejected tokens are rolled back.
+
+Layout (see DESIGN.md): all rows share one column space. Each forward appends W columns to every
+row; row b's new tokens occupy the first n_b of them and the rest are holes. A per-row boolean
+`keep` mask says which columns hold that row's live tokens, and each row carries its own logical
+position (the number of live tokens), so RoPE positions stay exact whatever the holes. Rolling back
+a rejected draft token is bookkeeping only: its column becomes a hole. Holes are compacted away when
+they outgrow the live tokens. Buffers are preallocated and grow by doubling, so a step writes only
+its new columns: nothing proportional to the context is copied per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+_RECENT = 64  # columns remembered per row for rollback (more than any step ever rolls back)
+
+
+class _BufferLayer(CacheLayerMixin):
+    """One decoder layer's keys/values: buffers [batch, kv_heads, capacity, head_dim] written in place."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: BatchKV) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        cap = max(self.owner.capacity, 16)
+        self.keys = key_states.new_zeros(b, h, cap, d)
+        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.owner.length
+        end = start + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _grow(self, needed: int) -> None:
+        cap = self.keys.shape[-2]
+        while cap < needed:
+            cap *= 2
+        keys = self.keys.new_zeros(*self.keys.shape[:2], cap, self.keys.shape[-1])
+        values = self.values.new_zeros(*self.values.shape[:2], cap, self.values.shape[-1])
+        keys[:, :, : self.keys.shape[-2]] = self.keys
+        values[:, :, : self.values.shape[-2]] = self.values
+        self.keys, self.values = keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _BatchCache(Cache):
+    def __init__(self, owner: BatchKV, num_layers: int) -> None:
+        super().__init__(layers=[_BufferLayer(owner) for _ in range(num_layers)])
+
+
+class BatchKV:
+    """KV cache for the rows of one model's running batch.
+
+    Rows are identified by request id. `forward` feeds ragged new tokens for every row and returns
+    their logits; `rollback` turns a row's most recent tokens into holes; `add_rows`/`remove_rows`
+    change the batch between steps (the only operations that copy the cache).
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = model.device
+        self.num_layers = model.config.num_hidden_layers
+        self.rows: list[str] = []
+        self.length = 0  # columns used (shared by all rows)
+        self.capacity = 16
+        self.keep = torch.zeros(0, self.capacity, dtype=torch.bool, device=self.device)  # [batch, capacity]
+        self.positions: list[int] = []  # live tokens per row = next RoPE position
+        self._recent: list[deque[int]] = []  # per row: columns of its latest live tokens
+        self.cache = _BatchCache(self, self.num_layers)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, request_id: str) -> int:
+        return self.rows.index(request_id)
+
+    @property
+    def live_tokens(self) -> int:
+        return sum(self.positions)
+
+    # ---- the forward pass ----------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, tokens: list[list[int]], want_logits: bool = True) -> torch.Tensor | None:
+        """Append `tokens[b]` to row b for every row and return logits [batch, W, vocab] (float32).
+
+        W = max(len(tokens[b])); logits at [b, j] for j >= len(tokens[b]) are meaningless. With
+        `want_logits=False` (prefill) the LM head runs on one position only and None is returned.
+        """
+        assert len(tokens) == len(self.rows), "one token list per row"
+        batch = len(self.rows)
+        width = max((len(t) for t in tokens), default=0)
+        if batch == 0 or width == 0:
+            raise ValueError("forward needs at least one new token")
+        counts = torch.tensor([len(t) for t in tokens], device=self.device)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        for b, row_tokens in enumerate(tokens):
+            ids[b, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
+        ids = ids.to(self.device)
+        start = torch.tensor(self.positions, device=self.device)
+        steps = torch.arange(width, device=self.device)
+        position_ids = start[:, None] + steps[None, :]  # [batch, W]
+
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._attention_mask(counts, width),
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if want_logits else 1,
+        )
+        logits = out.logits.float() if want_logits else None
+
+        self._ensure_capacity(self.length + width)
+        self.keep[:, self.length : self.length + width] = steps[None, :] < counts[:, None]
+        for b, n in enumerate(counts.tolist()):
+            self.positions[b] += n
+            self._recent[b].extend(range(self.length, self.length + n))
+        self.length += width
+        return logits
+
+    def _attention_mask(self, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
+
+        A padding query attends to its own column too, so no softmax row is empty (no NaNs anywhere,
+        even in hole columns that are never read).
+        """
+        batch = len(self.rows)
+        steps = torch.arange(width, device=self.device)
+        old = self.keep[:, None, : self.length].expand(batch, width, self.length)  # [batch, W, length]
+        causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
+        real = steps[None, None, :] < counts[:, None, None]  # [batch, 1, W]: key j is a real token
+        new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    # ---- rollback: the one place rejected tokens are undone --------------------------------------
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Forget row `row`'s last `num_tokens` live tokens: their columns become holes."""
+        for _ in range(num_tokens):
+            col = self._recent[row].pop()
+            self.keep[row, col] = False
+        self.positions[row] -= num_tokens
+
+    # ---- batch membership ------------------------------------------------------------------------
+    def add_rows(self, other: BatchKV) -> None:
+        """Append `other`'s rows (prefilled separately) to this batch. Copies both caches once."""
+        if not self.rows:
+            self._adopt(other)
+            return
+        length = max(self.length, other.length)
+        self._ensure_capacity(length)
+        other._ensure_capacity(length)
+        cap = max(self.capacity, other.capacity)
+        self._resize(cap)
+        other._resize(cap)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            if theirs.is_initialized:
+                mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+                mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.keep = torch.cat([self.keep, other.keep], dim=0)
+        self.length = length  # columns past a row's own length are holes in its keep mask
+        self.rows += other.rows
+        self.positions += other.positions
+        self._recent += other._recent
+
+    def remove_rows(self, request_ids: set[str]) -> None:
+        """Drop rows (finished or aborted). Copies the cache once; nothing when none match."""
+        stay = [b for b, rid in enumerate(self.rows) if rid not in request_ids]
+        if len(stay) == len(self.rows):
+            return
+        index = torch.tensor(stay, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+        self.keep = self.keep.index_select(0, index)
+        self.rows = [self.rows[b] for b in stay]
+        self.positions = [self.positions[b] for b in stay]
+        self._recent = [self._recent[b] for b in stay]
+        if not self.rows:
+            self.length = 0
+            self.keep[:] = False
+        self.maybe_compact()
+
+    def new_rows(self, request_ids: list[str]) -> BatchKV:
+        """An empty cache for rows about to be prefilled and then merged with `add_rows`."""
+        fresh = BatchKV(self.model)
+        fresh.rows = list(request_ids)
+        fresh.positions = [0] * len(request_ids)
+        fresh._recent = [deque(maxlen=_RECENT) for _ in request_ids]
+        fresh.keep = torch.zeros(len(request_ids), fresh.capacity, dtype=torch.bool, device=self.device)
+        return fresh
+
+    # ---- compaction ------------------------------------------------------------------------------
+    def maybe_compact(self) -> None:
+        """Squeeze holes out once they outnumber the live columns (amortised: rare and O(cache))."""
+        longest = max(self.positions, default=0)
+        if self.length - longest > max(64, longest):
+            self.compact()
+
+    def compact(self) -> None:
+        if not self.rows:
+            return
+        keep = self.keep[:, : self.length]
+        longest = int(keep.sum(dim=1).max())
+        # Stable order of each row's live columns first, holes after: argsort on (not keep) is stable.
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :longest]  # [batch, longest]
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                idx = order[:, None, :, None]
+                layer.keys[:, :, :longest] = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+                layer.values[:, :, :longest] = layer.values.gather(
+                    2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+                )
+        new_keep = keep.gather(1, order)
+        # A live column's new index is its rank among the row's live columns.
+        rank = torch.cumsum(keep.to(torch.long), dim=1) - 1  # [batch, length]
+        rank_rows = rank.tolist()
+        self._recent = [deque((rank_rows[b][c] for c in rec), maxlen=_RECENT) for b, rec in enumerate(self._recent)]
+        self.keep[:] = False
+        self.keep[:, :longest] = new_keep
+        self.length = longest
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            cap = self.capacity
+            while cap < needed:
+                cap *= 2
+            self._resize(cap)
+
+    def _resize(self, cap: int) -> None:
+        """Grow the keep mask and the KV buffers to `cap` columns (doubling keeps this amortised O(1))."""
+        if cap <= self.capacity:
+            return
+        keep = torch.zeros(self.keep.shape[0], cap, dtype=torch.bool, device=self.device)
+        keep[:, : self.capacity] = self.keep
+        self.keep = keep
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.shape[-2] < cap:
+                layer._grow(cap)
+        self.capacity = cap
+
+    def _adopt(self, other: BatchKV) -> None:
+        self.rows, self.positions, self._recent = other.rows, other.positions, other._recent
+        self.keep, self.length, self.capacity = other.keep, other.length, other.capacity
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys, mine.values, mine.is_initialized = theirs.keys, theirs.values, theirs.is_initialized

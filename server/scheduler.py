@@ -1,0 +1,321 @@
+"""Continuous batching between the asyncio HTTP side and the single-threaded engine.
+
+The event loop calls `submit`/`abort`/`shutdown`; one dedicated worker thread owns the engine and
+runs `admit -> step -> deliver` forever:
+
+* **admit** (at a step boundary): apply pending aborts, then move waiting sequences into the engine
+  while fewer than `max_batch_size` are running. Sequences join and leave while others are
+  mid-generation.
+* **step**: one `engine.step()` for everything running.
+* **deliver**: each `RequestOutput` goes to its request's `RequestStream` through
+  `loop.call_soon_threadsafe`, so the event loop never blocks on model work.
+
+Admission control happens in `submit`: at most `max_waiting` sequences may wait beyond the free batch
+slots, otherwise `QueueFull` (the API answers 429). An aborted request (client gone) leaves the
+batch at the next step boundary. A step that raises fails the sequences it was running (they get
+`EngineError`) and the worker carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from server.engine.types import GenerationRequest, RequestOutput, RequestStats, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerEngine(Protocol):
+    """The part of `server.engine.engine.Engine` the scheduler uses (single-threaded)."""
+
+    def add_request(self, req: GenerationRequest) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> StepResult: ...
+    def has_unfinished(self) -> bool: ...
+    def kv_cache_usage(self) -> float: ...
+
+
+class SchedulerMetrics(Protocol):
+    """The part of `server.metrics.Metrics` the scheduler feeds (called from the worker thread)."""
+
+    def observe_step(self, result: StepResult) -> None: ...
+    def observe_first_token(self, ttft_s: float) -> None: ...
+    def observe_tokens(self, n_tokens: int, gap_s: float) -> None: ...
+    def observe_request(self, stats: RequestStats, finish_reason: str, queue_time_s: float, e2e_s: float) -> None: ...
+    def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None: ...
+
+
+class QueueFull(Exception):
+    """More sequences than free batch slots plus `max_waiting`: the client should retry later."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: no new requests, and what is left at the deadline is dropped."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request as invalid (its message is meant for the client)."""
+
+
+class EngineError(RuntimeError):
+    """An engine step failed while this request was running (a bug, not bad input)."""
+
+
+@dataclass
+class _Seq:
+    """One sequence the scheduler tracks, with the timestamps metrics need."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    index: int  # choice index within its API request
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class RequestStream:
+    """The outputs of one API request's n sequences, as `(choice index, RequestOutput)` pairs.
+
+    Iterate with `async for index, output in stream.events()`; it ends once every sequence has
+    finished and raises the scheduler's exception (`RequestRejected`, `EngineError`, `ShuttingDown`)
+    if one was delivered.
+    """
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids = tuple(request_ids)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self._remaining = len(self.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    def _put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._remaining:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._remaining = 0
+                raise item
+            if item[1].finished:
+                self._remaining -= 1
+            yield item
+
+
+class Scheduler:
+    """Waiting queue, admission into the engine at step boundaries, and the worker thread.
+
+    `metrics` (optional, usually `server.metrics.Metrics`) is fed per step, per token batch and per
+    finished sequence from the worker thread.
+    """
+
+    def __init__(
+        self,
+        engine: SchedulerEngine,
+        *,
+        max_batch_size: int,
+        max_waiting: int,
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
+        self._engine = engine
+        self._max_batch_size = max_batch_size
+        self._max_waiting = max_waiting
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self._aborts: list[str] = []
+        self._accepting = True
+        self._stop = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specula-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> RequestStream:
+        """Queue the sequences of one API request (all or none). Raises `QueueFull`, `ShuttingDown`."""
+        stream = RequestStream([r.request_id for r in requests])
+        now = time.monotonic()
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            free = max(0, self._max_batch_size - len(self._running))
+            if len(self._waiting) + len(requests) > self._max_waiting + free:
+                raise QueueFull(
+                    f"server busy: {len(self._running)} running and {len(self._waiting)} waiting "
+                    f"(max_waiting={self._max_waiting}); retry later"
+                )
+            self._waiting.extend(_Seq(r, stream, i, now) for i, r in enumerate(requests))
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Drop a request whose client went away: waiting sequences at once, running ones next step.
+
+        Safe to call from any thread, and more than once.
+        """
+        ids = set(stream.request_ids)
+        with self._lock:
+            self._waiting = deque(s for s in self._waiting if s.request.request_id not in ids)
+            for rid in ids:
+                if self._running.pop(rid, None) is not None:
+                    self._aborts.append(rid)
+        self._wake.set()
+
+    def begin_drain(self) -> None:
+        """Stop admitting new requests (they get `ShuttingDown`); what was accepted keeps running."""
+        with self._lock:
+            self._accepting = False
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop admitting, let accepted work finish for up to `grace_s`, abort the rest, stop the thread."""
+        self.begin_drain()
+        deadline = time.monotonic() + grace_s
+        while (self._waiting or self._running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._lock:
+            left = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._aborts.extend(self._running)
+            self._running.clear()
+            self._stop = True
+        for seq in left:
+            seq.stream._put(ShuttingDown("the server shut down before this request finished"))
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ---- worker thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                aborts, self._aborts = self._aborts, []
+                admitted: list[_Seq] = []
+                while self._waiting and len(self._running) < self._max_batch_size:
+                    seq = self._waiting.popleft()
+                    self._running[seq.request.request_id] = seq
+                    admitted.append(seq)
+                stop = self._stop
+            for rid in aborts:
+                self._call_engine(self._engine.abort_request, rid)
+            if stop:
+                return
+            for seq in admitted:
+                self._admit(seq)
+            if not self._engine.has_unfinished():
+                self._publish_load()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._deliver(self._engine.step())
+            except Exception as exc:
+                log.exception("engine step failed; failing the running requests")
+                self._fail_running(exc)
+
+    def _call_engine(self, fn: Callable[[str], None], request_id: str) -> None:
+        try:
+            fn(request_id)
+        except Exception:
+            log.exception("engine call %s(%s) failed", getattr(fn, "__name__", fn), request_id)
+
+    def _admit(self, seq: _Seq) -> None:
+        seq.scheduled = time.monotonic()
+        try:
+            self._engine.add_request(seq.request)
+        except ValueError as exc:
+            self._drop(seq, RequestRejected(str(exc)))
+        except Exception as exc:
+            log.exception("engine.add_request failed")
+            self._drop(seq, EngineError(f"the engine failed to add the request: {exc}"))
+
+    def _drop(self, seq: _Seq, exc: BaseException) -> None:
+        """Remove a running sequence and fail its whole API request (its siblings are aborted)."""
+        with self._lock:
+            self._running.pop(seq.request.request_id, None)
+        self._send(seq.stream, exc)
+        self.abort(seq.stream)
+
+    def _fail_running(self, exc: Exception) -> None:
+        with self._lock:
+            failed = list(self._running.values())
+            self._running.clear()
+        for seq in failed:
+            self._call_engine(self._engine.abort_request, seq.request.request_id)
+            self._send(seq.stream, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _deliver(self, result: StepResult) -> None:
+        now = time.monotonic()
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.observe_step(result)
+        for out in result.outputs:
+            with self._lock:
+                seq = self._running.get(out.request_id)
+                if seq is not None and out.finished:
+                    del self._running[out.request_id]
+            if seq is None:
+                continue  # aborted: its client is gone
+            self._observe_tokens(seq, out, now)
+            self._send(seq.stream, (seq.index, out))
+        self._publish_load()
+
+    def _observe_tokens(self, seq: _Seq, out: RequestOutput, now: float) -> None:
+        n = len(out.token_ids)
+        metrics = self._metrics
+        if n and metrics is not None:
+            if seq.first_token is None:
+                metrics.observe_first_token(now - seq.arrival)
+            elif seq.last_token is not None:
+                metrics.observe_tokens(n, now - seq.last_token)
+        if n:
+            seq.first_token = seq.first_token or now
+            seq.last_token = now
+        if out.finished and metrics is not None:
+            queue_s = (seq.scheduled or now) - seq.arrival
+            metrics.observe_request(out.stats, out.finish_reason or "abort", queue_s, now - seq.arrival)
+
+    def _publish_load(self) -> None:
+        if self._metrics is not None:
+            try:
+                usage = self._engine.kv_cache_usage()
+            except Exception:
+                usage = 0.0
+            self._metrics.set_load(len(self._running), len(self._waiting), usage)
+
+    def _send(self, stream: RequestStream, item: tuple[int, RequestOutput] | BaseException) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more

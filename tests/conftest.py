@@ -1,0 +1,44 @@
+"""Shared fixtures: the SmolLM2 tokenizer, tiny random target/draft models, and engines built on them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from server.config import Settings
+from server.engine.models import LoadedModel, load_default_tokenizer
+from tests.models import as_loaded, perturbed, tiny_llama
+
+CACHE_DIR = Path(os.environ.get("SPECULA_CACHE_DIR", Path.home() / ".cache" / "specula"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_default_tokenizer(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tokenizer) -> LoadedModel:
+    return as_loaded(tiny_llama(len(tokenizer), seed=0), tokenizer, "tiny-target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target, tokenizer) -> LoadedModel:
+    """A draft close to the target (weights + noise): it agrees on some tokens, not all."""
+    return as_loaded(perturbed(tiny_target.model, 0.5), tokenizer, "tiny-draft")
+
+
+@pytest.fixture
+def tiny_engine_factory(tiny_target, tiny_draft) -> Callable[..., object]:
+    """`factory(**settings_overrides) -> Engine` on the tiny models (draft included unless draft=None)."""
+    from server.engine.engine import Engine
+
+    def make(**overrides) -> Engine:
+        with_draft = overrides.pop("draft", "target") is not None
+        settings = Settings.load(**overrides)
+        return Engine(tiny_target, tiny_draft if with_draft else None, settings)
+
+    return make
