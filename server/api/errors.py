@@ -8,6 +8,7 @@ method) and anything unexpected into that shape. Bad input is always a 4xx; a 50
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,7 +34,12 @@ class APIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
         type: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -41,7 +47,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -74,34 +82,44 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
     if kind == "extra_forbidden":
-        return bad_request(f"unsupported field {param!r}: this server does not implement it", param, "unsupported_field")
+        return bad_request(
+            f"unsupported field {param!r}: this server does not implement it", param, "unsupported_field"
+        )
     if kind == "missing" and param is None:
         return bad_request("request body is required (a JSON object)")
     msg = err.get("msg", "invalid value")
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register handlers so that every error leaves the server in OpenAI's shape."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
+    """Register handlers so that every error leaves the server in OpenAI's shape.
+
+    `on_error(status)` is called once per error response (e.g. to count it in the metrics).
+    """
+
+    def respond(err: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(err.status)
+        return err.response()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return respond(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return respond(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
-        return APIError(exc.status_code, message).response()
+        return respond(APIError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
+        return respond(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))

@@ -70,7 +70,10 @@ class LogprobFormatter:
         """`choices[].logprobs` of a chat completion: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
         return {
             "content": [
-                {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(t, v) for t, v in lp.top],
+                }
                 for lp in logprobs
             ]
         }
@@ -91,7 +94,11 @@ class LogprobFormatter:
 
 
 def chat_completion(
-    response_id: str, created: int, model: str, choices: list[Choice], fmt: LogprobFormatter | None,
+    response_id: str,
+    created: int,
+    model: str,
+    choices: list[Choice],
+    fmt: LogprobFormatter | None,
     usage_: dict[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -114,7 +121,11 @@ def chat_completion(
 
 
 def chat_chunk(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool,
+    response_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
     usage_: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`."""
@@ -132,8 +143,12 @@ def chat_chunk(
 
 
 def text_completion(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-    usage_: dict[str, Any] | None, include_usage: bool = True,
+    response_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any] | None,
+    include_usage: bool = True,
 ) -> dict[str, Any]:
     """A `text_completion` (whole or streamed chunk); `choices` are `{"index", "text", "logprobs", "finish_reason"}`."""
     body: dict[str, Any] = {

@@ -39,9 +39,7 @@ class _Body(BaseModel):
     def _drop_neutral(cls, data: Any) -> Any:
         """Drop unimplemented fields that carry a neutral value; others stay and are refused."""
         if isinstance(data, dict):
-            return {
-                k: v for k, v in data.items() if not (k in _NEUTRAL and (v is None or v in _NEUTRAL[k]))
-            }
+            return {k: v for k, v in data.items() if not (k in _NEUTRAL and (v is None or v in _NEUTRAL[k]))}
         return data
 
 
@@ -49,7 +47,8 @@ class SpeculationOptions(_Body):
     """Extension: how this request is speculated. Unset fields take the server's defaults."""
 
     method: Literal["none", "ngram", "draft"] | None = Field(
-        default=None, description="proposer: none (plain decoding), ngram (prompt lookup) or draft (draft model)"
+        default=None,
+        description="proposer: none (plain decoding), ngram (prompt lookup) or draft (draft model)",
     )
     num_tokens: int | None = Field(default=None, ge=1, le=32, description="draft tokens per step (K)")
 
@@ -74,7 +73,9 @@ class _GenerationBody(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = Field(default=None, description="end-user id; recorded in the request log")
-    speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
+    speculation: SpeculationOptions | None = Field(
+        default=None, description="extension: per-request speculation"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -107,7 +108,9 @@ class ChatMessage(_Body):
         texts = []
         for i, part in enumerate(v):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
+                raise ValueError(
+                    f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported"
+                )
             if set(part) - {"type", "text"}:
                 raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
             texts.append(part["text"])

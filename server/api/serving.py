@@ -90,7 +90,9 @@ class OpenAIServing:
         except (QueueFull, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
-    async def _first(self, request: Request, stream: RequestStream, events: Events) -> tuple[int, RequestOutput]:
+    async def _first(
+        self, request: Request, stream: RequestStream, events: Events
+    ) -> tuple[int, RequestOutput]:
         """The first output, so that admission errors are still a proper 4xx before any SSE is sent."""
         try:
             return await _unless_disconnected(request, anext(events))
@@ -113,7 +115,9 @@ class OpenAIServing:
         except (RequestRejected, EngineError, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
-    def _sse(self, request: Request, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> Response:
+    def _sse(
+        self, request: Request, stream: RequestStream, events: AsyncIterator[dict[str, Any]]
+    ) -> Response:
         async def guarded() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for event in events:
@@ -127,7 +131,9 @@ class OpenAIServing:
 
         return EventSourceResponse(guarded(), sep="\n", ping=15)
 
-    def _log(self, response_id: str, choices: list[R.Choice], method: str, started: float, ttft: float | None) -> None:
+    def _log(
+        self, response_id: str, choices: list[R.Choice], method: str, started: float, ttft: float | None
+    ) -> None:
         stats = [c.stats for c in choices if c.stats is not None]
         if not stats:
             return
@@ -151,7 +157,9 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        requests = generation_requests(self.info, body, response_id, [prompt], max_tokens, logprobs, "messages")
+        requests = generation_requests(
+            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages"
+        )
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
         created = int(time.time())
@@ -186,7 +194,9 @@ class OpenAIServing:
                     delta = {"content": out.text}
                     yield chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
                 if out.finished:
-                    yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+                    yield chunk(
+                        [{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]
+                    )
                 nxt = await anext(events, None)
                 if nxt is not None:
                     pending.append(nxt)
@@ -203,7 +213,9 @@ class OpenAIServing:
         started = time.monotonic()
         prompts = completion_prompt_ids(self.info, body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = generation_requests(self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt")
+        requests = generation_requests(
+            self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt"
+        )
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]

@@ -1,0 +1,141 @@
+"""The FastAPI application: `create_app(settings, engine_factory)`.
+
+Routes (all errors in OpenAI's shape, see `errors.py`):
+
+* `POST /v1/chat/completions`, `POST /v1/completions`: JSON or SSE (`stream: true`).
+* `GET /v1/models`, `GET /v1/models/{id}`.
+* `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
+* `GET /metrics`: Prometheus exposition.
+* `GET /docs`, `GET /openapi.json`: OpenAPI docs.
+
+With `settings.api_key` set, `/v1/*` needs `Authorization: Bearer <key>` (else 401). CORS origins come
+from `settings.cors_origins`. The model loads in a background thread at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+
+from server.api.errors import APIError, install_error_handlers
+from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.state import EngineFactory, ServerState
+from server.config import Settings
+
+
+def _default_engine_factory(settings: Settings) -> Any:
+    from server.engine.engine import build_engine  # imported lazily: the API layer never needs torch
+
+    return build_engine(settings)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.specula
+
+
+def require_api_key(request: Request) -> None:
+    """401 unless `Authorization: Bearer <settings.api_key>` (when a key is configured)."""
+    key = get_state(request).settings.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+            type="invalid_request_error",
+            code="invalid_api_key",
+        )
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@v1.post("/chat/completions", summary="Chat completion (JSON or SSE stream)")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    return await get_state(request).require_serving().chat(body, request)
+
+
+@v1.post("/completions", summary="Text completion (JSON or SSE stream)")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    return await get_state(request).require_serving().completions(body, request)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    serving = state.require_serving()
+    return {"id": serving.info.name, "object": "model", "created": state.created, "owned_by": "specula"}
+
+
+@v1.get("/models", summary="The served model")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@v1.get("/models/{model_id:path}", summary="One model")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    card = _model_card(get_state(request))
+    if model_id != card["id"]:
+        raise APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return card
+
+
+ops = APIRouter()
+
+
+@ops.get("/health", summary="200 when ready; 503 while loading, after a failed load, or while draining")
+async def health(request: Request) -> JSONResponse:
+    state = get_state(request)
+    body: dict[str, Any] = {"status": "ok" if state.status == "ready" else state.status}
+    if state.error:
+        body["error"] = state.error
+    return JSONResponse(body, status_code=200 if state.status == "ready" else 503)
+
+
+@ops.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    if state.metrics is None:
+        raise APIError(503, "metrics are available once the model has loaded", code="model_not_ready")
+    data, content_type = state.metrics.render()
+    return Response(data, media_type=content_type)
+
+
+def create_app(settings: Settings, engine_factory: EngineFactory | None = None) -> FastAPI:
+    """The app; its lifespan starts loading the model (see `ServerState`) and drains on shutdown."""
+    state = ServerState(settings, engine_factory or _default_engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await state.close()
+
+    app = FastAPI(
+        title="Specula",
+        description="OpenAI-compatible inference server with lossless speculative decoding.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.specula = state
+    install_error_handlers(app, state.observe_error)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in settings.cors_origins,
+        )
+    app.include_router(v1)
+    app.include_router(ops)
+    return app

@@ -1,0 +1,131 @@
+"""The server's lifecycle: loading (models load in a background thread) -> ready -> draining.
+
+`ServerState` is the one object routes read. While the engine loads, `/health` and the API answer
+503; once loaded it owns the scheduler, the metrics and the `OpenAIServing` handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from server.api.errors import APIError
+from server.api.prompts import ModelInfo
+from server.api.serving import OpenAIServing
+from server.config import Settings
+from server.metrics import Metrics
+from server.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Status = Literal["loading", "ready", "failed", "draining"]
+EngineFactory = Callable[[Settings], Any]  # returns a server.engine.engine.Engine
+
+
+class ServerState:
+    def __init__(self, settings: Settings, engine_factory: EngineFactory) -> None:
+        self.settings = settings
+        self._engine_factory = engine_factory
+        self.created = int(time.time())
+        self.status: Status = "loading"
+        self.error: str | None = None
+        self.engine: Any = None
+        self.scheduler: Scheduler | None = None
+        self.metrics: Metrics | None = None
+        self.serving: OpenAIServing | None = None
+        self._ready = asyncio.Event()
+
+    async def load(self) -> None:
+        """Build the engine in a daemon thread (never blocking the loop), then start the scheduler."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def build() -> None:
+            try:
+                engine = self._engine_factory(self.settings)
+            except Exception as exc:  # reported on the loop below, not swallowed
+                loop.call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, engine, None)
+
+        threading.Thread(target=build, name="specula-loader", daemon=True).start()
+        try:
+            engine = await done
+        except Exception as exc:
+            log.exception("model loading failed")
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self._ready.set()
+            return
+        self._start(engine)
+
+    def _start(self, engine: Any) -> None:
+        s = self.settings
+        method = s.speculation if (s.speculation != "draft" or engine.has_draft) else "ngram"
+        self.metrics = Metrics(
+            model=engine.model_name,
+            target=s.target or engine.model_name,
+            draft=s.draft if engine.has_draft else None,
+            method=method,
+            k=s.num_speculative_tokens,
+        )
+        self.scheduler = Scheduler(
+            engine, max_batch_size=s.max_batch_size, max_waiting=s.max_waiting, metrics=self.metrics
+        )
+        self.scheduler.start()
+        info = ModelInfo(
+            name=engine.model_name,
+            tokenizer=engine.tokenizer,
+            max_context=engine.max_context,
+            has_draft=engine.has_draft,
+            default_method=method,
+            default_num_tokens=s.num_speculative_tokens,
+            default_max_tokens=s.default_max_tokens,
+        )
+        self.serving = OpenAIServing(info, self.scheduler)
+        self.engine = engine
+        self.status = "ready"
+        self._ready.set()
+        log.info("ready: serving %s (speculation %s, K=%d)", info.name, method, s.num_speculative_tokens)
+
+    async def wait_ready(self, timeout: float | None = None) -> Status:
+        """Wait until loading has ended (ready or failed); returns the status."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        return self.status
+
+    def require_serving(self) -> OpenAIServing:
+        """The handlers, or a 503 while loading, after a failed load, or while draining."""
+        if self.status == "ready" and self.serving is not None:
+            return self.serving
+        reason = {"loading": "the model is still loading", "draining": "the server is shutting down"}
+        message = reason.get(self.status, f"the model failed to load: {self.error}")
+        raise APIError(503, message, code="model_not_ready" if self.status == "loading" else self.status)
+
+    def observe_error(self, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_error(status)
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (SIGTERM); accepted ones keep running."""
+        if self.status == "ready":
+            self.status = "draining"
+        if self.scheduler is not None:
+            self.scheduler.begin_drain()
+
+    async def close(self) -> None:
+        """Finish or abort what runs within the grace period, then stop the worker."""
+        self.begin_drain()
+        if self.scheduler is not None:
+            await self.scheduler.shutdown(self.settings.shutdown_grace_s)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: Exception | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,107 @@
+"""The rejection sampler: exact greedy cases, seeded determinism, top-k/top-p, and convergence to p."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from server.engine.sampling import BatchSampling, probabilities
+from server.engine.types import SamplingParams
+from server.spec.rejection import rejection_sample
+
+V = 6
+
+
+def one_hot(*idx: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(idx), V).float()
+
+
+def gens(n: int, seed: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def test_perfect_match_accepts_all_and_adds_bonus():
+    p = one_hot(1, 2, 3, 4)[None]  # greedy target: argmax 1, 2, 3 then bonus 4
+    v = rejection_sample([[1, 2, 3]], p, None, gens(1))
+    assert v.accepted == [3] and v.tokens == [[1, 2, 3, 4]]
+
+
+def test_early_mismatch_stops_and_recovers_target_token():
+    p = one_hot(1, 5, 3, 4)[None]
+    v = rejection_sample([[1, 2, 3]], p, None, gens(1))
+    assert v.accepted == [1] and v.tokens == [[1, 5]]  # recovered = argmax p at the mismatch
+
+
+def test_ragged_rows_in_one_batch():
+    p = torch.stack([one_hot(0, 1, 2), one_hot(4, 0, 0), one_hot(3, 3, 3)])
+    v = rejection_sample([[0, 1], [], [2]], p, None, gens(3))
+    assert v.accepted == [2, 0, 0]
+    assert v.tokens == [[0, 1, 2], [4], [3]]
+
+
+def test_draft_probabilities_q_ge_p_always_accepts():
+    p = torch.full((1, 2, V), 1.0 / V)
+    q = torch.full((1, 1, V), 1.0 / V)  # q(x) == p(x): ratio 1
+    for seed in range(20):
+        assert rejection_sample([[3]], p, q, gens(1, seed)).accepted == [1]
+
+
+def test_seeded_determinism_and_independence_from_batch_mates():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(1, 4, V), -1)
+    q = torch.softmax(torch.randn(1, 3, V), -1)
+    alone = rejection_sample([[1, 2, 3]], p, q, gens(1, 42))
+    again = rejection_sample([[1, 2, 3]], p, q, gens(1, 42))
+    assert alone == again
+    p2 = torch.cat([p, torch.softmax(torch.randn(1, 4, V), -1)])
+    q2 = torch.cat([q, torch.softmax(torch.randn(1, 3, V), -1)])
+    g = [torch.Generator().manual_seed(42), torch.Generator().manual_seed(7)]
+    batched = rejection_sample([[1, 2, 3], [0]], p2, q2, g)
+    assert batched.tokens[0] == alone.tokens[0]
+
+
+def test_top_k_top_p_apply_to_p_and_q_alike():
+    logits = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]])
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)]
+    s = BatchSampling.from_params(params, torch.device("cpu"))
+    probs = probabilities(logits.expand(2, 1, V), s)
+    assert (probs[0, 0, 2:] == 0).all() and probs[0, 0, :2].sum().item() > 0.999
+    # softmax([4,3,...]) puts ~0.64 on token 0: the 0.5 nucleus keeps token 0 alone.
+    assert probs[1, 0, 0].item() == 1.0
+    # Drafted tokens outside the nucleus are never accepted: p(x) = 0 there.
+    q = probabilities(torch.zeros(1, 1, V), BatchSampling.from_params(params[:1], torch.device("cpu")))
+    for seed in range(20):
+        v = rejection_sample([[5]], probs[:1].expand(1, 2, V).contiguous(), q, gens(1, seed))
+        assert v.accepted == [0] and v.tokens[0][0] in (0, 1)
+
+
+def test_greedy_rows_are_one_hot_at_argmax():
+    logits = torch.tensor([[[0.1, 2.0, 1.9, 0.0, 0.0, 0.0]]])
+    probs = probabilities(logits, BatchSampling.from_params([SamplingParams(temperature=0.0)], torch.device("cpu")))
+    assert probs[0, 0].tolist() == one_hot(1)[0].tolist()
+
+
+def _first_token_histogram(p: torch.Tensor, q: torch.Tensor, n: int, accept_all: bool = False) -> torch.Tensor:
+    """Sample the first emitted token n times: draft x ~ q, then the sampler (or a broken rule)."""
+    counts = torch.zeros(V)
+    gen = torch.Generator().manual_seed(123)
+    for _ in range(n):
+        x = int(torch.multinomial(q[0, 0], 1, generator=gen))
+        if accept_all:
+            token = x
+        else:
+            token = rejection_sample([[x]], p, q, [gen]).tokens[0][0]
+        counts[token] += 1
+    return counts
+
+
+def test_output_converges_to_target_distribution_and_a_wrong_rule_is_caught():
+    torch.manual_seed(3)
+    p = torch.softmax(torch.randn(1, 2, V) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, 1, V) * 1.5, -1)
+    n = 4000
+    expected = p[0, 0] * n
+    good = _first_token_histogram(p, q, n)
+    assert chisquare(good, expected).pvalue > 1e-3
+    bad = _first_token_histogram(p, q, n, accept_all=True)  # "always accept" yields q, not p
+    assert chisquare(bad, expected).pvalue < 1e-6
