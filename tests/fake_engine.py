@@ -1,0 +1,81 @@
+"""A deterministic stand-in for `Engine`, for scheduler tests where a fake is the clearer test.
+
+Each step emits one token per running request: token t+1 of a request is `(prompt[-1] + t + 1) % 1000 + 300`
+(plain word pieces of the SmolLM2 vocabulary). It records every step's batch so tests can check
+admission and aborts at step boundaries. `fail_on` prompt ids make `step()` raise (a bug), and
+prompts longer than `max_context` are refused by `add_request` with ValueError, like the real engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from server.engine.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, StepResult
+
+
+@dataclass
+class _Running:
+    req: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=lambda: RequestStats(method="none"))
+
+
+def fake_token(req: GenerationRequest, t: int) -> int:
+    return (req.prompt_token_ids[-1] + t + 1) % 1000 + 300
+
+
+class FakeEngine:
+    def __init__(
+        self, tokenizer, *, step_s: float = 0.0, max_context: int = 1_000_000, fail_on: int | None = None
+    ):
+        self.tokenizer = tokenizer
+        self.model_name = "fake-model"
+        self.max_context = max_context
+        self.has_draft = False
+        self.step_s = step_s
+        self.fail_on = fail_on
+        self.running: dict[str, _Running] = {}
+        self.batches: list[list[str]] = []  # request ids of each step
+        self.aborted: list[str] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add_request(self, req: GenerationRequest) -> None:
+        if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_context:
+            raise ValueError("prompt too long")
+        self.running[req.request_id] = _Running(req, stats=RequestStats(method=req.speculation.method))
+
+    def abort_request(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def kv_cache_usage(self) -> float:
+        return len(self.running) / 100
+
+    def step(self) -> StepResult:
+        time.sleep(self.step_s)
+        self.batches.append(list(self.running))
+        if self.fail_on is not None and any(
+            r.req.prompt_token_ids[-1] == self.fail_on for r in self.running.values()
+        ):
+            raise RuntimeError("boom")
+        outputs, seq_stats = [], []
+        for rid, run in list(self.running.items()):
+            tok = fake_token(run.req, len(run.tokens))
+            before = self.tokenizer.decode(run.tokens)
+            run.tokens.append(tok)
+            text = self.tokenizer.decode(run.tokens)[len(before) :]
+            run.stats.completion_tokens += 1
+            run.stats.decode_steps += 1
+            done = len(run.tokens) >= run.req.sampling.max_tokens
+            if done:
+                del self.running[rid]
+            outputs.append(RequestOutput(rid, [tok], text, None, done, "length" if done else None, run.stats))
+            seq_stats.append(SeqStepStats(rid, run.stats.method, 0, 0, 1, False))
+        return StepResult(outputs, seq_stats)
