@@ -1,0 +1,67 @@
+"""Run the app under uvicorn, draining on SIGTERM/SIGINT.
+
+The first signal stops admitting (new requests get 503, `/health` turns 503), lets running requests
+finish for up to `settings.shutdown_grace_s`, aborts what is left, then lets uvicorn close the
+connections and exit with status 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from server.api.app import create_app
+from server.api.state import EngineFactory, ServerState
+from server.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains the scheduler before uvicorn's own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self._draining is not None or self.should_exit:
+            super().handle_exit(sig, frame)  # not started yet, or a second signal: exit now
+            self.force_exit = self._draining is not None
+            return
+        log.info("%s: draining (grace %.0f s)", signal.Signals(sig).name, self._state.settings.shutdown_grace_s)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self._state.close()
+        finally:
+            self.should_exit = True
+
+
+def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; returns after a clean drain."""
+    app = create_app(settings, engine_factory)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=True,
+    )
+    DrainingServer(config, app.state.specula).run()

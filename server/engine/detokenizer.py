@@ -1,0 +1,67 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced token by token without ever emitting half of a multi-byte character (a decode that
+ends in U+FFFD waits for the next token), and text that could still turn into a stop string is held
+back until it either does (then it is cut, and no part of the stop string is ever emitted) or cannot.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_CONTEXT = 6  # prompt tokens decoded alongside, so leading-space and merge rules see their left side
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self._ids = list(prompt_ids[-_CONTEXT:])
+        self._prefix = 0  # start of the window decoded for context
+        self._read = len(self._ids)  # first token whose text is not yet in `text`
+        self.text = ""  # all output text so far (cut at a stop string)
+        self._sent = 0  # characters of `text` already handed out
+        self.stopped = False  # a stop string was found
+
+    def add(self, token_id: int) -> None:
+        """Append one generated token; sets `stopped` when a stop string completes."""
+        if self.stopped:
+            return
+        self._ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        after = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # an incomplete character (or a token with no text): wait
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._check_stop(start)
+
+    def _check_stop(self, new_from: int) -> None:
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, new_from - len(stop) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+                return
+
+    def take(self, final: bool = False) -> str:
+        """New text since the last call; unless `final`, withhold a tail that may begin a stop string."""
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self._held_back()
+        end = max(end, self._sent)
+        out = self.text[self._sent : end]
+        self._sent = end
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

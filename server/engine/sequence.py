@@ -1,0 +1,50 @@
+"""The engine's state for one sequence in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.types import FinishReason, GenerationRequest, RequestStats
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    generator: torch.Generator  # the request's own randomness (seeded when the request says so)
+    detokenizer: IncrementalDetokenizer
+    stats: RequestStats
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def method(self) -> str:
+        return self.request.speculation.method
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt plus generated tokens."""
+        return [*self.request.prompt_token_ids, *self.output_ids]
+
+    @property
+    def last_token(self) -> int:
+        """The newest token: committed, but not yet fed to the target (each step feeds it first)."""
+        return self.output_ids[-1] if self.output_ids else self.request.prompt_token_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.request.sampling.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def num_drafts(self) -> int:
+        """K for this step: the request's K, but never drafting past max_tokens."""
+        return max(0, min(self.request.speculation.k, self.remaining - 1))

@@ -1,0 +1,99 @@
+"""Draft-model proposer: a smaller causal LM drafts K tokens autoregressively with its own KV cache.
+
+Its cache holds every committed token except `pending[rid]` (tokens committed since it last fed:
+the target's recovered/bonus token, and after a full accept also the last draft). Each step feeds
+pending + d_1..d_{k-1}; after verification the rejected drafts are rolled back in `BatchKV`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from server.engine.kv_cache import BatchKV
+from server.engine.models import LoadedModel
+from server.engine.sampling import BatchSampling, probabilities
+from server.engine.sequence import Sequence
+from server.spec.proposer import Proposal, Proposer
+
+
+class DraftModelProposer(Proposer):
+    method = "draft"
+
+    def __init__(self, draft: LoadedModel) -> None:
+        self.draft = draft
+        self.kv = BatchKV(draft.model)
+        self.pending: dict[str, list[int]] = {}
+        self.fed: dict[str, int] = {}  # tokens fed this step (for rollback)
+
+    def join(self, seqs: list[Sequence]) -> None:
+        fresh = self.kv.new_rows([s.request_id for s in seqs])
+        prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
+        if any(prompts):
+            fresh.forward(prompts, want_logits=False)
+        self.kv.add_rows(fresh)
+        for s in seqs:
+            self.pending[s.request_id] = [s.request.prompt_token_ids[-1]]
+
+    def leave(self, request_ids: set[str]) -> None:
+        self.kv.remove_rows(request_ids)
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+            self.fed.pop(rid, None)
+
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+        by_id = {s.request_id: (s, k) for s, k in zip(seqs, ks, strict=True)}
+        rows = self.kv.rows  # every draft row is asked each step (the engine guarantees it)
+        row_k = [by_id[rid][1] for rid in rows]
+        k_max = max(row_k, default=0)
+        vocab = self.draft.model.config.vocab_size
+        drafts: list[list[int]] = [[] for _ in rows]
+        q = torch.zeros(len(rows), max(k_max, 1), vocab, device=self.kv.device)  # [rows, K, vocab]
+        self.fed = dict.fromkeys(rows, 0)
+        if k_max == 0:
+            return self._in_order(seqs, drafts, q[:, :0])
+        params = [dataclasses.replace(by_id[rid][0].request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
+                  for rid in rows]
+        sampling = BatchSampling.from_params(params, self.kv.device)
+        gens = [by_id[rid][0].generator for rid in rows]
+
+        feed = [self.pending[rid] if k > 0 else [] for rid, k in zip(rows, row_k, strict=True)]
+        for j in range(k_max):
+            logits = self.kv.forward(feed)  # [rows, W, vocab]
+            last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=self.kv.device)
+            step_logits = logits[torch.arange(len(rows), device=self.kv.device), last][:, None]
+            probs = probabilities(step_logits, sampling)[:, 0]  # [rows, vocab]
+            for b, rid in enumerate(rows):
+                if not feed[b]:
+                    continue
+                self.fed[rid] += len(feed[b])
+                token = int(torch.multinomial(probs[b].to(gens[b].device), 1, generator=gens[b]))
+                drafts[b].append(token)
+                q[b, j] = probs[b]
+            # The last draft token is sampled but not fed: the target's verdict decides what follows.
+            feed = [[d[-1]] if len(d) < k else [] for d, k in zip(drafts, row_k, strict=True)]
+            if not any(feed):
+                break
+        for rid, k in zip(rows, row_k, strict=True):
+            if k > 0:
+                self.pending[rid] = []
+        return self._in_order(seqs, drafts, q[:, :k_max])
+
+    def _in_order(self, seqs: list[Sequence], drafts: list[list[int]], q: torch.Tensor) -> Proposal:
+        """Reorder from this proposer's cache rows to the caller's sequence order."""
+        index = [self.kv.index(s.request_id) for s in seqs]
+        return Proposal(drafts=[drafts[i] for i in index], probs=q[index])
+
+    def commit(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:
+        rid = seq.request_id
+        accepted = len(emitted) - 1
+        if not drafts:
+            self.pending[rid] += emitted
+            return
+        # The cache now holds d_1..d_{k-1}; keep the accepted ones, roll back the rest.
+        in_cache = len(drafts) - 1
+        kept = min(accepted, in_cache)
+        self.kv.rollback(self.kv.index(rid), in_cache - kept)
+        self.pending[rid] = emitted[kept:]  # [x] after a rejection; [d_k, bonus] after a full accept
