@@ -67,7 +67,7 @@ class LogprobFormatter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def chat(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        """`choices[].logprobs` of a chat completion: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+        """Chat `choices[].logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
         return {
             "content": [
                 {
@@ -150,7 +150,7 @@ def text_completion(
     usage_: dict[str, Any] | None,
     include_usage: bool = True,
 ) -> dict[str, Any]:
-    """A `text_completion` (whole or streamed chunk); `choices` are `{"index", "text", "logprobs", "finish_reason"}`."""
+    """A `text_completion` (whole or chunk); `choices`: `{"index", "text", "logprobs", "finish_reason"}`."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": "text_completion",
