@@ -28,7 +28,7 @@ def tiny_target(tokenizer) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_target, tokenizer) -> LoadedModel:
     """A draft close to the target (weights + noise): it agrees on some tokens, not all."""
-    return as_loaded(perturbed(tiny_target.model, 0.5), tokenizer, "tiny-draft")
+    return as_loaded(perturbed(tiny_target.model, 0.05), tokenizer, "tiny-draft")
 
 
 @pytest.fixture

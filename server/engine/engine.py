@@ -147,6 +147,7 @@ class Engine:
         return sum(len(p) for p in prompts)
 
     def _leave(self, request_ids: set[str]) -> None:
+        request_ids = {rid for rid in request_ids if rid in self.running}
         if not request_ids:
             return
         self.kv.remove_rows(request_ids)

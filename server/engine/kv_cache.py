@@ -182,9 +182,14 @@ class BatchKV:
         self._resize(cap)
         other._resize(cap)
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            if theirs.is_initialized:
-                mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
-                mine.values = torch.cat([mine.values, theirs.values], dim=0)
+            if not (mine.is_initialized or theirs.is_initialized):
+                continue  # neither side has run a forward yet: buffers are created lazily
+            like = mine if mine.is_initialized else theirs
+            mine.keys = torch.cat([_rows_of(mine, len(self), like.keys), _rows_of(theirs, len(other), like.keys)])
+            mine.values = torch.cat(
+                [_rows_of(mine, len(self), like.values, "values"), _rows_of(theirs, len(other), like.values, "values")]
+            )
+            mine.is_initialized = True
         self.keep = torch.cat([self.keep, other.keep], dim=0)
         self.length = length  # columns past a row's own length are holes in its keep mask
         self.rows += other.rows
@@ -274,3 +279,10 @@ class BatchKV:
         self.keep, self.length, self.capacity = other.keep, other.length, other.capacity
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             mine.keys, mine.values, mine.is_initialized = theirs.keys, theirs.values, theirs.is_initialized
+
+
+def _rows_of(layer: _BufferLayer, rows: int, like: torch.Tensor, which: str = "keys") -> torch.Tensor:
+    """A layer's buffer, or zeros shaped like `like` for `rows` rows when it never ran a forward."""
+    if layer.is_initialized:
+        return getattr(layer, which)
+    return like.new_zeros(rows, *like.shape[1:])

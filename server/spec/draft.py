@@ -13,7 +13,7 @@ import torch
 
 from server.engine.kv_cache import BatchKV
 from server.engine.models import LoadedModel
-from server.engine.sampling import BatchSampling, probabilities
+from server.engine.sampling import BatchSampling, probabilities, sample
 from server.engine.sequence import Sequence
 from server.spec.proposer import Proposal, Proposer
 
@@ -25,7 +25,6 @@ class DraftModelProposer(Proposer):
         self.draft = draft
         self.kv = BatchKV(draft.model)
         self.pending: dict[str, list[int]] = {}
-        self.fed: dict[str, int] = {}  # tokens fed this step (for rollback)
 
     def join(self, seqs: list[Sequence]) -> None:
         fresh = self.kv.new_rows([s.request_id for s in seqs])
@@ -40,7 +39,6 @@ class DraftModelProposer(Proposer):
         self.kv.remove_rows(request_ids)
         for rid in request_ids:
             self.pending.pop(rid, None)
-            self.fed.pop(rid, None)
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
@@ -51,13 +49,13 @@ class DraftModelProposer(Proposer):
         vocab = self.draft.model.config.vocab_size
         drafts: list[list[int]] = [[] for _ in rows]
         q = torch.zeros(len(rows), max(k_max, 1), vocab, device=self.kv.device)  # [rows, K, vocab]
-        self.fed = dict.fromkeys(rows, 0)
         if k_max == 0:
             return self._in_order(seqs, drafts, q[:, :0])
         params = [dataclasses.replace(by_id[rid][0].request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
                   for rid in rows]
         sampling = BatchSampling.from_params(params, self.kv.device)
         gens = [by_id[rid][0].generator for rid in rows]
+        greedy = [p.greedy for p in params]
 
         feed = [self.pending[rid] if k > 0 else [] for rid, k in zip(rows, row_k, strict=True)]
         for j in range(k_max):
@@ -65,20 +63,18 @@ class DraftModelProposer(Proposer):
             last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=self.kv.device)
             step_logits = logits[torch.arange(len(rows), device=self.kv.device), last][:, None]
             probs = probabilities(step_logits, sampling)[:, 0]  # [rows, vocab]
-            for b, rid in enumerate(rows):
-                if not feed[b]:
-                    continue
-                self.fed[rid] += len(feed[b])
-                token = int(torch.multinomial(probs[b].to(gens[b].device), 1, generator=gens[b]))
-                drafts[b].append(token)
-                q[b, j] = probs[b]
+            q[:, j] = probs  # rows that fed nothing keep garbage here, past their own k
+            greedy_tokens = probs.argmax(dim=-1).tolist()  # one-hot rows: no randomness needed
+            for b in range(len(rows)):
+                if feed[b]:
+                    drafts[b].append(greedy_tokens[b] if greedy[b] else sample(probs[b], gens[b]))
             # The last draft token is sampled but not fed: the target's verdict decides what follows.
             feed = [[d[-1]] if len(d) < k else [] for d, k in zip(drafts, row_k, strict=True)]
             if not any(feed):
                 break
         for rid, k in zip(rows, row_k, strict=True):
             if k > 0:
-                self.pending[rid] = []
+                self.pending[rid] = []  # fed: now in the draft cache
         return self._in_order(seqs, drafts, q[:, :k_max])
 
     def _in_order(self, seqs: list[Sequence], drafts: list[list[int]], q: torch.Tensor) -> Proposal:

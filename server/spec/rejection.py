@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.sampling import sample
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -85,6 +87,6 @@ def rejection_sample(
     accepted = num_accepted.tolist()
     tokens = []
     for b, gen in enumerate(generators):
-        last = int(torch.multinomial(final_p[b].to(gen.device), 1, generator=gen))
+        last = sample(final_p[b], gen)
         tokens.append(drafts[b][: accepted[b]] + [last])
     return Verdict(accepted=accepted, tokens=tokens)
