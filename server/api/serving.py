@@ -90,12 +90,10 @@ class OpenAIServing:
         except (QueueFull, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
-    async def _first(
-        self, request: Request, stream: RequestStream, events: Events
-    ) -> tuple[int, RequestOutput]:
-        """The first output, so that admission errors are still a proper 4xx before any SSE is sent."""
+    async def _await(self, request: Request, stream: RequestStream, work: Awaitable[T]) -> T:
+        """Await scheduler output; abort on client disconnect; scheduler failures become API errors."""
         try:
-            return await _unless_disconnected(request, anext(events))
+            return await _unless_disconnected(request, work)
         except ClientDisconnected:
             self.scheduler.abort(stream)
             raise
@@ -107,17 +105,21 @@ class OpenAIServing:
             async for index, out in stream.events():
                 choices[index].add(out)
 
-        try:
-            await _unless_disconnected(request, run())
-        except ClientDisconnected:
-            self.scheduler.abort(stream)
-            raise
-        except (RequestRejected, EngineError, ShuttingDown) as exc:
-            raise scheduler_error(exc) from exc
+        await self._await(request, stream, run())
 
-    def _sse(
-        self, request: Request, stream: RequestStream, events: AsyncIterator[dict[str, Any]]
-    ) -> Response:
+    async def _started(self, request: Request, stream: RequestStream) -> Events:
+        """The stream's events, once the first has arrived: admission errors are still a 4xx, not SSE."""
+        events = stream.events()
+        first = await self._await(request, stream, anext(events))
+
+        async def chained() -> Events:
+            yield first
+            async for event in events:
+                yield event
+
+        return chained()
+
+    def _sse(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> Response:
         async def guarded() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for event in events:
@@ -132,8 +134,17 @@ class OpenAIServing:
         return EventSourceResponse(guarded(), sep="\n", ping=15)
 
     def _log(
-        self, response_id: str, choices: list[R.Choice], method: str, started: float, ttft: float | None
+        self,
+        response_id: str,
+        user: str | None,
+        choices: list[R.Choice],
+        method: str,
+        started: float,
+        ttft: float | None,
     ) -> None:
+        """One request-log line for the whole API request (its choices summed), plus its `user`."""
+        if user is not None:
+            log.info("request %s for user %r", response_id, user)
         stats = [c.stats for c in choices if c.stats is not None]
         if not stats:
             return
@@ -167,13 +178,12 @@ class OpenAIServing:
         stream = self._submit(requests)
         if not body.stream:
             await self._collect(request, stream, choices)
-            self._log(response_id, choices, method, started, None)
+            self._log(response_id, body.user, choices, method, started, None)
             return R.chat_completion(
                 response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
             )
 
-        events = stream.events()
-        first = await self._first(request, stream, events)
+        events = await self._started(request, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         ttft = time.monotonic() - started
 
@@ -185,9 +195,7 @@ class OpenAIServing:
             for c in choices:
                 delta = {"role": "assistant", "content": ""}
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-            pending: list[tuple[int, RequestOutput]] = [first]
-            while pending:
-                index, out = pending.pop()
+            async for index, out in events:
                 choices[index].add(out)
                 if out.text or out.logprobs:
                     lp = fmt.chat(out.logprobs or []) if fmt else None
@@ -197,14 +205,11 @@ class OpenAIServing:
                     yield chunk(
                         [{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]
                     )
-                nxt = await anext(events, None)
-                if nxt is not None:
-                    pending.append(nxt)
-            self._log(response_id, choices, method, started, ttft)
+            self._log(response_id, body.user, choices, method, started, ttft)
             if include_usage:
                 yield chunk([], R.usage(len(prompt), choices, method))
 
-        return self._sse(request, stream, gen())
+        return self._sse(stream, gen())
 
     # ---- text completions ------------------------------------------------------------------
 
@@ -224,7 +229,7 @@ class OpenAIServing:
         stream = self._submit(requests)
         if not body.stream:
             await self._collect(request, stream, choices)
-            self._log(response_id, choices, method, started, None)
+            self._log(response_id, body.user, choices, method, started, None)
             return R.text_completion(
                 response_id,
                 created,
@@ -241,8 +246,7 @@ class OpenAIServing:
                 R.usage(prompt_tokens, choices, method),
             )
 
-        events = stream.events()
-        first = await self._first(request, stream, events)
+        events = await self._started(request, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         ttft = time.monotonic() - started
 
@@ -252,20 +256,15 @@ class OpenAIServing:
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
             offsets = [0] * len(choices)
-            pending: list[tuple[int, RequestOutput]] = [first]
-            while pending:
-                index, out = pending.pop()
+            async for index, out in events:
                 choices[index].add(out)
                 if out.text or out.logprobs or out.finished:
                     lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
                     offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
                     reason = out.finish_reason if out.finished else None
                     yield chunk([{"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}])
-                nxt = await anext(events, None)
-                if nxt is not None:
-                    pending.append(nxt)
-            self._log(response_id, choices, method, started, ttft)
+            self._log(response_id, body.user, choices, method, started, ttft)
             if include_usage:
                 yield chunk([], R.usage(prompt_tokens, choices, method))
 
-        return self._sse(request, stream, gen())
+        return self._sse(stream, gen())
