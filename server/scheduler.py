@@ -81,6 +81,7 @@ class _Seq:
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    stats: RequestStats | None = None  # from its latest output
 
 
 class RequestStream:
@@ -159,10 +160,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
     def submit(self, requests: Sequence[GenerationRequest]) -> RequestStream:
         """Queue the sequences of one API request (all or none). Raises `QueueFull`, `ShuttingDown`."""
         stream = RequestStream([r.request_id for r in requests])
@@ -187,11 +184,17 @@ class Scheduler:
         """
         ids = set(stream.request_ids)
         with self._lock:
+            dropped = [s for s in self._waiting if s.request.request_id in ids]
             self._waiting = deque(s for s in self._waiting if s.request.request_id not in ids)
             for rid in ids:
-                if self._running.pop(rid, None) is not None:
+                seq = self._running.pop(rid, None)
+                if seq is not None:
                     self._aborts.append(rid)
+                    dropped.append(seq)
         self._wake.set()
+        now = time.monotonic()
+        for seq in dropped:
+            self._observe_finish(seq, seq.stats or RequestStats(seq.request.speculation.method), "abort", now)
 
     def begin_drain(self) -> None:
         """Stop admitting new requests (they get `ShuttingDown`); what was accepted keeps running."""
@@ -303,9 +306,14 @@ class Scheduler:
         if n:
             seq.first_token = seq.first_token or now
             seq.last_token = now
-        if out.finished and metrics is not None:
+        seq.stats = out.stats
+        if out.finished:
+            self._observe_finish(seq, out.stats, out.finish_reason or "abort", now)
+
+    def _observe_finish(self, seq: _Seq, stats: RequestStats, finish_reason: str, now: float) -> None:
+        if self._metrics is not None:
             queue_s = (seq.scheduled or now) - seq.arrival
-            metrics.observe_request(out.stats, out.finish_reason or "abort", queue_s, now - seq.arrival)
+            self._metrics.observe_request(stats, finish_reason, queue_s, now - seq.arrival)
 
     def _publish_load(self) -> None:
         if self._metrics is not None:

@@ -151,3 +151,21 @@ async def test_metrics_are_fed_per_step_and_per_request(make_scheduler):
     assert metrics.calls["observe_request"] == 2
     assert metrics.calls["observe_first_token"] == 2
     assert metrics.calls["set_load"] >= 1
+
+
+async def test_aborted_requests_are_counted_as_abort(make_scheduler):
+    finished: list[str] = []
+
+    class Finishes(RecordingMetrics):
+        def observe_request(self, stats, finish_reason, queue_time_s, e2e_s) -> None:
+            finished.append(finish_reason)
+
+    sched, _ = make_scheduler(max_batch_size=1, metrics=Finishes(), step_s=0.005)
+    running = sched.submit([req("run", 10_000)])
+    waiting = sched.submit([req("wait", 5)])
+    await anext(running.events())
+    sched.abort(waiting)
+    sched.abort(running)
+    assert finished == ["abort", "abort"]
+    await collect(sched.submit([req("ok", 2)]))
+    assert finished == ["abort", "abort", "length"]
