@@ -168,7 +168,8 @@ class Metrics:
         """`n_tokens` more tokens of one request arrived `gap_s` seconds after its previous tokens.
 
         Inter-token latency is per token, not per step: this records `n_tokens` observations of
-        `gap_s / n_tokens`. Don't call it for the first token (that is TTFT).
+        `gap_s / n_tokens`. Don't call it for a request's first output: that is TTFT, and any other
+        tokens arriving together with the first one count toward TTFT only.
         """
         if n_tokens <= 0:
             return

@@ -147,11 +147,17 @@ def test_metrics_after_requests_match_usage(live: LiveServer) -> None:
     assert delta("specula_requests_total") == len(usages)
     assert delta("specula_e2e_request_latency_seconds_count") == len(usages)
     assert delta("specula_time_to_first_token_seconds_count") == len(usages)
-    assert delta("specula_inter_token_latency_seconds_count") == sum(
-        u["completion_tokens"] - 1 for u in usages
-    )
+    # ITL: one observation per token after the first chunk; a first chunk carries at most K + 1 = 6
+    # tokens (a request joins with a verify pass), and those count toward TTFT only.
+    itl = delta("specula_inter_token_latency_seconds_count")
+    after_first = sum(u["completion_tokens"] - 1 for u in usages)
+    assert after_first - 5 * len(usages) <= itl <= after_first
     assert delta("specula_request_errors_total", status="400") == 1
-    assert sum_samples(after, "specula_requests_running") == 0
+    # The worker publishes load after delivering outputs: give it a moment.
+    deadline = time.monotonic() + 10
+    while sum_samples(live.metrics(), "specula_requests_running") != 0:
+        assert time.monotonic() < deadline, "requests_running never went back to 0"
+        time.sleep(0.05)
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="`prometheus` binary not installed (.ci/run installs it)")
