@@ -22,9 +22,13 @@ def request_record(
     finish_reason: str | None,
     ttft_s: float | None,
     e2e_s: float,
+    user: str | None = None,
 ) -> dict[str, object]:
-    """The fields of a finished request's log line (times in seconds, rounded to the millisecond)."""
-    return {
+    """The fields of a finished request's log line (times in seconds, rounded to the millisecond).
+
+    `user` (the OpenAI `user` field) is included only when the client sent one.
+    """
+    record: dict[str, object] = {
         "id": request_id,
         "model": model,
         "method": stats.method,
@@ -39,6 +43,9 @@ def request_record(
         "total_s": round(e2e_s, 3),
         "finish_reason": finish_reason,
     }
+    if user is not None:
+        record["user"] = user
+    return record
 
 
 def format_request_line(
@@ -48,9 +55,12 @@ def format_request_line(
     finish_reason: str | None,
     ttft_s: float | None,
     e2e_s: float,
+    user: str | None = None,
 ) -> str:
-    """`request <json>`: one line, no newlines inside, keys in a fixed order."""
-    return "request " + json.dumps(request_record(request_id, model, stats, finish_reason, ttft_s, e2e_s))
+    """`request <json>`: one line, no newlines inside (JSON escapes them), keys in a fixed order."""
+    return "request " + json.dumps(
+        request_record(request_id, model, stats, finish_reason, ttft_s, e2e_s, user)
+    )
 
 
 def log_request(
@@ -60,8 +70,9 @@ def log_request(
     finish_reason: str | None,
     ttft_s: float | None,
     e2e_s: float,
+    user: str | None = None,
     logger: logging.Logger = LOGGER,
 ) -> None:
     """Log the finished request's line at INFO."""
     if logger.isEnabledFor(logging.INFO):
-        logger.info(format_request_line(request_id, model, stats, finish_reason, ttft_s, e2e_s))
+        logger.info(format_request_line(request_id, model, stats, finish_reason, ttft_s, e2e_s, user))

@@ -169,3 +169,6 @@ def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="specula.request"):
         log_request("cmpl-1", "tiny", st, "stop", 0.1234, 1.5)
     assert [r.getMessage() for r in caplog.records] == [line]
+    assert '"user"' not in line
+    with_user = format_request_line("cmpl-2", "tiny", st, "length", None, 2.0, user='a"b\nc')
+    assert "\n" not in with_user and with_user.endswith('"user": "a\\"b\\nc"}')
