@@ -20,13 +20,15 @@ decode_steps (one step per verify pass a sequence took part in).
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
 
-from server.engine.types import RequestStats, StepResult
+from server.engine.types import FinishReason, RequestStats, SpecMethod, StepResult
 
-METHODS = ("none", "ngram", "draft")
-FINISH_REASONS = ("stop", "length", "abort")
+METHODS: tuple[str, ...] = get_args(SpecMethod)  # every method gets its counter series up front
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 # Tokens emitted per verify pass is an integer in [1, K + 1], K <= 32.
 ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33)
