@@ -10,6 +10,7 @@ import pytest
 
 from server.config import Settings
 from server.engine.models import LoadedModel, load_default_tokenizer
+from tests.engine_helpers import PROMPTS, request, run
 from tests.models import as_loaded, perturbed, tiny_llama
 
 CACHE_DIR = Path(os.environ.get("SPECULA_CACHE_DIR", Path.home() / ".cache" / "specula"))
@@ -42,3 +43,20 @@ def tiny_engine_factory(tiny_target, tiny_draft) -> Callable[..., object]:
         return Engine(tiny_target, tiny_draft if with_draft else None, settings)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_target, tiny_draft, prompt_ids) -> dict[str, list[int]]:
+    """Target-only greedy tokens, one prompt at a time (no batching at all)."""
+    from server.config import Settings
+    from server.engine.engine import Engine
+
+    ref = {}
+    for i, p in enumerate(prompt_ids):
+        ref.update(run(Engine(tiny_target, None, Settings.load()), [request(f"r{i}", p)]))
+    return ref

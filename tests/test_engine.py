@@ -5,49 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
-
-PROMPTS = [
-    "Hello world, this is",
-    "a b c a b c a b c a b c a b",
-    "x",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
-    "def add(a, b):\n    return a + b\n\ndef add(",
-]
-
-
-def request(rid: str, prompt: list[int], method: str = "none", k: int = 4, **sampling) -> GenerationRequest:
-    sampling.setdefault("max_tokens", 16)
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("ignore_eos", True)
-    return GenerationRequest(rid, tuple(prompt), SamplingParams(**sampling), SpeculationParams(method, k))
-
-
-def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
-    for r in requests:
-        engine.add_request(r)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    while engine.has_unfinished():
-        for out in engine.step().outputs:
-            tokens[out.request_id] += out.token_ids
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(tiny_target, tiny_draft, prompt_ids) -> dict[str, list[int]]:
-    """Target-only greedy tokens, one prompt at a time (no batching at all)."""
-    from server.config import Settings
-    from server.engine.engine import Engine
-
-    ref = {}
-    for i, p in enumerate(prompt_ids):
-        ref.update(run(Engine(tiny_target, None, Settings.load()), [request(f"r{i}", p)]))
-    return ref
+from tests.engine_helpers import request, run
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -60,7 +18,8 @@ def test_greedy_speculation_equals_target_greedy(tiny_engine_factory, prompt_ids
 
 def test_mixed_methods_in_one_batch_equal_target_greedy(tiny_engine_factory, prompt_ids, greedy_reference):
     methods = ["none", "ngram", "draft", "draft", "ngram"]
-    out = run(tiny_engine_factory(), [request(f"r{i}", p, m, 1 + i) for i, (p, m) in enumerate(zip(prompt_ids, methods))])
+    requests = [request(f"r{i}", p, m, 1 + i) for i, (p, m) in enumerate(zip(prompt_ids, methods, strict=True))]
+    out = run(tiny_engine_factory(), requests)
     assert out == greedy_reference
 
 
@@ -88,7 +47,7 @@ def test_cache_after_uneven_acceptance_matches_fresh_forward(tiny_engine_factory
     for _ in range(5):
         engine.step()
     seqs = [engine.running[rid] for rid in engine.kv.rows]
-    assert len({s.stats.accepted_tokens for s in seqs}) > 1 or True  # acceptance differs by row in practice
+    assert len({s.stats.accepted_tokens for s in seqs}) > 1  # rows really did accept different amounts
     logits = engine.kv.forward([[s.last_token] for s in seqs])
     for b, seq in enumerate(seqs):
         with torch.no_grad():
@@ -131,9 +90,8 @@ def test_max_tokens_and_stop_strings(tiny_engine_factory, tokenizer, prompt_ids,
     text = tokenizer.decode(greedy_reference["r3"])
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     outs = {}
-    for o_rid, req in [("len", request("len", prompt_ids[3], "draft", 8, max_tokens=5)),
-                       ("stop", request("stop", prompt_ids[3], "ngram", 8, stop=(stop,)))]:
-        engine.add_request(req)
+    engine.add_request(request("len", prompt_ids[3], "draft", 8, max_tokens=5))
+    engine.add_request(request("stop", prompt_ids[3], "ngram", 8, stop=(stop,)))
     texts = {"len": "", "stop": ""}
     while engine.has_unfinished():
         for o in engine.step().outputs:

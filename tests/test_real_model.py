@@ -8,7 +8,7 @@ import pytest
 
 from server.config import Settings
 from server.engine.engine import Engine, build_engine
-from tests.test_engine import request, run
+from tests.engine_helpers import request, run
 
 pytestmark = pytest.mark.real_model
 

@@ -27,6 +27,7 @@ from server.engine.types import (
     StepResult,
     TokenLogprob,
 )
+from server.spec.adaptive import AdaptivePolicy
 from server.spec.draft import DraftModelProposer
 from server.spec.ngram import NgramProposer
 from server.spec.proposer import Proposer
@@ -54,6 +55,9 @@ class Engine:
         self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(settings.ngram_max, settings.ngram_min)}
         if draft is not None:
             self.proposers["draft"] = DraftModelProposer(draft)
+        # auto: n-gram lookup costs next to nothing per draft token; the draft model's cost is timed.
+        self.policy = AdaptivePolicy(list(self.proposers), draft_token_cost={"ngram": 0.002})
+        self._fed_last_step = 0
         self.eos_ids = _eos_ids(target)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
@@ -121,7 +125,7 @@ class Engine:
                 f"for {total} ({len(prompt)} in the prompt + {request.sampling.max_tokens} max_tokens)"
             )
         method = request.speculation.method
-        if method != "none" and method not in self.proposers:
+        if method not in ("none", "auto") and method not in self.proposers:
             raise ValueError(f"speculation method {method!r} is not available: the server has no draft model")
         rid = request.request_id
         if rid in self.running or any(s.request_id == rid for s in self.waiting):
@@ -141,7 +145,7 @@ class Engine:
         for seq in joining:
             self.running[seq.request_id] = seq
         for method, proposer in self.proposers.items():
-            users = [s for s in joining if s.method == method]
+            users = [s for s in joining if s.uses(method)]
             if users:
                 proposer.join(users)
         return sum(len(p) for p in prompts)
@@ -151,10 +155,11 @@ class Engine:
         if not request_ids:
             return
         self.kv.remove_rows(request_ids)
-        for proposer in self.proposers.values():
-            proposer.leave({rid for rid in request_ids if self.running[rid].method == proposer.method})
+        for method, proposer in self.proposers.items():
+            proposer.leave({rid for rid in request_ids if self.running[rid].uses(method)})
         for rid in request_ids:
             del self.running[rid]
+            self.policy.forget(rid)
 
     def _abort_pending(self) -> list[RequestOutput]:
         if not self._aborted:
@@ -175,22 +180,27 @@ class Engine:
     # ---- one speculative step ------------------------------------------------------------------
     def _speculative_step(self, outputs: list[RequestOutput]) -> list[SeqStepStats]:
         seqs = [self.running[rid] for rid in self.kv.rows]
-        ks = [seq.num_drafts() for seq in seqs]
-        drafts, q = self._propose(seqs, ks)
+        methods, drafts, q = self._propose(seqs)
 
         # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions.
-        logits = self.kv.forward([[seq.last_token, *d] for seq, d in zip(seqs, drafts, strict=True)])
+        fed = [[seq.last_token, *d] for seq, d in zip(seqs, drafts, strict=True)]
+        started = time.perf_counter()
+        logits = self.kv.forward(fed)
         sampling = BatchSampling.from_params([s.request.sampling for s in seqs], self.device)
         counts = self._token_counts(seqs, drafts, logits.shape[1]) if sampling.any_penalty else None
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
         verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs])
+        self._fed_last_step = sum(len(f) for f in fed)
+        self.policy.cost.observe_verify(self._fed_last_step, self._elapsed(started))
 
         stats = []
         for b, seq in enumerate(seqs):
             k, accepted, emitted = len(drafts[b]), verdict.accepted[b], verdict.tokens[b]
             self.kv.rollback(b, k - accepted)  # the one place target rollback happens
-            if seq.method in self.proposers:
-                self.proposers[seq.method].commit(seq, drafts[b], emitted)
+            for method, proposer in self.proposers.items():
+                if seq.uses(method):
+                    proposer.commit(seq, drafts[b] if methods[b] == method else [], emitted)
+            self.policy.observe(seq.request_id, methods[b], k, accepted)
             self._record(seq, k, accepted)
             stats.append(SeqStepStats(seq.request_id, seq.method, k, accepted, len(emitted), k > 0 and accepted == k))
             logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
@@ -199,21 +209,48 @@ class Engine:
         self.kv.maybe_compact()
         return stats
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Ask each proposer for its sequences' drafts; assemble q for the batch ([batch, K, vocab])."""
-        drafts: list[list[int]] = [[] for _ in seqs]
-        model_q: dict[int, torch.Tensor] = {}  # row -> [k, vocab] for model proposers
-        for method, proposer in self.proposers.items():
-            rows = [b for b, s in enumerate(seqs) if s.method == method]
-            if not rows:
+    def _plan(self, seqs: list[Sequence], lookups: dict[int, list[int]]) -> list[tuple[str, int]]:
+        """(proposer, K) per row this step: the request's own, or the adaptive policy's for `auto`."""
+        plan = []
+        for b, seq in enumerate(seqs):
+            k_max = seq.num_drafts()
+            if seq.method != "auto":
+                plan.append((seq.method, k_max))
                 continue
-            proposal = proposer.propose([seqs[b] for b in rows], [ks[b] for b in rows])
-            for i, b in enumerate(rows):
-                drafts[b] = proposal.drafts[i]
-                if proposal.probs is not None:
-                    model_q[b] = proposal.probs[i, : len(drafts[b])]
+            batch_tokens = self._fed_last_step or len(seqs)
+            choice = self.policy.choose(seq.request_id, k_max, batch_tokens, len(seqs), bool(lookups.get(b)))
+            plan.append((choice.method, choice.k))
+        return plan
+
+    def _propose(self, seqs: list[Sequence]) -> tuple[list[str], list[list[int]], torch.Tensor | None]:
+        """Plan, then ask each proposer for its rows' drafts. Returns each row's proposer this step,
+        the drafts, and q for the batch ([batch, K, vocab]; None when every row's q is one-hot)."""
+        # The n-gram lookup runs first: it is nearly free, and `auto` needs to know whether it matches.
+        # Its proposal is prefix-consistent, so looking up k_max tokens and keeping k equals asking for k.
+        lookups: dict[int, list[int]] = {}
+        if "ngram" in self.proposers:
+            rows = [b for b, s in enumerate(seqs) if s.uses("ngram")]
+            if rows:
+                found = self.proposers["ngram"].propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
+                lookups = dict(zip(rows, found.drafts, strict=True))
+        plan = self._plan(seqs, lookups)
+        methods = [m for m, _ in plan]
+        drafts: list[list[int]] = [lookups[b][:k] if m == "ngram" else [] for b, (m, k) in enumerate(plan)]
+
+        model_q: dict[int, torch.Tensor] = {}  # row -> [k, vocab] for the draft model's rows
+        if "draft" in self.proposers:
+            rows = [b for b, s in enumerate(seqs) if s.uses("draft")]
+            if rows:
+                ks = [plan[b][1] if plan[b][0] == "draft" else 0 for b in rows]
+                started = time.perf_counter()
+                proposal = self.proposers["draft"].propose([seqs[b] for b in rows], ks)
+                self.policy.cost.observe_draft(max(ks), self._elapsed(started))
+                for i, b in enumerate(rows):
+                    if ks[i]:
+                        drafts[b] = proposal.drafts[i]
+                        model_q[b] = proposal.probs[i, : len(drafts[b])]
         if not model_q:
-            return drafts, None
+            return methods, drafts, None
         k_max = max(len(d) for d in drafts)
         q = torch.zeros(len(seqs), k_max, self.vocab_size, device=self.device)
         for b, d in enumerate(drafts):
@@ -221,7 +258,12 @@ class Engine:
                 q[b, : len(d)] = model_q[b].to(self.device)
             elif d:  # a deterministic proposer in a mixed batch: q is one-hot at its tokens
                 q[b, torch.arange(len(d)), torch.tensor(d)] = 1.0
-        return drafts, q
+        return methods, drafts, q
+
+    def _elapsed(self, started: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # timings feed `auto`: count the kernels, not the launch
+        return time.perf_counter() - started
 
     def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
         """[batch, W, vocab]: generated tokens before each verify position (drafts before it included)."""
@@ -303,7 +345,9 @@ def _eos_ids(model: LoadedModel) -> set[int]:
 def build_engine(settings: Settings) -> Engine:
     """Load the configured target (and draft) and build the engine. Slow: loads weights."""
     started = time.perf_counter()
-    target = load_model(settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir)
+    target = load_model(
+        settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir
+    )
     draft = None
     if settings.draft is not None:
         draft = load_draft_like(target, settings.draft, dtype=settings.draft_dtype, cache_dir=settings.cache_dir)

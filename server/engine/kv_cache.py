@@ -240,11 +240,9 @@ class BatchKV:
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :longest]  # [batch, longest]
         for layer in self.cache.layers:
             if layer.is_initialized:
-                idx = order[:, None, :, None]
-                layer.keys[:, :, :longest] = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-                layer.values[:, :, :longest] = layer.values.gather(
-                    2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-                )
+                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys[:, :, :longest] = layer.keys.gather(2, idx)
+                layer.values[:, :, :longest] = layer.values.gather(2, idx)
         new_keep = keep.gather(1, order)
         # A live column's new index is its rank among the row's live columns.
         rank = torch.cumsum(keep.to(torch.long), dim=1) - 1  # [batch, length]

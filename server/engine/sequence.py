@@ -45,6 +45,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def uses(self, method: str) -> bool:
+        """Whether this sequence joins the proposer `method` (auto sequences join every proposer)."""
+        return self.method in (method, "auto")
+
     def num_drafts(self) -> int:
-        """K for this step: the request's K, but never drafting past max_tokens."""
+        """The most drafts this step may carry: the request's K, but never drafting past max_tokens."""
         return max(0, min(self.request.speculation.k, self.remaining - 1))

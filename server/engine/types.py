@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-SpecMethod = Literal["none", "ngram", "draft"]
+SpecMethod = Literal["none", "ngram", "draft", "auto"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -50,20 +50,24 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculationParams:
-    """Which proposer drafts for a sequence and how many tokens (K) per step."""
+    """Which proposer drafts for a sequence and how many tokens (K) per step.
+
+    `auto` lets the engine pick the proposer and K (up to `num_tokens`) every step from measured
+    acceptance and costs, down to plain decoding when speculation does not pay.
+    """
 
     method: SpecMethod = "ngram"
     num_tokens: int = 4
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "ngram", "draft"):
+        if self.method not in ("none", "ngram", "draft", "auto"):
             raise ValueError(f"unknown speculation method {self.method!r}")
         if not 1 <= self.num_tokens <= 32:
             raise ValueError("speculation.num_tokens must be in [1, 32]")
 
     @property
     def k(self) -> int:
-        """Draft tokens per step (0 for plain decoding)."""
+        """Most draft tokens per step (0 for plain decoding)."""
         return 0 if self.method == "none" else self.num_tokens
 
 

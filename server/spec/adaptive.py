@@ -1,0 +1,207 @@
+"""Method `auto`: choose each sequence's proposer and K every step to maximise expected tokens/s.
+
+With per-token acceptance a and a draft-token cost c (relative to one verify step), K drafts give
+
+    speedup(a, K, c) = (1 - a^(K+1)) / ((1 - a) (c K + 1))
+
+tokens per unit of plain-decoding time (Leviathan et al. 2023). Both a and c are measured online:
+a per sequence and proposer (recent history, with the engine-wide average as a prior), c from the
+engine's own timings: the marginal cost of verifying one more token in the current batch (it grows
+as the batch grows and verification stops being nearly free) plus the proposer's own cost per
+draft token. When no (proposer, K) beats plain decoding, the sequence decodes plainly that step.
+Only *which* tokens are proposed changes; acceptance stays the lossless rule, so `auto` never
+changes the output distribution, and greedy output is identical.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence starts from
+DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
+MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
+PROBE_EVERY = 16  # steps between probes of a proposer that is not being used (K=1), to keep a fresh
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens emitted by one verify pass of k drafts at per-token acceptance a."""
+    if k == 0:
+        return 1.0
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def speedup(a: float, k: int, c: float) -> float:
+    """Expected speedup over plain decoding: expected tokens per step over the step's relative cost."""
+    return expected_tokens(a, k) / (c * k + 1.0)
+
+
+def best_k(a: float, c: float, k_max: int) -> tuple[int, float]:
+    """The K in [0, k_max] with the highest predicted speedup, and that speedup."""
+    best = (0, 1.0)
+    for k in range(1, k_max + 1):
+        s = speedup(a, k, c)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+class CostModel:
+    """Step timings, fitted online: verify time T(n) = fixed + per_token * n for n fed tokens, and
+    the draft model's time per forward. Relative costs are what the policy needs."""
+
+    def __init__(self, window: int = 128, prior_token_ratio: float = 0.05) -> None:
+        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self._draft_forward: deque[float] = deque(maxlen=window)
+        self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self._verify.append((tokens, seconds))
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        if forwards:
+            self._draft_forward.append(seconds / forwards)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """Least-squares (fixed, per_token), or None without enough spread in n."""
+        if len(self._verify) < 4:
+            return None
+        n = [float(t) for t, _ in self._verify]
+        y = [s for _, s in self._verify]
+        mean_n, mean_y = sum(n) / len(n), sum(y) / len(y)
+        var = sum((x - mean_n) ** 2 for x in n)
+        if var < 1e-9:
+            return None
+        slope = sum((x - mean_n) * (v - mean_y) for x, v in zip(n, y, strict=True)) / var
+        slope = max(slope, 0.0)
+        return max(mean_y - slope * mean_n, 1e-6), slope
+
+    def verify_time(self, tokens: int) -> float | None:
+        fit = self._fit()
+        if fit is None:
+            if not self._verify:
+                return None
+            mean = sum(s for _, s in self._verify) / len(self._verify)
+            return mean
+        fixed, per_token = fit
+        return fixed + per_token * tokens
+
+    def token_cost(self, batch_tokens: int, rows: int) -> float:
+        """Relative cost, for one of `rows` sequences, of verifying one more token when the step
+        already feeds `batch_tokens`: the extra time against that sequence's share of the step. It
+        grows with the batch: alone, verifying is nearly free; in a full batch, each token costs
+        about its share."""
+        fit = self._fit()
+        if fit is None:
+            return self.prior_token_ratio * rows
+        fixed, per_token = fit
+        return rows * per_token / (fixed + per_token * max(batch_tokens, 1))
+
+    def draft_cost(self, batch_tokens: int) -> float | None:
+        """Relative cost of one draft-model token (one draft forward) against the current verify step."""
+        if not self._draft_forward:
+            return None
+        step = self.verify_time(batch_tokens)
+        if not step:
+            return None
+        return (sum(self._draft_forward) / len(self._draft_forward)) / step
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of drafted and accepted tokens."""
+
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
+        self.drafted = self.drafted * decay + drafted
+        self.accepted = self.accepted * decay + accepted
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.drafted + weight)
+
+
+@dataclass
+class _SeqState:
+    by_method: dict[str, _Acceptance] = field(default_factory=dict)
+    last_used: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: str  # "none" or a proposer's method
+    k: int
+    predicted_speedup: float
+
+
+class AdaptivePolicy:
+    """Per-sequence choice of proposer and K. Pure bookkeeping: the engine feeds it outcomes and
+    timings and asks it before each step."""
+
+    def __init__(self, methods: list[str], draft_token_cost: dict[str, float], cost: CostModel | None = None):
+        """`draft_token_cost`: relative cost per draft token for proposers the cost model doesn't time
+        (n-gram lookup: ~0). The draft model's is measured by `cost`."""
+        self.methods = methods
+        self.fixed_cost = draft_token_cost
+        self.cost = cost or CostModel()
+        self.global_rate = {m: _Acceptance() for m in methods}
+        self.prior = {"ngram": 0.3, "draft": 0.6}  # before any evidence; replaced by engine-wide history
+        self.seqs: dict[str, _SeqState] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.seqs.pop(request_id, None)
+
+    def acceptance(self, request_id: str, method: str) -> float:
+        g = self.global_rate[method]
+        prior = g.rate(self.prior.get(method, 0.5), 4.0)
+        state = self.seqs.get(request_id)
+        seq = state.by_method.get(method) if state else None
+        return seq.rate(prior, PRIOR_WEIGHT) if seq else prior
+
+    def method_cost(self, method: str, batch_tokens: int, rows: int = 1) -> float:
+        """c for `method`: verifying one more token plus producing one draft token."""
+        own = self.fixed_cost.get(method)
+        if own is None:
+            own = self.cost.draft_cost(batch_tokens)
+            if own is None:
+                own = 0.75  # a draft that costs most of a target step, until timings say otherwise
+        return self.cost.token_cost(batch_tokens, rows) + own
+
+    def choose(self, request_id: str, k_max: int, batch_tokens: int, rows: int = 1, has_match: bool = True) -> Choice:
+        """Pick (method, K) for one of `rows` sequences in a step feeding about `batch_tokens` tokens.
+        `has_match`: the n-gram lookup found something to propose."""
+        state = self.seqs.setdefault(request_id, _SeqState())
+        state.steps += 1
+        best = Choice("none", 0, 1.0)
+        for method in self.methods:
+            if method == "ngram" and not has_match:
+                continue
+            a = self.acceptance(request_id, method)
+            k, gain = best_k(a, self.method_cost(method, batch_tokens, rows), k_max)
+            if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
+                best = Choice(method, k, gain)
+        if best.method == "none" and k_max:
+            best = self._probe(state, request_id, has_match) or best
+        state.last_used[best.method] = state.steps
+        return best
+
+    def _probe(self, state: _SeqState, request_id: str, has_match: bool) -> Choice | None:
+        """Now and then draft one token with an unused proposer, so a sequence whose text turns
+        copy-heavy later is noticed (costs one extra verify token every PROBE_EVERY steps)."""
+        for method in self.methods:
+            if method == "ngram" and not has_match:
+                continue
+            if state.steps - state.last_used.get(method, 0) >= PROBE_EVERY:
+                return Choice(method, 1, self.acceptance(request_id, method))
+        return None
+
+    def observe(self, request_id: str, method: str, drafted: int, accepted: int) -> None:
+        if method == "none" or not drafted:
+            return
+        state = self.seqs.setdefault(request_id, _SeqState())
+        state.by_method.setdefault(method, _Acceptance()).update(drafted, accepted, DECAY)
+        self.global_rate[method].update(drafted, accepted, 0.99)

@@ -1,0 +1,112 @@
+"""`auto`: decisions on synthetic acceptance histories, and greedy output unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.spec.adaptive import AdaptivePolicy, CostModel, best_k, speedup
+from tests.engine_helpers import request, run
+
+
+def policy_with_costs(draft_forward_ratio: float = 0.75, token_ratio: float = 0.05) -> AdaptivePolicy:
+    cost = CostModel()
+    for n in (1, 2, 4, 8, 1, 2, 4, 8):  # T(n) = 1 + token_ratio * (n - 1)
+        cost.observe_verify(n, 1.0 + token_ratio * (n - 1))
+    cost.observe_draft(4, 4 * draft_forward_ratio)
+    return AdaptivePolicy(["ngram", "draft"], draft_token_cost={"ngram": 0.002}, cost=cost)
+
+
+def feed(policy: AdaptivePolicy, rid: str, method: str, rate: float, steps: int = 20, k: int = 4) -> None:
+    for _ in range(steps):
+        policy.observe(rid, method, k, round(rate * k))
+
+
+def test_speedup_formula():
+    assert speedup(0.0, 4, 0.5) == pytest.approx(1 / 3)
+    assert speedup(1.0, 4, 0.0) == 5.0
+    assert speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))
+    assert best_k(0.1, 0.5, 8) == (0, 1.0)  # nothing beats plain decoding
+    assert best_k(0.95, 0.01, 8)[0] == 8
+
+
+def test_low_acceptance_turns_speculation_off():
+    policy = policy_with_costs()
+    feed(policy, "r", "ngram", 0.0)
+    feed(policy, "r", "draft", 0.1)
+    choice = policy.choose("r", k_max=8, batch_tokens=1, rows=1, has_match=True)
+    assert choice.method == "none" and choice.k == 0
+
+
+def test_high_acceptance_raises_k():
+    policy = policy_with_costs()
+    feed(policy, "lo", "ngram", 0.5)
+    feed(policy, "hi", "ngram", 1.0)
+    lo = policy.choose("lo", k_max=8, batch_tokens=1)
+    hi = policy.choose("hi", k_max=8, batch_tokens=1)
+    assert lo.method == hi.method == "ngram"
+    assert hi.k > lo.k and hi.k == 8
+
+
+def test_cheap_proposer_wins_at_equal_acceptance_and_no_match_falls_back():
+    policy = policy_with_costs(draft_forward_ratio=0.75)
+    feed(policy, "r", "ngram", 0.9)
+    feed(policy, "r", "draft", 0.9)
+    assert policy.choose("r", 8, 1, 1, has_match=True).method == "ngram"
+    assert policy.choose("r", 8, 1, 1, has_match=False).method == "draft"
+    expensive = policy_with_costs(draft_forward_ratio=1.2)
+    feed(expensive, "r", "draft", 0.9)
+    assert expensive.choose("r", 8, 1, 1, has_match=False).method == "none"
+
+
+def test_k_shrinks_as_verification_stops_being_free():
+    policy = policy_with_costs(token_ratio=0.1)
+    feed(policy, "r", "ngram", 0.7)
+    alone = policy.choose("r", k_max=8, batch_tokens=5, rows=1).k
+    crowded = policy.choose("r", k_max=8, batch_tokens=40, rows=8).k  # each verified token costs its share
+    assert 0 < crowded < alone
+
+
+def test_unused_proposer_is_probed_now_and_then():
+    policy = policy_with_costs()
+    feed(policy, "r", "ngram", 0.0)
+    feed(policy, "r", "draft", 0.0)
+    choices = [policy.choose("r", 8, 1, 1, has_match=True) for _ in range(40)]
+    probes = [c for c in choices if c.method != "none"]
+    assert 1 <= len(probes) <= 6 and all(c.k == 1 for c in probes)
+
+
+def test_auto_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
+    engine = tiny_engine_factory()
+    out = run(engine, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
+    assert out == greedy_reference
+
+
+def test_auto_with_a_perfect_cheap_draft_speculates(tiny_target, prompt_ids):
+    """A draft that always agrees and (as if it were small) costs 5% of a step: auto must use it."""
+    from server.config import Settings
+    from server.engine.engine import Engine
+
+    engine = Engine(tiny_target, tiny_target, Settings.load())
+    engine.policy.fixed_cost["draft"] = 0.05  # the same weights cost a full step; pretend it is small
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(request(f"r{i}", p, "auto", 4, max_tokens=30))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
+    assert all(s.draft_tokens > 0 and s.acceptance_rate > 0.9 for s in done.values())
+    assert all(s.decode_steps < 15 for s in done.values())  # 30 tokens in well under 30 passes
+
+
+def test_auto_does_not_use_a_draft_that_costs_a_full_step(tiny_target, prompt_ids):
+    """The same weights as draft agree on everything but cost as much as the target: never pays."""
+    from server.config import Settings
+    from server.engine.engine import Engine
+
+    engine = Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16))  # no n-gram matches
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(request(f"r{i}", p, "auto", 4, max_tokens=40))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
+    for stats in done.values():  # after the first measured steps, only rare K=1 probes
+        assert stats.draft_tokens <= 8
