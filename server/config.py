@@ -7,14 +7,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
 
 # The YAML path is per-call state for `settings_customise_sources` (a classmethod pydantic calls).
 _yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", default=None)
 
-Method = Literal["none", "ngram", "draft"]
+Method = Literal["none", "ngram", "draft", "auto"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
@@ -36,8 +41,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "specula")
 
     # Speculation defaults for requests that don't say.
-    speculation: Method = "ngram"
-    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    speculation: Method = "auto"
+    num_speculative_tokens: int = Field(default=8, ge=1, le=32)
     ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
     ngram_min: int = Field(default=1, ge=1, le=16)
 

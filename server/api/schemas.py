@@ -46,11 +46,14 @@ class _Body(BaseModel):
 class SpeculationOptions(_Body):
     """Extension: how this request is speculated. Unset fields take the server's defaults."""
 
-    method: Literal["none", "ngram", "draft"] | None = Field(
+    method: Literal["none", "ngram", "draft", "auto"] | None = Field(
         default=None,
-        description="proposer: none (plain decoding), ngram (prompt lookup) or draft (draft model)",
+        description="proposer: none (plain decoding), ngram (prompt lookup), draft (draft model), or auto "
+        "(the engine picks the proposer and K each step from measured acceptance and cost)",
     )
-    num_tokens: int | None = Field(default=None, ge=1, le=32, description="draft tokens per step (K)")
+    num_tokens: int | None = Field(
+        default=None, ge=1, le=32, description="draft tokens per step (K); the most auto may use"
+    )
 
 
 class StreamOptions(_Body):
