@@ -9,6 +9,7 @@ from server.api.app import create_app
 from server.config import Settings
 from tests.api_helpers import MODEL, chat_body, running_app, sse_data, sse_json
 
+DEFAULTS = Settings.load()
 SPEC_KEYS = {"method", "draft_tokens", "accepted_tokens", "acceptance_rate", "decode_steps"}
 
 
@@ -78,7 +79,7 @@ async def test_chat_completion_shape(tiny_engine_factory):
         usage = body["usage"]
         assert usage["completion_tokens"] <= 6 and usage["prompt_tokens"] > 0
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-        assert set(usage["speculation"]) == SPEC_KEYS and usage["speculation"]["method"] == "ngram"
+        assert set(usage["speculation"]) == SPEC_KEYS and usage["speculation"]["method"] == DEFAULTS.speculation
 
 
 async def test_content_parts_and_system_messages_use_the_chat_template(tiny_engine_factory, tokenizer):
@@ -89,16 +90,10 @@ async def test_content_parts_and_system_messages_use_the_chat_template(tiny_engi
             {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Again"},
         ]
-        r = await client.post(
-            "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
-        )
-        plain = [
-            {**m, "content": m["content"] if isinstance(m["content"], str) else "Hi there"} for m in messages
-        ]
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Hi there"} for m in messages]
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-        assert r.json()["usage"]["prompt_tokens"] == len(
-            tokenizer(text, add_special_tokens=False)["input_ids"]
-        )
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 async def test_stream_and_non_stream_give_the_same_greedy_text(tiny_engine_factory):
@@ -143,22 +138,20 @@ async def test_stream_usage_chunk_comes_last_before_done(tiny_engine_factory):
 
         comp = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
         chunks = sse_json(
-            (
-                await client.post("/v1/completions", json={**comp, "stream_options": {"include_usage": True}})
-            ).text
+            (await client.post("/v1/completions", json={**comp, "stream_options": {"include_usage": True}})).text
         )
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 3
 
 
 async def test_n_choices_with_seed_are_reproducible_and_usage_sums(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
-        req = chat_body("Pick a word", max_tokens=6, n=3, seed=7, temperature=1.0)
+        # a fixed method: `auto` picks K from measured step times, so its random draws vary run to run
+        spec = {"method": "ngram", "num_tokens": 4}
+        req = chat_body("Pick a word", max_tokens=6, n=3, seed=7, temperature=1.0, speculation=spec)
         a = (await client.post("/v1/chat/completions", json=req)).json()
         b = (await client.post("/v1/chat/completions", json=req)).json()
         assert [c["index"] for c in a["choices"]] == [0, 1, 2]
-        assert [c["message"]["content"] for c in a["choices"]] == [
-            c["message"]["content"] for c in b["choices"]
-        ]
+        assert [c["message"]["content"] for c in a["choices"]] == [c["message"]["content"] for c in b["choices"]]
         spec = a["usage"]["speculation"]
         assert spec["decode_steps"] >= a["usage"]["completion_tokens"] / (1 + 4) > 0
         assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
@@ -168,16 +161,12 @@ async def test_completion_prompt_forms(tiny_engine_factory, tokenizer):
     async with running_app(tiny_engine_factory) as (_, client):
         ids = tokenizer("The quick brown fox")["input_ids"]
         base = {"model": MODEL, "max_tokens": 4, "temperature": 0}
-        by_text = (
-            await client.post("/v1/completions", json={**base, "prompt": "The quick brown fox"})
-        ).json()
+        by_text = (await client.post("/v1/completions", json={**base, "prompt": "The quick brown fox"})).json()
         by_ids = (await client.post("/v1/completions", json={**base, "prompt": ids})).json()
         assert by_text["choices"][0]["text"] == by_ids["choices"][0]["text"]
         assert by_text["usage"]["prompt_tokens"] == len(ids)
         many = (
-            await client.post(
-                "/v1/completions", json={**base, "prompt": ["a", "The quick brown fox"], "n": 2}
-            )
+            await client.post("/v1/completions", json={**base, "prompt": ["a", "The quick brown fox"], "n": 2})
         ).json()
         assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]  # prompt-major
         assert many["choices"][2]["text"] == by_text["choices"][0]["text"]
@@ -194,18 +183,14 @@ async def test_stop_string_is_honoured(tiny_engine_factory):
         assert stop.strip()
         cut = (await client.post("/v1/completions", json={**base, "stop": [stop]})).json()["choices"][0]
         assert cut["finish_reason"] == "stop" and cut["text"] == full[: full.index(stop)]
-        chunks = sse_json(
-            (await client.post("/v1/completions", json={**base, "stop": stop, "stream": True})).text
-        )
+        chunks = sse_json((await client.post("/v1/completions", json={**base, "stop": stop, "stream": True})).text)
         assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
 
 
 async def test_logprobs_shapes(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
         chat = (
-            await client.post(
-                "/v1/chat/completions", json=chat_body(max_tokens=4, logprobs=True, top_logprobs=3)
-            )
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=4, logprobs=True, top_logprobs=3))
         ).json()
         content = chat["choices"][0]["logprobs"]["content"]
         assert len(content) == chat["usage"]["completion_tokens"]
@@ -215,29 +200,23 @@ async def test_logprobs_shapes(tiny_engine_factory):
             assert len(entry["top_logprobs"]) == 3
             assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][-1]["logprob"]
         comp = (
-            await client.post(
-                "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "logprobs": 2}
-            )
+            await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "logprobs": 2})
         ).json()
         lp = comp["choices"][0]["logprobs"]
         assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert "".join(lp["tokens"]) == comp["choices"][0]["text"]
         assert lp["text_offset"][0] == 0 and all(len(t) <= 2 for t in lp["top_logprobs"])
         greedy = chat_body(max_tokens=4, logprobs=True, temperature=0)
-        whole = (await client.post("/v1/chat/completions", json=greedy)).json()["choices"][0]["logprobs"][
-            "content"
-        ]
+        whole = (await client.post("/v1/chat/completions", json=greedy)).json()["choices"][0]["logprobs"]["content"]
         chunks = sse_json((await client.post("/v1/chat/completions", json={**greedy, "stream": True})).text)
-        streamed = [
-            e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]
-        ]
+        streamed = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
         assert [e["token"] for e in streamed] == [e["token"] for e in whole]
 
 
 async def test_speculation_extension_field(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
         outs = {}
-        for method in ("none", "ngram", "draft"):
+        for method in ("none", "ngram", "draft", "auto"):
             req = chat_body(
                 "Repeat: a b c a b c a b c",
                 max_tokens=10,
@@ -252,7 +231,7 @@ async def test_speculation_extension_field(tiny_engine_factory):
                 assert spec["draft_tokens"] == 0
             if method == "draft":
                 assert spec["draft_tokens"] > 0
-        assert outs["none"] == outs["ngram"] == outs["draft"]  # greedy speculation is lossless
+        assert outs["none"] == outs["ngram"] == outs["draft"] == outs["auto"]  # greedy speculation is lossless
 
 
 async def test_api_key_and_cors(tiny_engine_factory):
@@ -279,9 +258,7 @@ async def test_api_key_and_cors(tiny_engine_factory):
 async def test_queue_full_is_429(tiny_engine_factory):
     async with running_app(tiny_engine_factory, max_batch_size=1, max_waiting=0) as (app, client):
         first = asyncio.create_task(
-            client.post(
-                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 60, "temperature": 0}
-            )
+            client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 60, "temperature": 0})
         )
         sched = app.state.specula.scheduler
         while sched.num_running == 0:

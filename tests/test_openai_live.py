@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from server.config import Settings
 from tests.api_helpers import MODEL
 from tests.live_server import live_server
 
@@ -33,7 +34,7 @@ def test_chat_stream_and_not(client):
     text = resp.choices[0].message.content
     assert resp.choices[0].finish_reason in ("stop", "length") and resp.usage.completion_tokens <= 8
     spec = resp.usage.model_extra["speculation"]
-    assert spec["method"] == "ngram" and spec["decode_steps"] > 0
+    assert spec["method"] == Settings.load().speculation and spec["decode_steps"] > 0
 
     chunks = list(
         client.chat.completions.create(
@@ -52,9 +53,7 @@ def test_chat_stream_and_not(client):
 
 def test_completions_stream_and_not(client):
     resp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
-    stream = client.completions.create(
-        model=MODEL, prompt="The sky is", max_tokens=8, temperature=0, stream=True
-    )
+    stream = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream) == resp.choices[0].text
     assert resp.object == "text_completion" and resp.usage.prompt_tokens > 0
 
@@ -62,23 +61,15 @@ def test_completions_stream_and_not(client):
 def test_n_choices(client):
     resp = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, n=3, seed=1)
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
-    stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=4, n=2, seed=1, stream=True
-    )
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, n=2, seed=1, stream=True)
     finished = [c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1]
 
 
 def test_stop_strings(client):
-    full = (
-        client.completions.create(model=MODEL, prompt="Numbers:", max_tokens=12, temperature=0)
-        .choices[0]
-        .text
-    )
+    full = client.completions.create(model=MODEL, prompt="Numbers:", max_tokens=12, temperature=0).choices[0].text
     stop = full[4:7]
-    cut = client.completions.create(
-        model=MODEL, prompt="Numbers:", max_tokens=12, temperature=0, stop=[stop, "zzz"]
-    )
+    cut = client.completions.create(model=MODEL, prompt="Numbers:", max_tokens=12, temperature=0, stop=[stop, "zzz"])
     assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
