@@ -66,6 +66,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if task.done():
