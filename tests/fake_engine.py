@@ -26,9 +26,7 @@ def fake_token(req: GenerationRequest, t: int) -> int:
 
 
 class FakeEngine:
-    def __init__(
-        self, tokenizer, *, step_s: float = 0.0, max_context: int = 1_000_000, fail_on: int | None = None
-    ):
+    def __init__(self, tokenizer, *, step_s: float = 0.0, max_context: int = 1_000_000, fail_on: int | None = None):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.max_context = max_context
@@ -61,9 +59,7 @@ class FakeEngine:
     def step(self) -> StepResult:
         time.sleep(self.step_s)
         self.batches.append(list(self.running))
-        if self.fail_on is not None and any(
-            r.req.prompt_token_ids[-1] == self.fail_on for r in self.running.values()
-        ):
+        if self.fail_on is not None and any(r.req.prompt_token_ids[-1] == self.fail_on for r in self.running.values()):
             raise RuntimeError("boom")
         outputs, seq_stats = [], []
         for rid, run in list(self.running.items()):

@@ -20,9 +20,7 @@ from server.engine.models import LoadedModel
 
 
 @contextmanager
-def live_server(
-    target: LoadedModel, draft: LoadedModel | None, **overrides: Any
-) -> Iterator[tuple[str, FastAPI]]:
+def live_server(target: LoadedModel, draft: LoadedModel | None, **overrides: Any) -> Iterator[tuple[str, FastAPI]]:
     """Yields (base URL, app) once /health is 200; stops the server (lifespan drain included) after."""
     settings = Settings.load(**overrides)
     app = create_app(settings, lambda s: Engine(target, draft, s))

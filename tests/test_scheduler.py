@@ -27,9 +27,7 @@ async def collect(stream) -> dict[int, list[int]]:
 async def make_scheduler(tokenizer):
     made: list[Scheduler] = []
 
-    def make(
-        max_batch_size: int = 4, max_waiting: int = 8, metrics=None, **engine_kw
-    ) -> tuple[Scheduler, FakeEngine]:
+    def make(max_batch_size: int = 4, max_waiting: int = 8, metrics=None, **engine_kw) -> tuple[Scheduler, FakeEngine]:
         engine = FakeEngine(tokenizer, **engine_kw)
         s = Scheduler(engine, max_batch_size=max_batch_size, max_waiting=max_waiting, metrics=metrics)
         s.start()

@@ -47,9 +47,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPE_BY_STATUS.get(
-            status, "invalid_request_error" if status < 500 else "server_error"
-        )
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

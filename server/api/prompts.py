@@ -44,9 +44,7 @@ def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
     tok = info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages
-    ]
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
@@ -97,15 +95,11 @@ def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationPar
     method = (opts.method if opts else None) or info.default_method
     num_tokens = (opts.num_tokens if opts else None) or info.default_num_tokens
     if method == "draft" and not info.has_draft:
-        raise bad_request(
-            "speculation method 'draft' needs a draft model; this server has none", "speculation.method"
-        )
+        raise bad_request("speculation method 'draft' needs a draft model; this server has none", "speculation.method")
     return SpeculationParams(method=method, num_tokens=num_tokens)  # type: ignore[arg-type]
 
 
-def sampling_params(
-    body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None
-) -> SamplingParams:
+def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
     top_k = body.top_k or 0
     return SamplingParams(
         max_tokens=max_tokens,

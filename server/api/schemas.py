@@ -76,9 +76,7 @@ class _GenerationBody(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = Field(default=None, description="end-user id; recorded in the request log")
-    speculation: SpeculationOptions | None = Field(
-        default=None, description="extension: per-request speculation"
-    )
+    speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
 
     @field_validator("stop")
     @classmethod
@@ -111,9 +109,7 @@ class ChatMessage(_Body):
         texts = []
         for i, part in enumerate(v):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported"
-                )
+                raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
             if set(part) - {"type", "text"}:
                 raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
             texts.append(part["text"])

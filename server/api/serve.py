@@ -40,9 +40,7 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # not started yet, or a second signal: exit now
             self.force_exit = self._draining is not None
             return
-        log.info(
-            "%s: draining (grace %.0f s)", signal.Signals(sig).name, self._state.settings.shutdown_grace_s
-        )
+        log.info("%s: draining (grace %.0f s)", signal.Signals(sig).name, self._state.settings.shutdown_grace_s)
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:

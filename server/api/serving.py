@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -32,7 +31,6 @@ from server.engine.types import GenerationRequest, RequestOutput, RequestStats
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
@@ -145,9 +143,7 @@ class OpenAIServing:
         started: float,
         ttft: float | None,
     ) -> None:
-        """One request-log line for the whole API request (its choices summed), plus its `user`."""
-        if user is not None:
-            log.info("request %s for user %r", response_id, user)
+        """One request-log line for the whole API request (its choices summed), with its `user`."""
         stats = [c.stats for c in choices if c.stats is not None]
         if not stats:
             return
@@ -160,7 +156,7 @@ class OpenAIServing:
             decode_steps=sum(s.decode_steps for s in stats),
         )
         now = time.monotonic()
-        log_request(response_id, self.info.name, total, choices[0].finish_reason, ttft, now - started)
+        log_request(response_id, self.info.name, total, choices[0].finish_reason, ttft, now - started, user)
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -171,9 +167,7 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        requests = generation_requests(
-            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages"
-        )
+        requests = generation_requests(self.info, body, response_id, [prompt], max_tokens, logprobs, "messages")
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
         created = int(time.time())
@@ -205,9 +199,7 @@ class OpenAIServing:
                     delta = {"content": out.text}
                     yield chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
                 if out.finished:
-                    yield chunk(
-                        [{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]
-                    )
+                    yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
             self._log(response_id, body.user, choices, method, started, ttft)
             if include_usage:
                 yield chunk([], R.usage(len(prompt), choices, method))
@@ -221,9 +213,7 @@ class OpenAIServing:
         started = time.monotonic()
         prompts = completion_prompt_ids(self.info, body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = generation_requests(
-            self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt"
-        )
+        requests = generation_requests(self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt")
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]
