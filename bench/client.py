@@ -1,0 +1,92 @@
+"""HTTP side of the benchmark: run one wave of concurrent chat completions against a live server.
+
+A wave is C requests sent at once (asyncio + httpx, one connection each); its wall time runs from
+the first send to the last response. Non-streaming, so each response carries `usage.speculation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bench.workloads import Prompt
+
+
+@dataclass(frozen=True)
+class WaveResult:
+    """What one wave of concurrent requests produced (sums over its requests)."""
+
+    requests: int
+    completion_tokens: int
+    wall_s: float
+    draft_tokens: int
+    accepted_tokens: int
+    decode_steps: int
+    reported_methods: tuple[str, ...]  # usage.speculation.method of each response
+
+
+class SpeculationUnsupported(Exception):
+    """The server answered 400 to a speculation method (e.g. `auto` before it exists)."""
+
+
+def request_body(
+    model: str, prompt: Prompt, method: str, k: int | None, max_tokens: int, temperature: float, seed: int | None
+) -> dict[str, Any]:
+    speculation: dict[str, Any] = {"method": method}
+    if k is not None and method not in ("none", "auto"):
+        speculation["num_tokens"] = k
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": list(prompt.messages),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "speculation": speculation,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await client.post(url, json=body)
+    if response.status_code == 400:
+        raise SpeculationUnsupported(response.text)
+    response.raise_for_status()
+    return response.json()
+
+
+async def run_wave(client: httpx.AsyncClient, base_url: str, bodies: list[dict[str, Any]]) -> WaveResult:
+    """Send all `bodies` at once and wait for every response."""
+    url = f"{base_url}/v1/chat/completions"
+    started = time.perf_counter()
+    replies = await asyncio.gather(*(_one(client, url, body) for body in bodies))
+    wall = time.perf_counter() - started
+    spec = [r["usage"].get("speculation") or {} for r in replies]
+    return WaveResult(
+        requests=len(replies),
+        completion_tokens=sum(r["usage"]["completion_tokens"] for r in replies),
+        wall_s=wall,
+        draft_tokens=sum(s.get("draft_tokens", 0) for s in spec),
+        accepted_tokens=sum(s.get("accepted_tokens", 0) for s in spec),
+        decode_steps=sum(s.get("decode_steps", 0) for s in spec),
+        reported_methods=tuple(str(s.get("method", "?")) for s in spec),
+    )
+
+
+async def model_id(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def supports_method(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt, method: str) -> bool:
+    """Probe with one short request: a 400 means the server does not accept this method."""
+    try:
+        await run_wave(client, base_url, [request_body(model, prompt, method, None, 4, 0.0, None)])
+    except SpeculationUnsupported:
+        return False
+    return True

@@ -1,0 +1,208 @@
+"""Writing the results: `results.md` (tables, targets), `results.json` (everything), `speedup.png`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bench.workloads import WORKLOADS
+
+METHOD_ORDER = ("none", "ngram", "draft", "auto", "hf-none", "hf-prompt-lookup", "hf-assisted")
+TARGETS = {  # the issue's targets (greedy, one client unless said)
+    "auto_copy": 2.5,
+    "auto_open": 1.0,
+    "auto_floor": 0.97,
+    "ngram_vs_hf": 1.3,
+    "efficiency": 0.85,
+    "auto_8_clients": 1.0,
+}
+
+
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _sort_key(row: dict[str, Any]) -> tuple:
+    w = WORKLOADS.index(row["workload"]) if row["workload"] in WORKLOADS else len(WORKLOADS)
+    m = METHOD_ORDER.index(row["method"]) if row["method"] in METHOD_ORDER else len(METHOD_ORDER)
+    return (w, row["workload"], row["temperature"], row["clients"], m)
+
+
+def _find(rows: Iterable[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def _pooled(rows: list[dict[str, Any]]) -> float | None:
+    wall = sum(r["wall_s"] for r in rows)
+    return sum(r["completion_tokens"] for r in rows) / wall if wall else None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of issue 5 with its figure from this run, pass/fail, and where it came from."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, figure: float | None, goal: float, source: str) -> None:
+        ok = None if figure is None else figure >= goal
+        out.append({"target": name, "figure": figure, "goal": goal, "pass": ok, "source": source})
+
+    def ratio(workload: str, method: str, clients: int = 1, temperature: float = 0.0) -> float | None:
+        found = _find(rows, workload=workload, method=method, clients=clients, temperature=temperature)
+        return found[0]["ratio_to_none"] if found else None
+
+    for w in ("copy_edit", "code"):
+        add(f"auto on copy-heavy ({w}), x none", ratio(w, "auto"), TARGETS["auto_copy"], "greedy, 1 client")
+    add("auto on open-ended (chat), x none", ratio("chat", "auto"), TARGETS["auto_open"], "greedy, 1 client")
+    auto_chat = [r["ratio_to_none"] for r in _find(rows, workload="chat", method="auto") if r["ratio_to_none"]]
+    add("auto on open-ended, worst cell, x none", min(auto_chat, default=None), TARGETS["auto_floor"],
+        "chat, every clients/temperature cell")
+    auto_all = [r["ratio_to_none"] for r in _find(rows, method="auto") if r["ratio_to_none"]]
+    add("auto, worst cell of any workload, x none", min(auto_all, default=None), TARGETS["auto_floor"],
+        "every auto cell (not an issue target: context)")
+    ours = _find(rows, method="ngram", clients=1, temperature=0.0)
+    hf = _find(rows, method="hf-prompt-lookup", clients=1, temperature=0.0)
+    workloads = sorted({r["workload"] for r in hf} & {r["workload"] for r in ours}, key=_sort_key_w)
+    for w in workloads:
+        a, b = _pooled(_find(ours, workload=w)), _pooled(_find(hf, workload=w))
+        add(f"ngram over HTTP / HF prompt lookup ({w})", a / b if a and b else None, TARGETS["ngram_vs_hf"],
+            "greedy, 1 client, same prompts")
+    if workloads:
+        a = _pooled([r for r in ours if r["workload"] in workloads])
+        b = _pooled([r for r in hf if r["workload"] in workloads])
+        add("ngram over HTTP / HF prompt lookup (all)", a / b if a and b else None, TARGETS["ngram_vs_hf"],
+            "greedy, 1 client, pooled tokens / pooled time")
+    for method in ("ngram", "draft"):
+        eff = [r["efficiency"] for r in _find(rows, method=method, clients=1, temperature=0.0) if r["efficiency"]]
+        add(f"efficiency of {method}, worst workload", min(eff, default=None), TARGETS["efficiency"],
+            "greedy, 1 client: measured / theoretical")
+    eight = [r["ratio_to_none"] for r in _find(rows, method="auto", clients=8) if r["ratio_to_none"]]
+    add("auto with 8 clients, total tok/s x none, worst", min(eight, default=None), TARGETS["auto_8_clients"],
+        "8 clients, every workload and temperature")
+    return out
+
+
+def _sort_key_w(workload: str) -> int:
+    return WORKLOADS.index(workload) if workload in WORKLOADS else len(WORKLOADS)
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
+    data = {"meta": meta, "targets": targets(rows), "costs": costs, "cells": sorted(rows, key=_sort_key)}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> str:
+    lines = ["# Specula benchmark results", ""]
+    lines += [f"Command: `{meta.get('command', 'python -m bench.run')}`  ", f"Date: {meta.get('date', '?')}, "
+              f"commit {meta.get('commit', '?')}, {meta.get('duration_s', 0) / 60:.1f} min, "
+              f"machine: {meta.get('machine', '?')}.  "]
+    lines += [f"Model: {meta.get('model', '?')}; max_tokens {meta.get('max_tokens')}, K = {meta.get('k')} for "
+              f"ngram and draft (auto chooses its own), torch threads {meta.get('threads') or 'default'}, "
+              f"requests per cell at 1 client: {meta.get('requests_per_cell')}.  "]
+    for note in meta.get("notes", []):
+        lines.append(f"Note: {note}  ")
+    lines += ["", "## Targets (issue 5)", "", "| target | figure | goal | pass | measured on |",
+              "|---|---:|---:|:---:|---|"]
+    for t in targets(rows):
+        mark = "—" if t["pass"] is None else ("yes" if t["pass"] else "**no**")
+        lines.append(f"| {t['target']} | {_fmt(t['figure'])} | {t['goal']:.2f} | {mark} | {t['source']} |")
+
+    peer = [r for r in rows if r["method"].startswith("hf-")]
+    if peer:
+        lines += ["", "## Peer: transformers `generate()` vs Specula over HTTP (greedy, 1 client)", ""]
+        methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in peer) or m in ("none", "ngram", "draft")]
+        lines += ["| workload | " + " | ".join(f"{m} tok/s" for m in methods) + " | ngram / hf-prompt-lookup |",
+                  "|---|" + "---:|" * (len(methods) + 1)]
+        for w in sorted({r["workload"] for r in peer}, key=_sort_key_w):
+            cells = {m: _find(rows, workload=w, method=m, clients=1, temperature=0.0) for m in methods}
+            tps = {m: (c[0]["tokens_per_s"] if c else None) for m, c in cells.items()}
+            ratio = tps["ngram"] / tps["hf-prompt-lookup"] if tps.get("ngram") and tps.get("hf-prompt-lookup") else None
+            lines.append(f"| {w} | " + " | ".join(_fmt(tps[m], ".1f") for m in methods) + f" | {_fmt(ratio)} |")
+
+    if costs:
+        lines += ["", "## Measured costs (in-process, engine's BatchKV, same context)", "",
+                  "| batch | context | target step ms | draft step ms | c draft | c ngram | verify K+1 / step |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in costs:
+            lines.append(f"| {c['batch']} | {c['context']} | {c['target_step_ms']:.1f} "
+                         f"| {_fmt(c['draft_step_ms'], '.1f')} | {_fmt(c['c_draft'], '.3f')} | {c['c_ngram']:.4f} "
+                         f"| {c['verify_ratio']:.2f} |")
+
+    lines += ["", "## All cells", "",
+              "tok/s = completion tokens / wall time of the cell's waves; x none = ratio to `none` in the same "
+              "run, same workload, clients and temperature (interleaved); accept = accepted / draft tokens; "
+              "len = mean accepted length (1 + accepted / steps); theory = (1 - a^(K+1)) / ((1 - a)(cK + 1)); "
+              "eff = x none / theory.", ""]
+    lines += ["| workload | T | clients | method | tok/s | x none | accept | len | drafts/step | c | theory | eff |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=_sort_key):
+        lines.append(
+            f"| {r['workload']} | {r['temperature']:g} | {r['clients']} | {r['method']} | {r['tokens_per_s']:.1f} "
+            f"| {_fmt(r['ratio_to_none'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} "
+            f"| {_fmt(r['drafts_per_step'], '.1f')} | {_fmt(r['c'], '.3f')} | {_fmt(r['theoretical_speedup'])} "
+            f"| {_fmt(r['efficiency'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], k: int) -> None:
+    """Speedup (x none) against acceptance rate: one panel per client count, colour = workload,
+    marker = method, filled = greedy, hollow = temperature 0.8; curves = the cost model at K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    from bench.theory import theoretical_speedup
+
+    points = [r for r in rows if r["method"] in ("ngram", "draft", "auto") and r["acceptance_rate"] is not None
+              and r["ratio_to_none"] is not None]
+    clients = sorted({r["clients"] for r in rows if r["method"] in ("ngram", "draft", "auto")}) or [1]
+    workloads = sorted({r["workload"] for r in rows}, key=_sort_key_w)
+    colours = dict(zip(workloads, plt.get_cmap("tab10").colors, strict=False))
+    markers = {"ngram": "o", "draft": "s", "auto": "^"}
+    cost_by_batch = {c["batch"]: c for c in costs}
+    top = max([r["ratio_to_none"] for r in points] + [2.0]) * 1.1
+    fig, axes = plt.subplots(1, len(clients), figsize=(5.2 * len(clients), 4.6), sharey=True, squeeze=False)
+    grid = [i / 100 for i in range(101)]
+    for ax, n in zip(axes[0], clients, strict=True):
+        cost = cost_by_batch.get(n)
+        if cost:
+            for name, c, style in (("ngram", cost["c_ngram"], "--"), ("draft", cost["c_draft"], ":")):
+                if c is not None:
+                    ax.plot(grid, [theoretical_speedup(a, k, c) for a in grid], style, color="grey", lw=1.2,
+                            label=f"theory {name} (c={c:.2f}, K={k})")
+        ax.axhline(1.0, color="black", lw=0.8)
+        for r in points:
+            if r["clients"] != n:
+                continue
+            colour = colours[r["workload"]]
+            greedy = r["temperature"] == 0
+            ax.scatter(r["acceptance_rate"], r["ratio_to_none"], s=70, marker=markers[r["method"]],
+                       facecolors=colour if greedy else "none", edgecolors=colour, linewidths=1.6)
+        ax.set_title(f"{n} client{'s' if n > 1 else ''}")
+        ax.set_xlabel("acceptance rate (accepted / draft tokens)")
+        ax.set_xlim(0, 1.02)
+        ax.set_ylim(0, top)
+        ax.grid(alpha=0.3)
+        if cost:
+            ax.legend(loc="upper left", fontsize=8)
+    axes[0][0].set_ylabel("speedup: tokens/s ÷ none (same run)")
+    handles = [Line2D([], [], marker="o", ls="", color=colours[w], markersize=8, label=w) for w in workloads]
+    handles += [Line2D([], [], marker=m, ls="", color="black", markerfacecolor="none", markersize=8, label=name)
+                for name, m in markers.items()]
+    handles += [Line2D([], [], marker="o", ls="", color="grey", markersize=8, label="greedy (filled)"),
+                Line2D([], [], marker="o", ls="", color="grey", markerfacecolor="none", markersize=8,
+                       label="T = 0.8 (hollow)")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
+    fig.suptitle("Speculation speedup vs acceptance rate (Specula over HTTP, SmolLM2-135M)")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "results.json", meta, rows, costs)
+    (out_dir / "results.md").write_text(markdown(meta, rows, costs))
+    plot(out_dir / "speedup.png", rows, costs, int(meta.get("k") or 4))

@@ -1,0 +1,250 @@
+"""`python -m bench.run`: Specula's side-by-side speculation benchmark, end to end over HTTP.
+
+One run: load the default model in-process (to measure the draft/target cost ratio c and to run
+the transformers peer), start `python -m server serve` on loopback, then for every workload,
+temperature and client count run the methods interleaved, wave by wave (A B C D, then D C B A, ...),
+so machine drift hits every method alike. Writes bench/results/{results.md,results.json,speedup.png}.
+See docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.cells import SPEC_METHODS, Cell, CellKey, summarize
+from bench.client import model_id, request_body, run_wave, supports_method
+from bench.peer import PEER_METHODS
+from bench.report import write_all
+from bench.workloads import WORKLOADS, Workload, load_workloads
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _csv(kind: type, choices: tuple | None = None):
+    def parse(text: str) -> list:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+        if choices is not None:
+            bad = [v for v in values if v not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(map(str, choices))}")
+        return values
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (~3 min): copy_edit and chat, greedy, 1 and 4 clients, 32 tokens, 1 request/cell")
+    p.add_argument("--methods", type=_csv(str, SPEC_METHODS), default=None,
+                   help="comma list of none,ngram,draft,auto (default: all; auto only if the server accepts it)")
+    p.add_argument("--clients", type=_csv(int), default=None, help="concurrency levels (default 1,4,8)")
+    p.add_argument("--workloads", type=_csv(str, WORKLOADS), default=None, help=f"default: {','.join(WORKLOADS)}")
+    p.add_argument("--temperatures", type=_csv(float), default=None, help="default 0,0.8 (0 = greedy)")
+    p.add_argument("--peer", type=_csv(str, PEER_METHODS), default=None,
+                   help=f"transformers variants at 1 client, greedy (default: {','.join(PEER_METHODS)}); '' for none")
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 48; quick 32)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step for ngram and draft (default 4)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per cell at 1 client (default 3; quick 1); N clients run ceil(this/N) waves of N")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for the server and the peer (default 1; 0 = torch's default)")
+    p.add_argument("--seed", type=int, default=1234, help="base seed for temperature > 0 requests")
+    p.add_argument("--server-url", default=None, help="benchmark a running server instead of starting one")
+    p.add_argument("--server-args", default="", help="extra arguments for `python -m server serve`")
+    p.add_argument("--no-costs", action="store_true", help="skip the in-process cost measurement (no theory)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.workloads = args.workloads or (["copy_edit", "chat"] if quick else list(WORKLOADS))
+    args.clients = args.clients or ([1, 4] if quick else [1, 4, 8])
+    args.temperatures = args.temperatures if args.temperatures is not None else ([0.0] if quick else [0.0, 0.8])
+    args.peer = args.peer if args.peer is not None else (["hf-prompt-lookup"] if quick else list(PEER_METHODS))
+    args.max_tokens = args.max_tokens or (32 if quick else 48)
+    args.requests = args.requests or (1 if quick else 3)
+    return args
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+class Progress:
+    def __init__(self, total_waves: int) -> None:
+        self.total, self.done, self.started = total_waves, 0, time.perf_counter()
+
+    def tick(self, label: str, tokens: int, wall: float) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.done:4d}/{self.total}] {label:48s} {tokens:4d} tok {wall:6.1f} s {tokens / wall:6.1f} tok/s"
+              f"   elapsed {elapsed / 60:4.1f} min, eta {eta / 60:4.1f} min", flush=True)
+
+
+def schedule(workloads: list[Workload], temperatures: list[float], clients: list[int], methods: list[str],
+             peer: list[str], requests: int) -> list[tuple[Workload, float, int, int, list[str]]]:
+    """(workload, temperature, clients, round, method order) per round of waves, in run order.
+
+    Within a block the order alternates A B C D / D C B A between rounds (cancels linear drift); the
+    starting method rotates between blocks, so no method always goes first.
+    """
+    plan = []
+    block = 0
+    for w in workloads:
+        for t in temperatures:
+            for n in clients:
+                names = methods + (peer if n == 1 and t == 0.0 else [])
+                rot = block % len(names)
+                base = names[rot:] + names[:rot]
+                for r in range(max(1, -(-requests // n))):
+                    plan.append((w, t, n, r, base if r % 2 == 0 else base[::-1]))
+                block += 1
+    return plan
+
+
+async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload], methods: list[str],
+                   peer_runner: Any, prompt_ids: dict[str, list[int]], cells: dict[CellKey, Cell]) -> None:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        model = await model_id(client, url)
+        plan = schedule(workloads, args.temperatures, args.clients, methods, args.peer if peer_runner else [],
+                        args.requests)
+        progress = Progress(sum(len(order) for *_, order in plan))
+        for w, t, n, r, order in plan:
+            picks = [w.prompts[(r * n + i) % len(w.prompts)] for i in range(n)]
+            for method in order:
+                key = CellKey(w.name, method, n, t)
+                cell = cells.setdefault(key, Cell(key, k=args.k if method in ("ngram", "draft") else None))
+                label = f"{w.name} T={t:g} clients={n} round={r} {method}"
+                if method.startswith("hf-"):
+                    for prompt in picks:  # one client: sequential
+                        run = peer_runner.generate(method, prompt_ids[prompt.id], args.max_tokens)
+                        cell.add(1, run.completion_tokens, run.wall_s)
+                        progress.total += 1 if prompt is not picks[0] else 0
+                    progress.tick(label, run.completion_tokens, run.wall_s)
+                    continue
+                seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(n)]
+                bodies = [request_body(model, p, method, args.k, args.max_tokens, t, s)
+                          for p, s in zip(picks, seeds, strict=True)]
+                wave = await run_wave(client, url, bodies)
+                cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
+                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods)
+                progress.tick(label, wave.completion_tokens, wave.wall_s)
+
+
+async def warm_up(url: str, workloads: list[Workload], methods: list[str]) -> list[str]:
+    """One short request per method (first calls allocate); drops methods the server refuses."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        model = await model_id(client, url)
+        prompt = workloads[0].prompts[0]
+        accepted = []
+        for method in methods:
+            if await supports_method(client, url, model, prompt, method):
+                accepted.append(method)
+        return accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    from bench.costs import measure_costs
+    from bench.peer import Peer, chat_ids
+    from bench.server_proc import live_server
+    from server.config import Settings
+    from server.engine.models import load_draft_like, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workloads = load_workloads(args.workloads)
+    requested = args.methods or list(SPEC_METHODS)
+    notes: list[str] = []
+
+    # In-process: the same weights the server loads (the default model in fp32, the draft in bf16).
+    settings = Settings.load()
+    print("loading the default model in-process (cost ratio, peer) ...", flush=True)
+    target = load_model(None, dtype="float32", device="cpu", cache_dir=settings.cache_dir)
+    draft = load_draft_like(target, "target", dtype="bfloat16", cache_dir=settings.cache_dir)
+    prompt_ids = {p.id: chat_ids(target.tokenizer, list(p.messages)) for w in workloads for p in w.prompts}
+
+    costs: list[dict[str, Any]] = []
+    if not args.no_costs:
+        print("measuring draft/target cost ratios ...", flush=True)
+        contexts = [prompt_ids[p.id] for w in workloads for p in w.prompts]
+        measured = measure_costs(target, draft, contexts, sorted(set(args.clients)), args.k)
+        costs = [c.to_json() for c in measured.values()]
+        for c in costs:
+            print(f"  batch {c['batch']}: target {c['target_step_ms']:.1f} ms, draft {c['draft_step_ms']:.1f} ms "
+                  f"(c={c['c_draft']:.3f}), ngram c={c['c_ngram']:.4f}, verify K+1 = {c['verify_ratio']:.2f} steps")
+    peer = Peer(target, draft) if args.peer else None
+
+    cells: dict[CellKey, Cell] = {}
+    server_args = ["--max-batch-size", str(max(8, *args.clients)), *shlex.split(args.server_args)]
+    log_path = args.out / "server.log"
+
+    def with_server(url: str) -> None:
+        methods = asyncio.run(warm_up(url, workloads, requested))
+        for m in requested:
+            if m not in methods:
+                notes.append(f"method `{m}` was refused by the server (400), so it is not in this run.")
+                print(f"NOTE: {notes[-1]}", flush=True)
+        asyncio.run(run_grid(args, url, workloads, methods, peer, prompt_ids, cells))
+
+    if args.server_url:
+        with_server(args.server_url.rstrip("/"))
+    else:
+        print("starting the server ...", flush=True)
+        with live_server(server_args, args.threads, log_path) as url:
+            with_server(url)
+        log_path.unlink(missing_ok=True)
+
+    cost_map = {c["batch"]: {"ngram": c["c_ngram"], "draft": c["c_draft"]} for c in costs}
+    rows = summarize(list(cells.values()), cost_map)
+    meta = {
+        "command": "python -m bench.run" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, load average {os.getloadavg()[0]:.1f}",
+        "model": target.name,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "threads": args.threads,
+        "requests_per_cell": args.requests,
+        "workloads": args.workloads,
+        "clients": args.clients,
+        "temperatures": args.temperatures,
+        "methods": [m for m in requested if any(k.method == m for k in cells)],
+        "peer": args.peer,
+        "duration_s": time.perf_counter() - started,
+        "notes": notes,
+    }
+    write_all(args.out, meta, rows, costs)
+    print(f"wrote {args.out}/results.md, results.json, speedup.png in {meta['duration_s'] / 60:.1f} min", flush=True)
+    print(json.dumps([t for t in json.loads((args.out / "results.json").read_text())["targets"]], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The speculative-decoding cost model the benchmark compares measurements against (DESIGN.md).
+
+With per-position acceptance probability a (i.i.d.), K draft tokens per step, and a draft costing c
+target steps per token, one step emits (1 - a^(K+1)) / (1 - a) tokens on average and costs cK + 1
+target steps (verifying K+1 positions is assumed to cost one step). Leviathan et al. 2023, eq. 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def expected_tokens_per_step(a: float, k: int) -> float:
+    """Mean tokens one verify pass emits: 1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {a}")
+    if k < 0:
+        raise ValueError(f"K must be >= 0, got {k}")
+    if math.isclose(a, 1.0):
+        return float(k + 1)  # the limit a -> 1
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def theoretical_speedup(a: float, k: int, c: float) -> float:
+    """Expected speedup over plain decoding: (1 - a^(K+1)) / ((1 - a)(cK + 1))."""
+    if c < 0:
+        raise ValueError(f"cost ratio must be >= 0, got {c}")
+    return expected_tokens_per_step(a, k) / (c * k + 1.0)
+
+
+def mean_accepted_length(accepted_tokens: int, decode_steps: int) -> float:
+    """Tokens emitted per verify pass: 1 + accepted / steps (DESIGN.md's words); 0 with no steps."""
+    return 1.0 + accepted_tokens / decode_steps if decode_steps else 0.0
+
+
+def efficiency(measured_speedup: float | None, theoretical: float | None) -> float | None:
+    """Measured / theoretical speedup; None when either is unknown."""
+    if measured_speedup is None or not theoretical:
+        return None
+    return measured_speedup / theoretical
