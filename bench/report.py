@@ -96,8 +96,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
     lines += [f"Command: `{meta.get('command', 'python -m bench.run')}`  ", f"Date: {meta.get('date', '?')}, "
               f"commit {meta.get('commit', '?')}, {meta.get('duration_s', 0) / 60:.1f} min, "
               f"machine: {meta.get('machine', '?')}.  "]
-    lines += [f"Model: {meta.get('model', '?')}; max_tokens {meta.get('max_tokens')}, K = {meta.get('k')} for "
-              f"ngram and draft (auto chooses its own), torch threads {meta.get('threads') or 'default'}, "
+    ks = meta.get("k") or {}
+    k_text = ", ".join(f"{m} {k}" for m, k in ks.items()) if isinstance(ks, dict) else str(ks)
+    lines += [f"Model: {meta.get('model', '?')}; max_tokens {meta.get('max_tokens')}; K: {k_text} (auto chooses "
+              f"its own, up to the server's K); torch threads {meta.get('threads') or 'default'}; "
               f"requests per cell at 1 client: {meta.get('requests_per_cell')}.  "]
     for note in meta.get("notes", []):
         lines.append(f"Note: {note}  ")
@@ -144,7 +146,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], k: int) -> None:
+def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks: dict[str, int]) -> None:
     """Speedup (x none) against acceptance rate: one panel per client count, colour = workload,
     marker = method, filled = greedy, hollow = temperature 0.8; curves = the cost model at K."""
     import matplotlib
@@ -162,17 +164,18 @@ def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], k:
     colours = dict(zip(workloads, plt.get_cmap("tab10").colors, strict=False))
     markers = {"ngram": "o", "draft": "s", "auto": "^"}
     cost_by_batch = {c["batch"]: c for c in costs}
-    top = max([r["ratio_to_none"] for r in points] + [2.0]) * 1.1
+    top = max([r["ratio_to_none"] for r in points] + [2.0]) * 1.15
     fig, axes = plt.subplots(1, len(clients), figsize=(5.2 * len(clients), 4.6), sharey=True, squeeze=False)
     grid = [i / 100 for i in range(101)]
     for ax, n in zip(axes[0], clients, strict=True):
         cost = cost_by_batch.get(n)
         if cost:
             for name, c, style in (("ngram", cost["c_ngram"], "--"), ("draft", cost["c_draft"], ":")):
-                if c is not None:
+                k = ks.get(name)
+                if c is not None and k:
                     ax.plot(grid, [theoretical_speedup(a, k, c) for a in grid], style, color="grey", lw=1.2,
                             label=f"theory {name} (c={c:.2f}, K={k})")
-        ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(1.0, color="black", lw=0.8, label="none (= 1)")
         for r in points:
             if r["clients"] != n:
                 continue
@@ -205,4 +208,5 @@ def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], c
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "results.json", meta, rows, costs)
     (out_dir / "results.md").write_text(markdown(meta, rows, costs))
-    plot(out_dir / "speedup.png", rows, costs, int(meta.get("k") or 4))
+    ks = meta.get("k") if isinstance(meta.get("k"), dict) else {"ngram": 4, "draft": 4}
+    plot(out_dir / "speedup.png", rows, costs, ks)

@@ -44,6 +44,20 @@ def _csv(kind: type, choices: tuple | None = None):
     return parse
 
 
+def _parse_k(text: str) -> dict[str, int]:
+    """`8` -> K 8 for ngram and draft; `ngram=8,draft=4` -> per method."""
+    ks = {"ngram": 8, "draft": 8}
+    for part in text.split(","):
+        name, _, value = part.strip().rpartition("=")
+        if name and name not in ks:
+            raise argparse.ArgumentTypeError(f"K applies to ngram and draft, not {name!r}")
+        if not value.isdigit() or not 1 <= int(value) <= 32:
+            raise argparse.ArgumentTypeError(f"K must be an integer in [1, 32], got {value!r}")
+        for method in [name] if name else list(ks):
+            ks[method] = int(value)
+    return ks
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer", type=_csv(str, PEER_METHODS), default=None,
                    help=f"transformers variants at 1 client, greedy (default: {','.join(PEER_METHODS)}); '' for none")
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 48; quick 32)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step for ngram and draft (default 4)")
+    p.add_argument("--k", type=_parse_k, default=_parse_k("8"),
+                   help="draft tokens per step (K): one number for ngram and draft, or e.g. ngram=8,draft=4 "
+                        "(default 8, the server's default; auto gets no K and uses the server's as its maximum)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per cell at 1 client (default 3; quick 1); N clients run ceil(this/N) waves of N")
     p.add_argument("--threads", type=int, default=1,
@@ -132,17 +148,16 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
             picks = [w.prompts[(r * n + i) % len(w.prompts)] for i in range(n)]
             for method in order:
                 key = CellKey(w.name, method, n, t)
-                cell = cells.setdefault(key, Cell(key, k=args.k if method in ("ngram", "draft") else None))
+                cell = cells.setdefault(key, Cell(key, k=args.k.get(method)))
                 label = f"{w.name} T={t:g} clients={n} round={r} {method}"
-                if method.startswith("hf-"):
-                    for prompt in picks:  # one client: sequential
-                        run = peer_runner.generate(method, prompt_ids[prompt.id], args.max_tokens)
-                        cell.add(1, run.completion_tokens, run.wall_s)
-                        progress.total += 1 if prompt is not picks[0] else 0
+                if method.startswith("hf-"):  # in-process, one client (the server idles meanwhile)
+                    (prompt,) = picks
+                    run = peer_runner.generate(method, prompt_ids[prompt.id], args.max_tokens)
+                    cell.add(1, run.completion_tokens, run.wall_s)
                     progress.tick(label, run.completion_tokens, run.wall_s)
                     continue
                 seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(n)]
-                bodies = [request_body(model, p, method, args.k, args.max_tokens, t, s)
+                bodies = [request_body(model, p, method, args.k.get(method), args.max_tokens, t, s)
                           for p, s in zip(picks, seeds, strict=True)]
                 wave = await run_wave(client, url, bodies)
                 cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
@@ -192,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_costs:
         print("measuring draft/target cost ratios ...", flush=True)
         contexts = [prompt_ids[p.id] for w in workloads for p in w.prompts]
-        measured = measure_costs(target, draft, contexts, sorted(set(args.clients)), args.k)
+        measured = measure_costs(target, draft, contexts, sorted(set(args.clients)), args.k["ngram"])
         costs = [c.to_json() for c in measured.values()]
         for c in costs:
             print(f"  batch {c['batch']}: target {c['target_step_ms']:.1f} ms, draft {c['draft_step_ms']:.1f} ms "

@@ -157,10 +157,11 @@ def test_targets_read_the_right_cells() -> None:
 
 def test_writers_produce_table_json_and_png(tmp_path) -> None:
     rows, costs = _synthetic()
-    meta = {"command": "python -m bench.run --synthetic", "k": 4, "max_tokens": 48, "notes": ["synthetic"]}
+    meta = {"command": "python -m bench.run --synthetic", "k": {"ngram": 4, "draft": 4}, "max_tokens": 48,
+            "notes": ["synthetic"]}
     write_all(tmp_path, meta, rows, costs)
     data = json.loads((tmp_path / "results.json").read_text())
-    assert len(data["cells"]) == len(rows) and data["costs"] == costs and data["meta"]["k"] == 4
+    assert len(data["cells"]) == len(rows) and data["costs"] == costs and data["meta"]["k"]["ngram"] == 4
     assert all(not (isinstance(v, float) and math.isnan(v)) for r in data["cells"] for v in r.values())
     md = (tmp_path / "results.md").read_text()
     assert "| copy_edit | 0 | 1 | ngram | 24.0 | 3.00 | 0.80 |" in md
@@ -172,13 +173,13 @@ def test_writers_produce_table_json_and_png(tmp_path) -> None:
 def test_markdown_without_costs_or_peer() -> None:
     rows, _ = _synthetic()
     rows = [r for r in rows if not r["method"].startswith("hf-")]
-    md = markdown({"k": 4}, rows, [])
+    md = markdown({"k": {"ngram": 4}}, rows, [])
     assert "## Peer" not in md and "## Measured costs" not in md
 
 
 def test_plot_copes_with_no_speculative_points(tmp_path) -> None:
     rows = summarize([_cell("chat", "none", 1, 0.0, 10, 1.0, k=None)], {})
-    plot(tmp_path / "p.png", rows, [], 4)
+    plot(tmp_path / "p.png", rows, [], {"ngram": 4})
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
@@ -216,3 +217,9 @@ def test_quick_defaults_are_small() -> None:
     assert parse_args(["--methods", "none,ngram", "--clients", "1"]).methods == ["none", "ngram"]
     with pytest.raises(SystemExit):
         parse_args(["--methods", "bogus"])
+    assert full.k == {"ngram": 8, "draft": 8}
+    assert parse_args(["--k", "6"]).k == {"ngram": 6, "draft": 6}
+    assert parse_args(["--k", "ngram=10,draft=3"]).k == {"ngram": 10, "draft": 3}
+    for bad in ("auto=4", "0", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--k", bad])
