@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.theory import efficiency, expected_tokens_per_step, mean_accepted_length, theoretical_speedup
+from bench.theory import (
+    attainable_speedup,
+    efficiency,
+    expected_tokens_per_step,
+    mean_accepted_length,
+    theoretical_speedup,
+)
 
 SPEC_METHODS = ("none", "ngram", "draft", "auto")
 
@@ -72,10 +78,17 @@ def cost_method(cell: Cell) -> str | None:
     return None
 
 
+def cost_map(costs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Measured costs (BatchCosts.to_json rows) keyed by batch size, as `summarize` reads them."""
+    return {c["batch"]: {"ngram": c["c_ngram"], "draft": c["c_draft"], "verify": c["verify_ratio"], "k": c["k"]}
+            for c in costs}
+
+
 def summarize(cells: list[Cell], costs: dict[int, dict[str, float | None]]) -> list[dict[str, Any]]:
     """One JSON-ready row per cell with the derived figures.
 
-    `costs[clients]` maps "ngram"/"draft" to the measured c at that batch size.
+    `costs[clients]` maps "ngram"/"draft" to the measured c at that batch size, and optionally
+    "verify" to the cost of a K+1-token target pass in target steps and "k" to that K.
     """
     tps = {c.key: c.tokens_per_s for c in cells}
     rows = []
@@ -93,6 +106,11 @@ def summarize(cells: list[Cell], costs: dict[int, dict[str, float | None]]) -> l
         elif a is not None and c is not None and kk:
             theory = theoretical_speedup(a, kk, c)
             expected = expected_tokens_per_step(a, kk)
+        bound = None
+        batch_costs = costs.get(k.clients, {})
+        if c is not None and batch_costs.get("verify") and batch_costs.get("k") and cell.mean_accepted_length:
+            bound = attainable_speedup(cell.mean_accepted_length, cell.drafts_per_step or 0.0, c,
+                                       batch_costs["verify"], batch_costs["k"])
         peer = k.method.startswith("hf-")
         rows.append({
             "workload": k.workload,
@@ -115,6 +133,8 @@ def summarize(cells: list[Cell], costs: dict[int, dict[str, float | None]]) -> l
             "c": c,
             "theoretical_speedup": theory,
             "efficiency": efficiency(ratio, theory) if k.method != "none" else None,
+            "attainable_speedup": bound,
+            "overhead_efficiency": efficiency(ratio, bound) if k.method != "none" else None,
             "reported_methods": sorted(cell.reported_methods),
         })
     return rows

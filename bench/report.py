@@ -134,15 +134,17 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
               "tok/s = completion tokens / wall time of the cell's waves; x none = ratio to `none` in the same "
               "run, same workload, clients and temperature (interleaved); accept = accepted / draft tokens; "
               "len = mean accepted length (1 + accepted / steps); theory = (1 - a^(K+1)) / ((1 - a)(cK + 1)); "
-              "eff = x none / theory.", ""]
-    lines += ["| workload | T | clients | method | tok/s | x none | accept | len | drafts/step | c | theory | eff |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "eff = x none / theory; bound = len / (c * drafts/step + verify cost of drafts/step + 1 tokens), the "
+              "speedup the measured tokens per step allow at the measured forward costs; x bound = x none / bound "
+              "(what per-step overhead leaves of it).", ""]
+    lines += ["| workload | T | clients | method | tok/s | x none | accept | len | drafts/step | c | theory | eff "
+              "| bound | x bound |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=_sort_key):
         lines.append(
             f"| {r['workload']} | {r['temperature']:g} | {r['clients']} | {r['method']} | {r['tokens_per_s']:.1f} "
             f"| {_fmt(r['ratio_to_none'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} "
             f"| {_fmt(r['drafts_per_step'], '.1f')} | {_fmt(r['c'], '.3f')} | {_fmt(r['theoretical_speedup'])} "
-            f"| {_fmt(r['efficiency'])} |")
+            f"| {_fmt(r['efficiency'])} | {_fmt(r.get('attainable_speedup'))} | {_fmt(r.get('overhead_efficiency'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -210,3 +212,24 @@ def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], c
     (out_dir / "results.md").write_text(markdown(meta, rows, costs))
     ks = meta.get("k") if isinstance(meta.get("k"), dict) else {"ngram": 4, "draft": 4}
     plot(out_dir / "speedup.png", rows, costs, ks)
+
+
+def rewrite(json_path: Path) -> None:
+    """Recompute derived figures and rewrite all three outputs from a results.json's raw counts."""
+    from bench.cells import Cell, CellKey, cost_map, summarize
+
+    data = json.loads(json_path.read_text())
+    cells = []
+    for r in data["cells"]:
+        cell = Cell(CellKey(r["workload"], r["method"], r["clients"], r["temperature"]), k=r["k"])
+        cell.add(r["requests"], r["completion_tokens"], r["wall_s"], r["draft_tokens"] or 0,
+                 r["accepted_tokens"] or 0, r["decode_steps"] or 0, tuple(r["reported_methods"]))
+        cells.append(cell)
+    costs = data["costs"]
+    write_all(json_path.parent, data["meta"], summarize(cells, cost_map(costs)), costs)
+
+
+if __name__ == "__main__":
+    import sys
+
+    rewrite(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results" / "results.json")

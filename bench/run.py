@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from bench.cells import SPEC_METHODS, Cell, CellKey, summarize
+from bench.cells import SPEC_METHODS, Cell, CellKey, cost_map, summarize
 from bench.client import model_id, request_body, run_wave, supports_method
 from bench.peer import PEER_METHODS
 from bench.report import write_all
@@ -234,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             with_server(url)
         log_path.unlink(missing_ok=True)
 
-    cost_map = {c["batch"]: {"ngram": c["c_ngram"], "draft": c["c_draft"]} for c in costs}
-    rows = summarize(list(cells.values()), cost_map)
+    rows = summarize(list(cells.values()), cost_map(costs))
     meta = {
         "command": "python -m bench.run" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))),

@@ -38,3 +38,16 @@ def efficiency(measured_speedup: float | None, theoretical: float | None) -> flo
     if measured_speedup is None or not theoretical:
         return None
     return measured_speedup / theoretical
+
+
+def attainable_speedup(mean_length: float, drafts_per_step: float, c: float, verify_ratio: float, k: int) -> float:
+    """Speedup the *measured* tokens per step allow at the *measured* step costs, no overhead.
+
+    A step emits `mean_length` tokens and costs `c * drafts_per_step` for drafting plus a verify
+    pass over drafts_per_step + 1 tokens, which costs `verify_ratio` target steps at K + 1 tokens
+    (interpolated linearly from 1 at one token). Measured / this = what the engine loses per step.
+    """
+    if k <= 0:
+        return mean_length
+    verify = 1.0 + (verify_ratio - 1.0) * min(drafts_per_step, k) / k
+    return mean_length / (c * drafts_per_step + verify)

@@ -7,11 +7,17 @@ import math
 
 import pytest
 
-from bench.cells import Cell, CellKey, summarize
+from bench.cells import Cell, CellKey, cost_map, summarize
 from bench.client import request_body
-from bench.report import markdown, plot, targets, write_all
+from bench.report import markdown, plot, rewrite, targets, write_all
 from bench.run import parse_args, schedule
-from bench.theory import efficiency, expected_tokens_per_step, mean_accepted_length, theoretical_speedup
+from bench.theory import (
+    attainable_speedup,
+    efficiency,
+    expected_tokens_per_step,
+    mean_accepted_length,
+    theoretical_speedup,
+)
 from bench.workloads import MIN_PROMPTS, WORKLOADS, load_workloads
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -73,6 +79,15 @@ def test_bad_inputs_are_refused() -> None:
         theoretical_speedup(0.5, 4, -0.1)
 
 
+def test_attainable_speedup() -> None:
+    # Free verification and free drafts: the bound is the tokens per step themselves.
+    assert attainable_speedup(3.0, 4.0, 0.0, 1.0, 4) == pytest.approx(3.0)
+    # Verifying K+1 costs 2 steps; with K drafts per step the bound halves.
+    assert attainable_speedup(3.0, 4.0, 0.0, 2.0, 4) == pytest.approx(1.5)
+    # Half the drafts: half the extra verify cost; plus drafting at c = 0.5.
+    assert attainable_speedup(3.0, 2.0, 0.5, 2.0, 4) == pytest.approx(3.0 / (1.0 + 1.5))
+
+
 def test_mean_accepted_length_and_efficiency() -> None:
     assert mean_accepted_length(30, 10) == pytest.approx(4.0)
     assert mean_accepted_length(0, 0) == 0.0
@@ -108,8 +123,7 @@ def _synthetic() -> tuple[list[dict], list[dict]]:
         {"batch": 8, "context": 100, "target_step_ms": 120.0, "draft_step_ms": 90.0, "verify_ms": 300.0,
          "ngram_ms": 0.5, "k": 4, "c_draft": 0.75, "c_ngram": 0.004, "verify_ratio": 2.5},
     ]
-    cost_map = {c["batch"]: {"ngram": c["c_ngram"], "draft": c["c_draft"]} for c in costs}
-    return summarize(cells, cost_map), costs
+    return summarize(cells, cost_map(costs)), costs
 
 
 def test_summarize_derives_ratio_theory_and_efficiency() -> None:
@@ -124,6 +138,10 @@ def test_summarize_derives_ratio_theory_and_efficiency() -> None:
     theory = theoretical_speedup(0.8, 4, 0.001)
     assert row["theoretical_speedup"] == pytest.approx(theory)
     assert row["efficiency"] == pytest.approx(3.0 / theory)
+    # 80 drafts over 30 steps at K = 4: verify costs 1 + 0.4 * (8/3) / 4 steps, drafting 0.001 * 8/3.
+    bound = (1 + 64 / 30) / (0.001 * 80 / 30 + 1 + 0.4 * (80 / 30) / 4)
+    assert row["attainable_speedup"] == pytest.approx(bound)
+    assert row["overhead_efficiency"] == pytest.approx(3.0 / bound)
     draft8 = next(r for r in rows if (r["workload"], r["method"], r["clients"]) == ("chat", "draft", 8))
     assert draft8["c"] == pytest.approx(0.75)
     none = next(r for r in rows if r["method"] == "none")
@@ -223,3 +241,13 @@ def test_quick_defaults_are_small() -> None:
     for bad in ("auto=4", "0", "x"):
         with pytest.raises(SystemExit):
             parse_args(["--k", bad])
+
+
+def test_rewrite_recomputes_the_same_figures_from_json(tmp_path) -> None:
+    rows, costs = _synthetic()
+    write_all(tmp_path, {"k": {"ngram": 4, "draft": 4}}, rows, costs)
+    before = json.loads((tmp_path / "results.json").read_text())
+    (tmp_path / "results.md").unlink()
+    rewrite(tmp_path / "results.json")
+    assert json.loads((tmp_path / "results.json").read_text())["cells"] == before["cells"]
+    assert (tmp_path / "results.md").is_file()
