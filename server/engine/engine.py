@@ -14,6 +14,7 @@ import time
 import torch
 
 from server.config import Settings
+from server.engine.attention import use_gqa_attention
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.kv_cache import BatchKV
 from server.engine.models import LoadedModel, load_draft_like, load_model
@@ -51,6 +52,9 @@ class Engine:
                 f"{target.name!r} has {self.vocab_size}: they must share one tokenizer"
             )
         self.draft_name = draft.name if draft is not None else None
+        for loaded in (target, draft):
+            if loaded is not None:
+                use_gqa_attention(loaded.model)
         self.kv = BatchKV(target.model)
         self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(settings.ngram_max, settings.ngram_min)}
         if draft is not None:
