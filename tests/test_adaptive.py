@@ -110,3 +110,30 @@ def test_auto_does_not_use_a_draft_that_costs_a_full_step(tiny_target, prompt_id
         done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
     for stats in done.values():  # after the first measured steps, only rare K=1 probes
         assert stats.draft_tokens <= 8
+
+
+def test_seeded_sampling_under_auto_reproduces_whatever_the_timings(tiny_engine_factory, prompt_ids):
+    def sample_once(draft_cost: float) -> dict[str, list[int]]:
+        engine = tiny_engine_factory()
+        # Measured costs differ from run to run; a seeded request's tokens must not follow them.
+        engine.policy.cost.draft_cost = lambda batch_tokens: draft_cost
+        reqs = [request(f"r{i}", p, "auto", 6, temperature=1.0, seed=3 + i) for i, p in enumerate(prompt_ids)]
+        return run(engine, reqs)
+
+    assert sample_once(0.01) == sample_once(5.0)
+
+
+def test_unseeded_auto_follows_the_measured_costs(tiny_engine_factory, prompt_ids):
+    """The counterpart of the test above: without a seed, the timings do steer the choice."""
+    used = {}
+    for cost in (0.01, 5.0):
+        engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
+        engine.policy.cost.draft_cost = lambda batch_tokens, c=cost: c
+        engine.policy.prior["draft"] = 0.9
+        for i, p in enumerate(prompt_ids):
+            engine.add_request(request(f"r{i}", p, "auto", 6, temperature=1.0))
+        drafted = 0
+        while engine.has_unfinished():
+            drafted += sum(s.draft_tokens for s in engine.step().seq_stats)
+        used[cost] = drafted
+    assert used[0.01] > 4 * max(used[5.0], 1)

@@ -221,8 +221,14 @@ class Engine:
             if seq.method != "auto":
                 plan.append((seq.method, k_max))
                 continue
-            batch_tokens = self._fed_last_step or len(seqs)
-            choice = self.policy.choose(seq.request_id, k_max, batch_tokens, len(seqs), bool(lookups.get(b)))
+            sp = seq.request.sampling
+            choice = self.policy.choose(
+                seq.request_id, k_max,
+                batch_tokens=self._fed_last_step or len(seqs),
+                rows=len(seqs),
+                has_match=bool(lookups.get(b)),
+                reproducible=sp.seed is not None and not sp.greedy,
+            )
             plan.append((choice.method, choice.k))
         return plan
 

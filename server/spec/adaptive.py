@@ -11,6 +11,10 @@ as the batch grows and verification stops being nearly free) plus the proposer's
 draft token. When no (proposer, K) beats plain decoding, the sequence decodes plainly that step.
 Only *which* tokens are proposed changes; acceptance stays the lossless rule, so `auto` never
 changes the output distribution, and greedy output is identical.
+
+A seeded sampling request must reproduce, but which tokens are drafted changes how its random
+stream is consumed. For those, choices depend only on the request's own history and fixed costs
+(`reproducible=True`), never on timings or on other requests.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence starts from
 DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
+DEFAULT_DRAFT_COST = 0.75  # a draft model's cost per token before timings exist (DESIGN.md: bf16 copy)
 PROBE_EVERY = 16  # steps between probes of a proposer that is not being used (K=1), to keep a fresh
 
 
@@ -155,33 +160,45 @@ class AdaptivePolicy:
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 
-    def acceptance(self, request_id: str, method: str) -> float:
-        g = self.global_rate[method]
-        prior = g.rate(self.prior.get(method, 0.5), 4.0)
+    def acceptance(self, request_id: str, method: str, reproducible: bool = False) -> float:
+        prior = self.prior.get(method, 0.5)
+        if not reproducible:
+            prior = self.global_rate[method].rate(prior, 4.0)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(method) if state else None
         return seq.rate(prior, PRIOR_WEIGHT) if seq else prior
 
-    def method_cost(self, method: str, batch_tokens: int, rows: int = 1) -> float:
+    def method_cost(self, method: str, batch_tokens: int, rows: int = 1, reproducible: bool = False) -> float:
         """c for `method`: verifying one more token plus producing one draft token."""
+        if reproducible:
+            return self.cost.prior_token_ratio + self.fixed_cost.get(method, DEFAULT_DRAFT_COST)
         own = self.fixed_cost.get(method)
         if own is None:
             own = self.cost.draft_cost(batch_tokens)
             if own is None:
-                own = 0.75  # a draft that costs most of a target step, until timings say otherwise
+                own = DEFAULT_DRAFT_COST
         return self.cost.token_cost(batch_tokens, rows) + own
 
-    def choose(self, request_id: str, k_max: int, batch_tokens: int, rows: int = 1, has_match: bool = True) -> Choice:
+    def choose(
+        self,
+        request_id: str,
+        k_max: int,
+        batch_tokens: int,
+        rows: int = 1,
+        has_match: bool = True,
+        reproducible: bool = False,
+    ) -> Choice:
         """Pick (method, K) for one of `rows` sequences in a step feeding about `batch_tokens` tokens.
-        `has_match`: the n-gram lookup found something to propose."""
+        `has_match`: the n-gram lookup found something to propose. `reproducible`: decide from this
+        request's own history and fixed costs only (seeded sampling)."""
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice("none", 0, 1.0)
         for method in self.methods:
             if method == "ngram" and not has_match:
                 continue
-            a = self.acceptance(request_id, method)
-            k, gain = best_k(a, self.method_cost(method, batch_tokens, rows), k_max)
+            a = self.acceptance(request_id, method, reproducible)
+            k, gain = best_k(a, self.method_cost(method, batch_tokens, rows, reproducible), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
         if best.method == "none" and k_max:
