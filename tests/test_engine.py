@@ -137,3 +137,16 @@ def test_bad_requests_are_refused_with_a_message(tiny_engine_factory, prompt_ids
     no_draft = tiny_engine_factory(draft=None)
     with pytest.raises(ValueError, match="no draft model"):
         no_draft.add_request(request("d", prompt_ids[0], "draft"))
+
+
+@pytest.mark.parametrize("extra", [64, -16])
+def test_draft_with_a_differently_padded_vocabulary(tiny_target, tokenizer, prompt_ids, greedy_reference, extra):
+    """Same tokenizer, different embedding rows (as Qwen2.5 7B vs 0.5B): still exact and lossless."""
+    from server.config import Settings
+    from server.engine.engine import Engine
+    from tests.models import as_loaded, tiny_llama
+
+    draft = as_loaded(tiny_llama(tiny_target.model.config.vocab_size + extra, seed=3), tokenizer, "padded")
+    requests = [request(f"r{i}", p, "draft", 3) for i, p in enumerate(prompt_ids)]
+    out = run(Engine(tiny_target, draft, Settings.load()), requests)
+    assert out == greedy_reference

@@ -45,12 +45,7 @@ class Engine:
         self.device = target.device
         self.model_name = settings.served_model_name or target.name
         self.max_context = settings.max_model_len or target.max_context
-        self.vocab_size = int(target.model.config.vocab_size)
-        if draft is not None and int(draft.model.config.vocab_size) != self.vocab_size:
-            raise ValueError(
-                f"draft model {draft.name!r} has vocabulary size {draft.model.config.vocab_size}, target "
-                f"{target.name!r} has {self.vocab_size}: they must share one tokenizer"
-            )
+        self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
             if loaded is not None:
@@ -58,7 +53,7 @@ class Engine:
         self.kv = BatchKV(target.model)
         self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(settings.ngram_max, settings.ngram_min)}
         if draft is not None:
-            self.proposers["draft"] = DraftModelProposer(draft)
+            self.proposers["draft"] = DraftModelProposer(draft, self.vocab_size)
         # auto: n-gram lookup costs next to nothing per draft token; the draft model's cost is timed.
         self.policy = AdaptivePolicy(list(self.proposers), draft_token_cost={"ngram": 0.002})
         self._fed_last_step = 0

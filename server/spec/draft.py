@@ -21,8 +21,12 @@ from server.spec.proposer import Proposal, Proposer
 class DraftModelProposer(Proposer):
     method = "draft"
 
-    def __init__(self, draft: LoadedModel) -> None:
+    def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
+        """`vocab_size`: the target's logits width. Checkpoints that share a tokenizer may pad their
+        embeddings differently (Qwen2.5 7B: 152064 rows, 0.5B: 151936); q is taken over the
+        target's ids, so tokens the target cannot score are never drafted."""
         self.draft = draft
+        self.vocab_size = vocab_size
         self.kv = BatchKV(draft.model)
         self.pending: dict[str, list[int]] = {}
 
@@ -46,7 +50,7 @@ class DraftModelProposer(Proposer):
         rows = self.kv.rows  # every draft row is asked each step (the engine guarantees it)
         row_k = [by_id[rid][1] for rid in rows]
         k_max = max(row_k, default=0)
-        vocab = self.draft.model.config.vocab_size
+        vocab = self.vocab_size
         drafts: list[list[int]] = [[] for _ in rows]
         q = torch.zeros(len(rows), max(k_max, 1), vocab, device=self.kv.device)  # [rows, K, vocab]
         if k_max == 0:
@@ -61,7 +65,7 @@ class DraftModelProposer(Proposer):
         for j in range(k_max):
             logits = self.kv.forward(feed)  # [rows, W, vocab]
             last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=self.kv.device)
-            step_logits = logits[torch.arange(len(rows), device=self.kv.device), last][:, None]
+            step_logits = _to_width(logits[torch.arange(len(rows), device=self.kv.device), last][:, None], vocab)
             probs = probabilities(step_logits, sampling)[:, 0]  # [rows, vocab]
             q[:, j] = probs  # rows that fed nothing keep garbage here, past their own k
             greedy_tokens = probs.argmax(dim=-1).tolist()  # one-hot rows: no randomness needed
@@ -93,3 +97,12 @@ class DraftModelProposer(Proposer):
         kept = min(accepted, in_cache)
         self.kv.rollback(self.kv.index(rid), in_cache - kept)
         self.pending[rid] = emitted[kept:]  # [x] after a rejection; [d_k, bonus] after a full accept
+
+
+def _to_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits [..., draft_vocab] over the target's `vocab` ids: cut, or padded with -inf."""
+    width = logits.shape[-1]
+    if width >= vocab:
+        return logits[..., :vocab]
+    pad = logits.new_full((*logits.shape[:-1], vocab - width), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
