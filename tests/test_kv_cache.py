@@ -60,3 +60,17 @@ def test_join_leave_and_compact_keep_rows_exact(tiny_target):
     torch.testing.assert_close(
         logits[1, 1], clean_logits(model, list(range(20, 33)) + [41, 42]), atol=1e-4, rtol=1e-4
     )
+
+
+def test_steps_write_in_place_without_copying_the_cache(tiny_target):
+    """A step writes only its new columns: the buffers are not reallocated (no per-step full copy)."""
+    kv = BatchKV(tiny_target.model)
+    fresh = kv.new_rows(["a", "b"])
+    fresh.forward([list(range(10, 40)), list(range(50, 60))], want_logits=False)
+    kv.add_rows(fresh)
+    kv._resize(256)  # room for the steps below, so growth (amortised doubling) doesn't kick in
+    buffers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in kv.cache.layers]
+    for step in range(10):
+        kv.forward([[100 + step, 7, 8, 9], [200 + step]])
+        kv.rollback(0, 2)
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in kv.cache.layers] == buffers
