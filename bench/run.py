@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default 8, the server's default; auto gets no K and uses the server's as its maximum)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per cell at 1 client (default 3; quick 1); N clients run ceil(this/N) waves of N")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads for the server and the peer (default 1; 0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the server and the peer (default 0 = torch's default, all cores)")
     p.add_argument("--seed", type=int, default=1234, help="base seed for temperature > 0 requests")
     p.add_argument("--server-url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--server-args", default="", help="extra arguments for `python -m server serve`")
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import server  # noqa: F401  (first: it selects passive OpenMP waiting before torch loads)
     import torch
 
     from bench.costs import measure_costs

@@ -137,3 +137,18 @@ def test_unseeded_auto_follows_the_measured_costs(tiny_engine_factory, prompt_id
             drafted += sum(s.draft_tokens for s in engine.step().seq_stats)
         used[cost] = drafted
     assert used[0.01] > 4 * max(used[5.0], 1)
+
+
+def test_a_proposer_that_cannot_pay_is_never_probed():
+    policy = policy_with_costs(draft_forward_ratio=1.3)  # the bf16 copy on one CPU thread, measured
+    feed(policy, "r", "draft", 0.1)
+    choices = [policy.choose("r", 8, 1, 1, has_match=False) for _ in range(64)]
+    assert all(c.method == "none" for c in choices)
+
+
+def test_auto_sequences_never_using_the_draft_never_prefill_it(tiny_engine_factory, prompt_ids):
+    engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
+    engine.policy.cost.draft_cost = lambda batch_tokens: 5.0  # far too slow to ever pay
+    run(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids)])
+    draft_kv = engine.proposers["draft"].kv
+    assert not draft_kv.cache.layers[0].is_initialized  # no draft forward ever ran

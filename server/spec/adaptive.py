@@ -202,15 +202,21 @@ class AdaptivePolicy:
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
         if best.method == "none" and k_max:
-            best = self._probe(state, request_id, has_match) or best
+            costs = {m: self.method_cost(m, batch_tokens, rows, reproducible) for m in self.methods}
+            best = self._probe(state, request_id, has_match, costs, k_max) or best
         state.last_used[best.method] = state.steps
         return best
 
-    def _probe(self, state: _SeqState, request_id: str, has_match: bool) -> Choice | None:
+    def _probe(
+        self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
+    ) -> Choice | None:
         """Now and then draft one token with an unused proposer, so a sequence whose text turns
-        copy-heavy later is noticed (costs one extra verify token every PROBE_EVERY steps)."""
+        copy-heavy later is noticed (costs one extra verify token every PROBE_EVERY steps). A
+        proposer too costly to pay even if every draft were accepted is not worth a probe."""
         for method in self.methods:
             if method == "ngram" and not has_match:
+                continue
+            if best_k(1.0, costs[method], k_max)[1] < MIN_GAIN:
                 continue
             if state.steps - state.last_used.get(method, 0) >= PROBE_EVERY:
                 return Choice(method, 1, self.acceptance(request_id, method))

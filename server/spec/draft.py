@@ -31,13 +31,20 @@ class DraftModelProposer(Proposer):
         self.pending: dict[str, list[int]] = {}
 
     def join(self, seqs: list[Sequence]) -> None:
-        fresh = self.kv.new_rows([s.request_id for s in seqs])
-        prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
-        if any(prompts):
-            fresh.forward(prompts, want_logits=False)
-        self.kv.add_rows(fresh)
+        """Nothing is computed yet: a sequence is prefilled into the draft cache the first time it
+        asks for drafts (an `auto` sequence may never do so, and then never pays for it)."""
         for s in seqs:
-            self.pending[s.request_id] = [s.request.prompt_token_ids[-1]]
+            self.pending[s.request_id] = list(s.request.prompt_token_ids)
+
+    def _prefill(self, request_ids: list[str]) -> None:
+        """Bring sequences into the draft cache: all their tokens but the last become cached."""
+        fresh = self.kv.new_rows(request_ids)
+        history = [self.pending[rid][:-1] for rid in request_ids]
+        if any(history):
+            fresh.forward(history, want_logits=False)
+        self.kv.add_rows(fresh)
+        for rid in request_ids:
+            self.pending[rid] = self.pending[rid][-1:]
 
     def leave(self, request_ids: set[str]) -> None:
         self.kv.remove_rows(request_ids)
@@ -47,7 +54,11 @@ class DraftModelProposer(Proposer):
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         by_id = {s.request_id: (s, k) for s, k in zip(seqs, ks, strict=True)}
-        rows = self.kv.rows  # every draft row is asked each step (the engine guarantees it)
+        cached = set(self.kv.rows)
+        starting = [s.request_id for s, k in zip(seqs, ks, strict=True) if k > 0 and s.request_id not in cached]
+        if starting:
+            self._prefill(starting)
+        rows = self.kv.rows  # every cached row is asked each step (the engine guarantees it)
         row_k = [by_id[rid][1] for rid in rows]
         k_max = max(row_k, default=0)
         vocab = self.vocab_size
@@ -82,14 +93,19 @@ class DraftModelProposer(Proposer):
         return self._in_order(seqs, drafts, q[:, :k_max])
 
     def _in_order(self, seqs: list[Sequence], drafts: list[list[int]], q: torch.Tensor) -> Proposal:
-        """Reorder from this proposer's cache rows to the caller's sequence order."""
-        index = [self.kv.index(s.request_id) for s in seqs]
-        return Proposal(drafts=[drafts[i] for i in index], probs=q[index])
+        """Reorder from this proposer's cache rows to the caller's sequence order (sequences not in
+        the cache drafted nothing)."""
+        rows = {rid: i for i, rid in enumerate(self.kv.rows)}
+        empty = q.new_zeros(q.shape[1:])
+        return Proposal(
+            drafts=[drafts[rows[s.request_id]] if s.request_id in rows else [] for s in seqs],
+            probs=torch.stack([q[rows[s.request_id]] if s.request_id in rows else empty for s in seqs]),
+        )
 
     def commit(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:
         rid = seq.request_id
         accepted = len(emitted) - 1
-        if not drafts:
+        if not drafts:  # it drafted nothing this step (or is not in the cache yet): catch up later
             self.pending[rid] += emitted
             return
         # The cache now holds d_1..d_{k-1}; keep the accepted ones, roll back the rest.
