@@ -5,7 +5,9 @@ from __future__ import annotations
 from server.engine.detokenizer import IncrementalDetokenizer
 
 
-def stream(tokenizer, text: str, stop: tuple[str, ...] = (), prompt: str = "Say:") -> tuple[list[str], IncrementalDetokenizer]:
+def stream(
+    tokenizer, text: str, stop: tuple[str, ...] = (), prompt: str = "Say:"
+) -> tuple[list[str], IncrementalDetokenizer]:
     det = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop)
     pieces = []
     for tid in tokenizer.encode(text):
