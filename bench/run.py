@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server does: see server/__init__.py
     import torch
 
-    import server  # noqa: F401  (first: it selects passive OpenMP waiting before torch loads)
     from bench.costs import measure_costs
     from bench.peer import Peer, chat_ids
     from bench.server_proc import live_server
