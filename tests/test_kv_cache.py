@@ -75,3 +75,15 @@ def test_steps_write_in_place_without_copying_the_cache(tiny_target):
         kv.forward([[100 + step, 7, 8, 9], [200 + step]])
         kv.rollback(0, 2)
     assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in kv.cache.layers] == buffers
+
+
+def test_chunked_prefill_equals_one_forward(tiny_target):
+    model = tiny_target.model
+    prompts = [list(range(100, 140)), list(range(300, 307)), []]
+    kv = BatchKV(model)
+    fresh = kv.new_rows(["a", "b", "c"])
+    fresh.prefill(prompts, chunk=16)
+    kv.add_rows(fresh)
+    logits = kv.forward([[5], [6], [7]])
+    for b, (p, last) in enumerate(zip(prompts, [5, 6, 7], strict=True)):
+        torch.testing.assert_close(logits[b, 0], clean_logits(model, p + [last]), atol=1e-4, rtol=1e-4)

@@ -138,8 +138,7 @@ class Engine:
             return 0
         fresh = self.kv.new_rows([s.request_id for s in joining])
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in joining]
-        if any(prompts):
-            fresh.forward(prompts, want_logits=False)
+        fresh.prefill(prompts)
         self.kv.add_rows(fresh)
         for seq in joining:
             self.running[seq.request_id] = seq

@@ -144,6 +144,13 @@ class BatchKV:
         self.length += width
         return logits
 
+    def prefill(self, tokens: list[list[int]], chunk: int = 512) -> None:
+        """Feed long token lists in chunks, so the mask and activations of a prompt stay bounded
+        (one 8k-token forward would build a 256 MB mask per row)."""
+        longest = max((len(t) for t in tokens), default=0)
+        for start in range(0, longest, chunk):
+            self.forward([t[start : start + chunk] for t in tokens], want_logits=False)
+
     def _attention_mask(self, counts: torch.Tensor, width: int) -> torch.Tensor:
         """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
 

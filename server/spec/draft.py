@@ -39,9 +39,7 @@ class DraftModelProposer(Proposer):
     def _prefill(self, request_ids: list[str]) -> None:
         """Bring sequences into the draft cache: all their tokens but the last become cached."""
         fresh = self.kv.new_rows(request_ids)
-        history = [self.pending[rid][:-1] for rid in request_ids]
-        if any(history):
-            fresh.forward(history, want_logits=False)
+        fresh.prefill([self.pending[rid][:-1] for rid in request_ids])
         self.kv.add_rows(fresh)
         for rid in request_ids:
             self.pending[rid] = self.pending[rid][-1:]
