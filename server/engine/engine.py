@@ -188,7 +188,8 @@ class Engine:
         counts = self._token_counts(seqs, drafts, logits.shape[1]) if sampling.any_penalty else None
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
         verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs])
-        self._fed_last_step = sum(len(f) for f in fed)
+        # The pass costs what it computes: every row padded to the widest one, not just real tokens.
+        self._fed_last_step = len(fed) * logits.shape[1]
         self.policy.cost.observe_verify(self._fed_last_step, self._elapsed(started))
 
         stats = []
