@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from server.spec.adaptive import AdaptivePolicy, CostModel, best_k, speedup
@@ -33,7 +35,7 @@ def test_low_acceptance_turns_speculation_off():
     policy = policy_with_costs()
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.1)
-    choice = policy.choose("r", k_max=8, batch_tokens=1, rows=1, has_match=True)
+    choice = policy.choose("r", k_max=8, rows=1, has_match=True)
     assert choice.method == "none" and choice.k == 0
 
 
@@ -41,8 +43,8 @@ def test_high_acceptance_raises_k():
     policy = policy_with_costs()
     feed(policy, "lo", "ngram", 0.5)
     feed(policy, "hi", "ngram", 1.0)
-    lo = policy.choose("lo", k_max=8, batch_tokens=1)
-    hi = policy.choose("hi", k_max=8, batch_tokens=1)
+    lo = policy.choose("lo", k_max=8)
+    hi = policy.choose("hi", k_max=8)
     assert lo.method == hi.method == "ngram"
     assert hi.k > lo.k and hi.k == 8
 
@@ -51,18 +53,21 @@ def test_cheap_proposer_wins_at_equal_acceptance_and_no_match_falls_back():
     policy = policy_with_costs(draft_forward_ratio=0.75)
     feed(policy, "r", "ngram", 0.9)
     feed(policy, "r", "draft", 0.9)
-    assert policy.choose("r", 8, 1, 1, has_match=True).method == "ngram"
-    assert policy.choose("r", 8, 1, 1, has_match=False).method == "draft"
+    assert policy.choose("r", 8, 1, has_match=True).method == "ngram"
+    assert policy.choose("r", 8, 1, has_match=False).method == "draft"
     expensive = policy_with_costs(draft_forward_ratio=1.2)
     feed(expensive, "r", "draft", 0.9)
-    assert expensive.choose("r", 8, 1, 1, has_match=False).method == "none"
+    assert expensive.choose("r", 8, 1, has_match=False).method == "none"
 
 
 def test_k_shrinks_as_verification_stops_being_free():
     policy = policy_with_costs(token_ratio=0.1)
-    feed(policy, "r", "ngram", 0.7)
-    alone = policy.choose("r", k_max=8, batch_tokens=5, rows=1).k
-    crowded = policy.choose("r", k_max=8, batch_tokens=40, rows=8).k  # each verified token costs its share
+    rng = random.Random(0)
+    for _ in range(60):  # independent per-token acceptance 0.7: leading successes out of 8
+        accepted = next((j for j in range(8) if rng.random() >= 0.7), 8)
+        policy.observe("r", "ngram", 8, accepted)
+    alone = policy.choose("r", k_max=8, rows=1).k
+    crowded = policy.choose("r", k_max=8, rows=8).k  # each verified token costs its share
     assert 0 < crowded < alone
 
 
@@ -70,7 +75,7 @@ def test_unused_proposer_is_probed_now_and_then():
     policy = policy_with_costs()
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.0)
-    choices = [policy.choose("r", 8, 1, 1, has_match=True) for _ in range(40)]
+    choices = [policy.choose("r", 8, 1, has_match=True) for _ in range(40)]
     probes = [c for c in choices if c.method != "none"]
     assert 1 <= len(probes) <= 6 and all(c.k == 1 for c in probes)
 
@@ -116,7 +121,7 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_timings(tiny_engine_
     def sample_once(draft_cost: float) -> dict[str, list[int]]:
         engine = tiny_engine_factory()
         # Measured costs differ from run to run; a seeded request's tokens must not follow them.
-        engine.policy.cost.draft_cost = lambda batch_tokens: draft_cost
+        engine.policy.cost.draft_cost = lambda rows: draft_cost
         reqs = [request(f"r{i}", p, "auto", 6, temperature=1.0, seed=3 + i) for i, p in enumerate(prompt_ids)]
         return run(engine, reqs)
 
@@ -128,7 +133,7 @@ def test_unseeded_auto_follows_the_measured_costs(tiny_engine_factory, prompt_id
     used = {}
     for cost in (0.01, 5.0):
         engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
-        engine.policy.cost.draft_cost = lambda batch_tokens, c=cost: c
+        engine.policy.cost.draft_cost = lambda rows, c=cost: c
         engine.policy.prior["draft"] = 0.9
         for i, p in enumerate(prompt_ids):
             engine.add_request(request(f"r{i}", p, "auto", 6, temperature=1.0))
@@ -142,13 +147,25 @@ def test_unseeded_auto_follows_the_measured_costs(tiny_engine_factory, prompt_id
 def test_a_proposer_that_cannot_pay_is_never_probed():
     policy = policy_with_costs(draft_forward_ratio=1.3)  # the bf16 copy on one CPU thread, measured
     feed(policy, "r", "draft", 0.1)
-    choices = [policy.choose("r", 8, 1, 1, has_match=False) for _ in range(64)]
+    choices = [policy.choose("r", 8, 1, has_match=False) for _ in range(64)]
     assert all(c.method == "none" for c in choices)
 
 
 def test_auto_sequences_never_using_the_draft_never_prefill_it(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
-    engine.policy.cost.draft_cost = lambda batch_tokens: 5.0  # far too slow to ever pay
+    engine.policy.cost.draft_cost = lambda rows: 5.0  # far too slow to ever pay
     run(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids)])
     draft_kv = engine.proposers["draft"].kv
     assert not draft_kv.cache.layers[0].is_initialized  # no draft forward ever ran
+
+
+def test_runs_of_copying_favour_long_drafts():
+    """Same overall acceptance (50%), different shape: all-or-nothing runs (copying) pay for a long
+    K, independent coin flips don't."""
+    bursty, coins = policy_with_costs(token_ratio=0.1), policy_with_costs(token_ratio=0.1)
+    for step in range(40):
+        bursty.observe("r", "ngram", 8, 8 if step % 2 else 0)
+        coins.observe("r", "ngram", 8, 1)  # first accepted, second rejected: 1 of 2 reached
+        coins.observe("r", "ngram", 8, 0)
+    assert bursty.choose("r", 8, 1).k >= 6
+    assert coins.choose("r", 8, 1).k <= 2

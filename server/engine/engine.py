@@ -55,8 +55,9 @@ class Engine:
         if draft is not None:
             self.proposers["draft"] = DraftModelProposer(draft, self.vocab_size)
         # auto: n-gram lookup costs next to nothing per draft token; the draft model's cost is timed.
-        self.policy = AdaptivePolicy(list(self.proposers), draft_token_cost={"ngram": 0.002})
-        self._fed_last_step = 0
+        self.policy = AdaptivePolicy(
+            list(self.proposers), draft_token_cost={"ngram": 0.002}, full_batch=settings.max_batch_size
+        )
         self.eos_ids = _eos_ids(target)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
@@ -189,8 +190,7 @@ class Engine:
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
         verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs])
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
-        self._fed_last_step = len(fed) * logits.shape[1]
-        self.policy.cost.observe_verify(self._fed_last_step, self._elapsed(started))
+        self.policy.cost.observe_verify(len(fed) * logits.shape[1], self._elapsed(started))
 
         stats = []
         for b, seq in enumerate(seqs):
@@ -219,7 +219,6 @@ class Engine:
             sp = seq.request.sampling
             choice = self.policy.choose(
                 seq.request_id, k_max,
-                batch_tokens=self._fed_last_step or len(seqs),
                 rows=len(seqs),
                 has_match=bool(lookups.get(b)),
                 reproducible=sp.seed is not None and not sp.greedy,

@@ -43,11 +43,20 @@ def speedup(a: float, k: int, c: float) -> float:
     return expected_tokens(a, k) / (c * k + 1.0)
 
 
-def best_k(a: float, c: float, k_max: int) -> tuple[int, float]:
-    """The K in [0, k_max] with the highest predicted speedup, and that speedup."""
+def best_k(a: float | list[float], c: float, k_max: int) -> tuple[int, float]:
+    """The K in [0, k_max] with the highest predicted speedup, and that speedup.
+
+    `a` is one per-token acceptance, or per draft position j the acceptance given that every
+    earlier draft was accepted (copying comes in runs: once the first draft is right, the next
+    ones usually are too, which a single rate underestimates).
+    """
+    rates = [a] * k_max if isinstance(a, float | int) else a
     best = (0, 1.0)
+    expected, run = 1.0, 1.0
     for k in range(1, k_max + 1):
-        s = speedup(a, k, c)
+        run *= rates[min(k - 1, len(rates) - 1)]  # P(the first k drafts are all accepted)
+        expected += run
+        s = expected / (c * k + 1.0)
         if s > best[1]:
             best = (k, s)
     return best
@@ -93,22 +102,22 @@ class CostModel:
         fixed, per_token = fit
         return fixed + per_token * tokens
 
-    def token_cost(self, batch_tokens: int, rows: int) -> float:
-        """Relative cost, for one of `rows` sequences, of verifying one more token when the step
-        already feeds `batch_tokens`: the extra time against that sequence's share of the step. It
-        grows with the batch: alone, verifying is nearly free; in a full batch, each token costs
-        about its share."""
+    def token_cost(self, rows: int) -> float:
+        """Relative cost, for one of `rows` sequences, of verifying one more token each step: the
+        time it adds to a step against that sequence's share of a plain-decoding step of the same
+        batch. Alone, verifying is nearly free; in a full batch on a CPU, each token costs about
+        its share."""
         fit = self._fit()
         if fit is None:
             return self.prior_token_ratio * rows
         fixed, per_token = fit
-        return rows * per_token / (fixed + per_token * max(batch_tokens, 1))
+        return rows * per_token / (fixed + per_token * rows)
 
-    def draft_cost(self, batch_tokens: int) -> float | None:
-        """Relative cost of one draft-model token (one draft forward) against the current verify step."""
+    def draft_cost(self, rows: int) -> float | None:
+        """Relative cost of one draft-model token (one batched draft forward) against a plain step."""
         if not self._draft_forward:
             return None
-        step = self.verify_time(batch_tokens)
+        step = self.verify_time(rows)
         if not step:
             return None
         return (sum(self._draft_forward) / len(self._draft_forward)) / step
@@ -116,17 +125,35 @@ class CostModel:
 
 @dataclass
 class _Acceptance:
-    """Decayed counts of drafted and accepted tokens."""
+    """Decayed counts: drafted and accepted tokens, and per draft position how often it was reached
+    (every earlier draft accepted) and accepted."""
 
     drafted: float = 0.0
     accepted: float = 0.0
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
 
     def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         self.drafted = self.drafted * decay + drafted
         self.accepted = self.accepted * decay + accepted
+        if len(self.reached) < drafted:
+            self.reached += [0.0] * (drafted - len(self.reached))
+            self.kept += [0.0] * (drafted - len(self.kept))
+        for j in range(len(self.reached)):
+            self.reached[j] = self.reached[j] * decay + (1.0 if j <= accepted and j < drafted else 0.0)
+            self.kept[j] = self.kept[j] * decay + (1.0 if j < accepted else 0.0)
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + prior * weight) / (self.drafted + weight)
+
+    def by_position(self, prior: float, weight: float, k_max: int) -> list[float]:
+        """Acceptance at each draft position given the earlier ones were accepted, shrunk toward
+        this history's overall rate where a position has little evidence."""
+        overall = self.rate(prior, weight)
+        return [
+            (self.kept[j] + overall * 2.0) / (self.reached[j] + 2.0) if j < len(self.reached) else overall
+            for j in range(max(k_max, 1))
+        ]
 
 
 @dataclass
@@ -147,10 +174,19 @@ class AdaptivePolicy:
     """Per-sequence choice of proposer and K. Pure bookkeeping: the engine feeds it outcomes and
     timings and asks it before each step."""
 
-    def __init__(self, methods: list[str], draft_token_cost: dict[str, float], cost: CostModel | None = None):
+    def __init__(
+        self,
+        methods: list[str],
+        draft_token_cost: dict[str, float],
+        cost: CostModel | None = None,
+        full_batch: int = 8,
+    ):
         """`draft_token_cost`: relative cost per draft token for proposers the cost model doesn't time
-        (n-gram lookup: ~0). The draft model's is measured by `cost`."""
+        (n-gram lookup: ~0). The draft model's is measured by `cost`. `full_batch`: the batch size
+        reproducible choices assume (they cannot look at the real one), so they stay worth it even
+        in a full batch."""
         self.methods = methods
+        self.full_batch = full_batch
         self.fixed_cost = draft_token_cost
         self.cost = cost or CostModel()
         self.global_rate = {m: _Acceptance() for m in methods}
@@ -160,49 +196,50 @@ class AdaptivePolicy:
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 
-    def acceptance(self, request_id: str, method: str, reproducible: bool = False) -> float:
+    def acceptance(self, request_id: str, method: str, reproducible: bool = False, k_max: int = 1) -> list[float]:
+        """Per draft position, the expected acceptance of `method` for this sequence."""
         prior = self.prior.get(method, 0.5)
         if not reproducible:
             prior = self.global_rate[method].rate(prior, 4.0)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(method) if state else None
-        return seq.rate(prior, PRIOR_WEIGHT) if seq else prior
+        return seq.by_position(prior, PRIOR_WEIGHT, k_max) if seq else [prior] * max(k_max, 1)
 
-    def method_cost(self, method: str, batch_tokens: int, rows: int = 1, reproducible: bool = False) -> float:
+    def method_cost(self, method: str, rows: int = 1, reproducible: bool = False) -> float:
         """c for `method`: verifying one more token plus producing one draft token."""
         if reproducible:
-            return self.cost.prior_token_ratio + self.fixed_cost.get(method, DEFAULT_DRAFT_COST)
+            verify = self.cost.prior_token_ratio * self.full_batch
+            return verify + self.fixed_cost.get(method, DEFAULT_DRAFT_COST)
         own = self.fixed_cost.get(method)
         if own is None:
-            own = self.cost.draft_cost(batch_tokens)
+            own = self.cost.draft_cost(rows)
             if own is None:
                 own = DEFAULT_DRAFT_COST
-        return self.cost.token_cost(batch_tokens, rows) + own
+        return self.cost.token_cost(rows) + own
 
     def choose(
         self,
         request_id: str,
         k_max: int,
-        batch_tokens: int,
         rows: int = 1,
         has_match: bool = True,
         reproducible: bool = False,
     ) -> Choice:
-        """Pick (method, K) for one of `rows` sequences in a step feeding about `batch_tokens` tokens.
-        `has_match`: the n-gram lookup found something to propose. `reproducible`: decide from this
-        request's own history and fixed costs only (seeded sampling)."""
+        """Pick (method, K) for one of `rows` sequences in the batch. `has_match`: the n-gram lookup
+        found something to propose. `reproducible`: decide from this request's own history and
+        fixed costs only (seeded sampling)."""
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice("none", 0, 1.0)
         for method in self.methods:
             if method == "ngram" and not has_match:
                 continue
-            a = self.acceptance(request_id, method, reproducible)
-            k, gain = best_k(a, self.method_cost(method, batch_tokens, rows, reproducible), k_max)
+            a = self.acceptance(request_id, method, reproducible, k_max)
+            k, gain = best_k(a, self.method_cost(method, rows, reproducible), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
         if best.method == "none" and k_max:
-            costs = {m: self.method_cost(m, batch_tokens, rows, reproducible) for m in self.methods}
+            costs = {m: self.method_cost(m, rows, reproducible) for m in self.methods}
             best = self._probe(state, request_id, has_match, costs, k_max) or best
         state.last_used[best.method] = state.steps
         return best
@@ -219,7 +256,7 @@ class AdaptivePolicy:
             if best_k(1.0, costs[method], k_max)[1] < MIN_GAIN:
                 continue
             if state.steps - state.last_used.get(method, 0) >= PROBE_EVERY:
-                return Choice(method, 1, self.acceptance(request_id, method))
+                return Choice(method, 1, 1.0)
         return None
 
     def observe(self, request_id: str, method: str, drafted: int, accepted: int) -> None:
