@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.spec.adaptive import AdaptivePolicy, CostModel, best_k, speedup
+from server.spec.adaptive import PROBE_OVERHEAD, AdaptivePolicy, CostModel, best_k, speedup
 from tests.engine_helpers import request, run
 
 
@@ -71,13 +71,17 @@ def test_k_shrinks_as_verification_stops_being_free():
     assert 0 < crowded < alone
 
 
-def test_unused_proposer_is_probed_now_and_then():
+def test_unused_proposer_is_probed_now_and_then_within_a_cost_budget():
     policy = policy_with_costs()
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.0)
-    choices = [policy.choose("r", 8, 1, has_match=True) for _ in range(40)]
+    steps = 64
+    choices = [policy.choose("r", 8, 1, has_match=True) for _ in range(steps)]
     probes = [c for c in choices if c.method != "none"]
-    assert 1 <= len(probes) <= 6 and all(c.k == 1 for c in probes)
+    assert probes and all(c.k == 1 for c in probes)
+    spent = sum(policy.method_cost(c.method, 1) for c in probes)
+    assert spent <= 2 * PROBE_OVERHEAD * steps + max(policy.method_cost(m, 1) for m in ("ngram", "draft"))
+    assert sum(c.method == "ngram" for c in probes) > sum(c.method == "draft" for c in probes)
 
 
 def test_auto_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):

@@ -19,6 +19,7 @@ stream is consumed. For those, choices depend only on the request's own history 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence 
 DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
 DEFAULT_DRAFT_COST = 0.75  # a draft model's cost per token before timings exist (DESIGN.md: bf16 copy)
-PROBE_EVERY = 16  # steps between probes of a proposer that is not being used (K=1), to keep a fresh
+PROBE_OVERHEAD = 0.02  # the probes of one unused proposer may cost this fraction of the steps, at most
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -248,14 +249,17 @@ class AdaptivePolicy:
         self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
     ) -> Choice | None:
         """Now and then draft one token with an unused proposer, so a sequence whose text turns
-        copy-heavy later is noticed (costs one extra verify token every PROBE_EVERY steps). A
-        proposer too costly to pay even if every draft were accepted is not worth a probe."""
+        copy-heavy later is noticed. A probe costs c (one draft token); probing every c /
+        PROBE_OVERHEAD steps keeps their total cost within PROBE_OVERHEAD: a cheap n-gram lookup is
+        re-checked every few steps, a draft model rarely (at least every 64). A proposer too costly to pay even if every
+        draft were accepted is never probed."""
         for method in self.methods:
             if method == "ngram" and not has_match:
                 continue
             if best_k(1.0, costs[method], k_max)[1] < MIN_GAIN:
                 continue
-            if state.steps - state.last_used.get(method, 0) >= PROBE_EVERY:
+            interval = min(max(math.ceil(costs[method] / PROBE_OVERHEAD), 2), 64)
+            if state.steps - state.last_used.get(method, 0) >= interval:
                 return Choice(method, 1, 1.0)
         return None
 
