@@ -251,8 +251,8 @@ class AdaptivePolicy:
         """Now and then draft one token with an unused proposer, so a sequence whose text turns
         copy-heavy later is noticed. A probe costs c (one draft token); probing every c /
         PROBE_OVERHEAD steps keeps their total cost within PROBE_OVERHEAD: a cheap n-gram lookup is
-        re-checked every few steps, a draft model rarely (at least every 64). A proposer too costly to pay even if every
-        draft were accepted is never probed."""
+        re-checked every few steps, a draft model rarely (every 64 steps at the least often). A
+        proposer too costly to pay even if every draft were accepted is never probed."""
         for method in self.methods:
             if method == "ngram" and not has_match:
                 continue
