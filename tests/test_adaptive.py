@@ -173,3 +173,15 @@ def test_runs_of_copying_favour_long_drafts():
         coins.observe("r", "ngram", 8, 0)
     assert bursty.choose("r", 8, 1).k >= 6
     assert coins.choose("r", 8, 1).k <= 2
+
+
+def test_in_a_batch_rows_probe_only_for_free():
+    policy = policy_with_costs()
+    policy.fixed_cost["draft"] = 1.5  # a draft model slower than the target
+    feed(policy, "r", "ngram", 0.0)
+    choices = [policy.choose("r", 8, rows=8, has_match=True) for _ in range(64)]
+    assert all(c.method == "none" for c in choices)  # alone it would probe; in a batch it waits
+    assert policy.free_probe("r", has_match=False) is None  # no match, and the draft model can't pay
+    probe = policy.free_probe("r", has_match=True)
+    assert probe is not None and probe.method == "ngram" and probe.k == 1
+    assert policy.free_probe("r", has_match=True) is None  # not twice in a row

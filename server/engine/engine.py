@@ -210,7 +210,8 @@ class Engine:
 
     def _plan(self, seqs: list[Sequence], lookups: dict[int, list[int]]) -> list[tuple[str, int]]:
         """(proposer, K) per row this step: the request's own, or the adaptive policy's for `auto`."""
-        plan = []
+        plan: list[tuple[str, int]] = []
+        auto_rows = []
         for b, seq in enumerate(seqs):
             k_max = seq.num_drafts()
             if seq.method != "auto":
@@ -224,6 +225,15 @@ class Engine:
                 reproducible=sp.seed is not None and not sp.greedy,
             )
             plan.append((choice.method, choice.k))
+            auto_rows.append(b)
+        if len(seqs) > 1 and any(k for _, k in plan):
+            # Some row already widens the verify pass: rows that chose plain decoding may probe free.
+            for b in auto_rows:
+                sp = seqs[b].request.sampling
+                if plan[b][1] == 0 and seqs[b].num_drafts() and not (sp.seed is not None and not sp.greedy):
+                    probe = self.policy.free_probe(seqs[b].request_id, bool(lookups.get(b)))
+                    if probe is not None:
+                        plan[b] = (probe.method, probe.k)
         return plan
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[str], list[list[int]], torch.Tensor | None]:

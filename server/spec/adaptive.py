@@ -239,11 +239,29 @@ class AdaptivePolicy:
             k, gain = best_k(a, self.method_cost(method, rows, reproducible), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
-        if best.method == "none" and k_max:
+        # In a batch, one row's lone probe widens the verify pass for every row (padding), which
+        # costs far more than its share: there, rows probe only for free (`free_probe`).
+        if best.method == "none" and k_max and (rows == 1 or reproducible):
             costs = {m: self.method_cost(m, rows, reproducible) for m in self.methods}
             best = self._probe(state, request_id, has_match, costs, k_max) or best
         state.last_used[best.method] = state.steps
         return best
+
+    def free_probe(self, request_id: str, has_match: bool) -> Choice | None:
+        """A one-token probe for a sequence that chose plain decoding, when another row of the batch
+        already widens this step's verify pass (so the probe costs nothing extra)."""
+        state = self.seqs.get(request_id)
+        if state is None:
+            return None
+        for method in self.methods:
+            if method == "ngram" and not has_match:
+                continue
+            if method != "ngram" and self.method_cost(method) - self.cost.token_cost(1) >= 1.0:
+                continue  # a draft model costlier than a step never pays, even verified for free
+            if state.steps - state.last_used.get(method, 0) >= 2:
+                state.last_used[method] = state.steps
+                return Choice(method, 1, 1.0)
+        return None
 
     def _probe(
         self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
