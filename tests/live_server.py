@@ -20,10 +20,9 @@ from server.engine.models import LoadedModel
 
 
 @contextmanager
-def live_server(target: LoadedModel, draft: LoadedModel | None, **overrides: Any) -> Iterator[tuple[str, FastAPI]]:
-    """Yields (base URL, app) once /health is 200; stops the server (lifespan drain included) after."""
-    settings = Settings.load(**overrides)
-    app = create_app(settings, lambda s: Engine(target, draft, s))
+def serve_app(app: FastAPI, timeout_s: float = 120) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port in a thread; yields its base URL once
+    /health is 200 and stops the server (lifespan drain included) after."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -32,7 +31,7 @@ def live_server(target: LoadedModel, draft: LoadedModel | None, **overrides: Any
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -41,8 +40,16 @@ def live_server(target: LoadedModel, draft: LoadedModel | None, **overrides: Any
                 pass
             assert time.monotonic() < deadline, "live server did not become healthy"
             time.sleep(0.05)
-        yield url, app
+        yield url
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def live_server(target: LoadedModel, draft: LoadedModel | None, **overrides: Any) -> Iterator[tuple[str, FastAPI]]:
+    """Yields (base URL, app) for the tiny engine once /health is 200."""
+    app = create_app(Settings.load(**overrides), lambda s: Engine(target, draft, s))
+    with serve_app(app) as url:
+        yield url, app

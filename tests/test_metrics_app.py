@@ -8,7 +8,6 @@ and on the scheduler tests' `FakeEngine` (wiring only, no drafts).
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,12 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from server.api.app import create_app
 from server.config import Settings
+from tests.live_server import serve_app
 from tests.metrics_helpers import REQUIRED_FAMILIES, family_names, sum_samples
-from tests.prometheus_server import PROMETHEUS, Prometheus, free_port, run_prometheus
+from tests.prometheus_server import PROMETHEUS, Prometheus, run_prometheus
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -50,35 +49,16 @@ def live(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """The app served by uvicorn on a free loopback port once /health is 200, and Prometheus scraping it."""
     factory = engine_factory(request.param, request)
     settings = Settings.load(speculation="ngram", num_speculative_tokens=4, max_batch_size=4)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, factory), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.2)
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    try:
+    with serve_app(create_app(settings, factory)) as url:
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         if PROMETHEUS is None:
             yield LiveServer(url, model, None)
         else:
-            with run_prometheus(f"127.0.0.1:{port}", tmp_path_factory.mktemp("prom")) as prom:
+            with run_prometheus(url.removeprefix("http://"), tmp_path_factory.mktemp("prom")) as prom:
                 prom.wait_for(
                     "a zero scrape", lambda: prom.scalar("sum(specula_spec_decode_steps_total)") == 0
                 )
                 yield LiveServer(url, model, prom)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def engine_factory(kind: str, request: pytest.FixtureRequest) -> Callable[[Settings], Any]:
