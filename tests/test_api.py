@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 from server.api.app import create_app
@@ -266,3 +267,17 @@ async def test_queue_full_is_429(tiny_engine_factory):
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "b", "max_tokens": 2})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         assert (await first).status_code == 200
+
+
+async def test_one_log_line_per_request_with_its_ttft(tiny_engine_factory, caplog):
+    caplog.set_level("INFO", logger="specula.request")
+    async with running_app(tiny_engine_factory) as (_, client):
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4, stream=stream, user="u1"))
+            assert r.status_code == 200
+    records = [json.loads(rec.getMessage().removeprefix("request ")) for rec in caplog.records
+               if rec.name == "specula.request"]
+    assert len(records) == 2
+    for rec in records:
+        assert rec["user"] == "u1" and rec["completion_tokens"] <= 4
+        assert isinstance(rec["ttft_s"], float) and 0 <= rec["ttft_s"] <= rec["total_s"]

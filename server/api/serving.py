@@ -101,12 +101,18 @@ class OpenAIServing:
         except (RequestRejected, EngineError, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
-    async def _collect(self, request: Request, stream: RequestStream, choices: list[R.Choice]) -> None:
+    async def _collect(self, request: Request, stream: RequestStream, choices: list[R.Choice]) -> float | None:
+        """Gather every choice's output; returns when (monotonic) the first output arrived."""
+        first: list[float] = []
+
         async def run() -> None:
             async for index, out in stream.events():
+                if not first:
+                    first.append(time.monotonic())
                 choices[index].add(out)
 
         await self._await(request, stream, run())
+        return first[0] if first else None
 
     async def _started(self, request: Request, stream: RequestStream) -> Events:
         """The stream's events, once the first has arrived: admission errors are still a 4xx, not SSE."""
@@ -174,8 +180,8 @@ class OpenAIServing:
         fmt = self.logprobs if logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
-            await self._collect(request, stream, choices)
-            self._log(response_id, body.user, choices, method, started, None)
+            first = await self._collect(request, stream, choices)
+            self._log(response_id, body.user, choices, method, started, first and first - started)
             return R.chat_completion(
                 response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
             )
@@ -221,8 +227,8 @@ class OpenAIServing:
         fmt = self.logprobs if body.logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
-            await self._collect(request, stream, choices)
-            self._log(response_id, body.user, choices, method, started, None)
+            first = await self._collect(request, stream, choices)
+            self._log(response_id, body.user, choices, method, started, first and first - started)
             return R.text_completion(
                 response_id,
                 created,
