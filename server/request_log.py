@@ -48,19 +48,9 @@ def request_record(
     return record
 
 
-def format_request_line(
-    request_id: str,
-    model: str,
-    stats: RequestStats,
-    finish_reason: str | None,
-    ttft_s: float | None,
-    e2e_s: float,
-    user: str | None = None,
-) -> str:
+def format_request_line(record: dict[str, object]) -> str:
     """`request <json>`: one line, no newlines inside (JSON escapes them), keys in a fixed order."""
-    return "request " + json.dumps(
-        request_record(request_id, model, stats, finish_reason, ttft_s, e2e_s, user)
-    )
+    return "request " + json.dumps(record)
 
 
 def log_request(
@@ -75,4 +65,4 @@ def log_request(
 ) -> None:
     """Log the finished request's line at INFO."""
     if logger.isEnabledFor(logging.INFO):
-        logger.info(format_request_line(request_id, model, stats, finish_reason, ttft_s, e2e_s, user))
+        logger.info(format_request_line(request_record(request_id, model, stats, finish_reason, ttft_s, e2e_s, user)))

@@ -8,7 +8,7 @@ import pytest
 
 from server.engine.types import RequestStats, SeqStepStats, StepResult
 from server.metrics import Metrics
-from server.request_log import format_request_line, log_request
+from server.request_log import format_request_line, log_request, request_record
 from tests.metrics_helpers import (
     REQUIRED_FAMILIES,
     family_names,
@@ -153,7 +153,7 @@ def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:
         accepted_tokens=6,
         decode_steps=3,
     )
-    line = format_request_line("cmpl-1", "tiny", st, "stop", 0.1234, 1.5)
+    line = format_request_line(request_record("cmpl-1", "tiny", st, "stop", 0.1234, 1.5))
     assert "\n" not in line and line.startswith("request {")
     for part in (
         '"id": "cmpl-1"',
@@ -170,5 +170,5 @@ def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:
         log_request("cmpl-1", "tiny", st, "stop", 0.1234, 1.5)
     assert [r.getMessage() for r in caplog.records] == [line]
     assert '"user"' not in line
-    with_user = format_request_line("cmpl-2", "tiny", st, "length", None, 2.0, user='a"b\nc')
+    with_user = format_request_line(request_record("cmpl-2", "tiny", st, "length", None, 2.0, user='a"b\nc'))
     assert "\n" not in with_user and with_user.endswith('"user": "a\\"b\\nc"}')
