@@ -37,3 +37,17 @@ def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
     pieces, det = stream(tokenizer, " alpha ENDING", stop=("END.",))
     assert not det.stopped
     assert "".join(pieces) == " alpha ENDING"
+
+
+def test_a_sequence_ending_inside_a_character_releases_what_its_tokens_decode_to(tokenizer):
+    ids = tokenizer.encode(" ok 😀")
+    cut = ids[:-1]  # the emoji spans several byte tokens: stop before its last one
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    det = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    pieces = []
+    for tid in cut:
+        det.add(tid)
+        pieces.append(det.take())
+    assert not any("\ufffd" in p for p in pieces)  # never while the sequence runs
+    pieces.append(det.take(final=True))
+    assert "".join(pieces) == tokenizer.decode(cut)

@@ -28,11 +28,16 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self._ids.append(token_id)
+        self._decode_new(complete_only=True)
+
+    def _decode_new(self, complete_only: bool) -> None:
+        """Move the text of tokens not yet read into `text`. With `complete_only`, wait while the
+        text would end in a broken character (U+FFFD) or the new tokens have no text yet."""
         decode = self.tokenizer.decode
         before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
         after = decode(self._ids[self._prefix :], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # an incomplete character (or a token with no text): wait
+        if len(after) <= len(before) or (complete_only and after.endswith("\ufffd")):
+            return
         start = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
@@ -47,7 +52,13 @@ class IncrementalDetokenizer:
                 return
 
     def take(self, final: bool = False) -> str:
-        """New text since the last call; unless `final`, withhold a tail that may begin a stop string."""
+        """New text since the last call; unless `final`, withhold a tail that may begin a stop string.
+
+        `final`: the sequence ended, so whatever its last tokens decode to is released, even half a
+        character (as U+FFFD, exactly what decoding the output tokens gives).
+        """
+        if final and not self.stopped and self._read < len(self._ids):
+            self._decode_new(complete_only=False)
         end = len(self.text)
         if not final and not self.stopped:
             end -= self._held_back()
