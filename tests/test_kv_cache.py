@@ -87,3 +87,17 @@ def test_chunked_prefill_equals_one_forward(tiny_target):
     logits = kv.forward([[5], [6], [7]])
     for b, (p, last) in enumerate(zip(prompts, [5, 6, 7], strict=True)):
         torch.testing.assert_close(logits[b, 0], clean_logits(model, p + [last]), atol=1e-4, rtol=1e-4)
+
+
+def test_holes_from_rollbacks_stay_bounded(tiny_target):
+    """Every step rolls back most of what it fed (as a draft cache does): compaction keeps the
+    column space within about twice the live tokens instead of growing with the steps."""
+    kv = BatchKV(tiny_target.model)
+    fresh = kv.new_rows(["a"])
+    fresh.forward([list(range(10, 20))], want_logits=False)
+    kv.add_rows(fresh)
+    for step in range(200):
+        kv.forward([[100 + step % 50, 1, 2, 3, 4, 5, 6, 7]])
+        kv.rollback(0, 7)
+    assert kv.positions == [210]
+    assert kv.length <= 2 * 210 + 64 + 8

@@ -205,7 +205,6 @@ class Engine:
             logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
             kept = self._append(seq, emitted)
             outputs.append(self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None))
-        self.kv.maybe_compact()
         return stats
 
     def _plan(self, seqs: list[Sequence], lookups: dict[int, list[int]]) -> list[tuple[str, int]]:

@@ -113,6 +113,7 @@ class BatchKV:
         `want_logits=False` (prefill) the LM head runs on one position only and None is returned.
         """
         assert len(tokens) == len(self.rows), "one token list per row"
+        self.maybe_compact()  # here, so every cache (target and draft) keeps its holes bounded
         batch = len(self.rows)
         width = max((len(t) for t in tokens), default=0)
         if batch == 0 or width == 0:
@@ -220,7 +221,6 @@ class BatchKV:
         if not self.rows:
             self.length = 0
             self.keep[:] = False
-        self.maybe_compact()
 
     def new_rows(self, request_ids: list[str]) -> BatchKV:
         """An empty cache for rows about to be prefilled and then merged with `add_rows`."""
