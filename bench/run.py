@@ -75,7 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="draft tokens per step (K): one number for ngram and draft, or e.g. ngram=8,draft=4 "
                         "(default 8, the server's default; auto gets no K and uses the server's as its maximum)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per cell at 1 client (default 3; quick 1); N clients run ceil(this/N) waves of N")
+                   help="requests per cell at 1 client (default 8: every prompt; quick 1); N clients run "
+                        "ceil(this/N) waves of N, and at least --min-waves")
+    p.add_argument("--min-waves", type=int, default=None,
+                   help="waves per cell at least (default 2; quick 1): a single wave of 8 requests is noisy")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the server and the peer (default 0 = torch's default, all cores)")
     p.add_argument("--seed", type=int, default=1234, help="base seed for temperature > 0 requests")
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.temperatures = args.temperatures if args.temperatures is not None else ([0.0] if quick else [0.0, 0.8])
     args.peer = args.peer if args.peer is not None else (["hf-prompt-lookup"] if quick else list(PEER_METHODS))
     args.max_tokens = args.max_tokens or (32 if quick else 48)
-    args.requests = args.requests or (1 if quick else 3)
+    args.requests = args.requests or (1 if quick else 8)
+    args.min_waves = args.min_waves or (1 if quick else 2)
     return args
 
 
@@ -116,7 +120,7 @@ class Progress:
 
 
 def schedule(workloads: list[Workload], temperatures: list[float], clients: list[int], methods: list[str],
-             peer: list[str], requests: int) -> list[tuple[Workload, float, int, int, list[str]]]:
+             peer: list[str], requests: int, min_waves: int = 1) -> list[tuple[Workload, float, int, int, list[str]]]:
     """(workload, temperature, clients, round, method order) per round of waves, in run order.
 
     Within a block the order alternates A B C D / D C B A between rounds (cancels linear drift); the
@@ -130,7 +134,7 @@ def schedule(workloads: list[Workload], temperatures: list[float], clients: list
                 names = methods + (peer if n == 1 and t == 0.0 else [])
                 rot = block % len(names)
                 base = names[rot:] + names[:rot]
-                for r in range(max(1, -(-requests // n))):
+                for r in range(max(1, min_waves, -(-requests // n))):
                     plan.append((w, t, n, r, base if r % 2 == 0 else base[::-1]))
                 block += 1
     return plan
@@ -142,7 +146,7 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         model = await model_id(client, url)
         plan = schedule(workloads, args.temperatures, args.clients, methods, args.peer if peer_runner else [],
-                        args.requests)
+                        args.requests, args.min_waves)
         progress = Progress(sum(len(order) for *_, order in plan))
         for w, t, n, r, order in plan:
             picks = [w.prompts[(r * n + i) % len(w.prompts)] for i in range(n)]
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "threads": args.threads,
         "requests_per_cell": args.requests,
+        "min_waves": args.min_waves,
         "workloads": args.workloads,
         "clients": args.clients,
         "temperatures": args.temperatures,

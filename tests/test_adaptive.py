@@ -185,3 +185,34 @@ def test_in_a_batch_rows_probe_only_for_free():
     probe = policy.free_probe("r", has_match=True)
     assert probe is not None and probe.method == "ngram" and probe.k == 1
     assert policy.free_probe("r", has_match=True) is None  # not twice in a row
+
+
+def test_acceptance_is_tracked_per_match_length():
+    """The same sequence copies (long matches, drafts accepted) and writes freely (one-token
+    matches, drafts rejected): long matches get long drafts, one-token matches none."""
+    policy = policy_with_costs(token_ratio=0.1)
+    for _ in range(20):
+        policy.observe("r", "ngram", 8, 8, match_len=12)
+        policy.observe("r", "ngram", 4, 0, match_len=1)
+    assert policy.choose("r", 8, 1, has_match=True, match_len=12).k == 8
+    assert policy.choose("r", 8, 1, has_match=True, match_len=1).method == "none"
+    # a new sequence starts from what the whole engine has seen at that match length
+    assert policy.choose("new", 8, 1, has_match=True, match_len=9).k >= 6
+
+
+def test_positions_never_drafted_inherit_the_last_known_rate():
+    """A sequence drafting K=2 whose first draft is right half the time, and whose second always is
+    when the first was, is offered a long K next: positions 3+ have no evidence yet, and copying
+    comes in runs (falling back to the overall 50% would keep K at 3)."""
+    policy = policy_with_costs(token_ratio=0.1)
+    for step in range(40):
+        policy.observe("r", "ngram", 2, 2 if step % 2 else 0)
+    assert policy.choose("r", 8, 1).k >= 6
+
+
+def test_auto_records_ngram_outcomes_by_match_length(tiny_engine_factory, prompt_ids, greedy_reference):
+    engine = tiny_engine_factory()
+    out = run(engine, [request(f"r{i}", p, "ngram", 4) for i, p in enumerate(prompt_ids)])
+    assert out == greedy_reference
+    keys = set(engine.policy.global_rate)
+    assert keys and all(k.startswith("ngram@") for k in keys)

@@ -212,6 +212,8 @@ def test_schedule_interleaves_and_alternates() -> None:
     assert first[0] == ["none", "ngram", "draft", "hf-prompt-lookup"] and first[1] == first[0][::-1]
     four = [order for w, t, n, r, order in plan if w.name == "copy_edit" and t == 0.0 and n == 4]
     assert len(four) == 1 and "hf-prompt-lookup" not in four[0]  # the peer runs at 1 client, greedy only
+    at_least = schedule(workloads, [0.0], [8], ["none", "auto"], [], 4, min_waves=2)
+    assert len(at_least) == 2 * len(workloads)  # 4 requests fit one wave of 8, but a cell gets 2
     hot = [order for w, t, n, r, order in plan if t == 0.8 and n == 1]
     assert all("hf-prompt-lookup" not in o for o in hot)
     starts = {order[0] for *_, r, order in plan if r == 0}

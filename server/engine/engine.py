@@ -179,7 +179,7 @@ class Engine:
     # ---- one speculative step ------------------------------------------------------------------
     def _speculative_step(self, outputs: list[RequestOutput]) -> list[SeqStepStats]:
         seqs = [self.running[rid] for rid in self.kv.rows]
-        methods, drafts, q = self._propose(seqs)
+        methods, drafts, q, matches = self._propose(seqs)
 
         # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions.
         fed = [[seq.last_token, *d] for seq, d in zip(seqs, drafts, strict=True)]
@@ -199,7 +199,7 @@ class Engine:
             for method, proposer in self.proposers.items():
                 if seq.uses(method):
                     proposer.commit(seq, drafts[b] if methods[b] == method else [], emitted)
-            self.policy.observe(seq.request_id, methods[b], k, accepted)
+            self.policy.observe(seq.request_id, methods[b], k, accepted, matches.get(b))
             self._record(seq, k, accepted)
             stats.append(SeqStepStats(seq.request_id, seq.method, k, accepted, len(emitted), k > 0 and accepted == k))
             logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
@@ -207,7 +207,9 @@ class Engine:
             outputs.append(self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None))
         return stats
 
-    def _plan(self, seqs: list[Sequence], lookups: dict[int, list[int]]) -> list[tuple[str, int]]:
+    def _plan(
+        self, seqs: list[Sequence], lookups: dict[int, list[int]], matches: dict[int, int]
+    ) -> list[tuple[str, int]]:
         """(proposer, K) per row this step: the request's own, or the adaptive policy's for `auto`."""
         plan: list[tuple[str, int]] = []
         auto_rows = []
@@ -222,6 +224,7 @@ class Engine:
                 rows=len(seqs),
                 has_match=bool(lookups.get(b)),
                 reproducible=sp.seed is not None and not sp.greedy,
+                match_len=matches.get(b),
             )
             plan.append((choice.method, choice.k))
             auto_rows.append(b)
@@ -235,20 +238,26 @@ class Engine:
                         plan[b] = (probe.method, probe.k)
         return plan
 
-    def _propose(self, seqs: list[Sequence]) -> tuple[list[str], list[list[int]], torch.Tensor | None]:
+    def _propose(
+        self, seqs: list[Sequence]
+    ) -> tuple[list[str], list[list[int]], torch.Tensor | None, dict[int, int]]:
         """Plan, then ask each proposer for its rows' drafts. Returns each row's proposer this step,
-        the drafts, and q for the batch ([batch, K, vocab]; None when every row's q is one-hot)."""
+        the drafts, q for the batch ([batch, K, vocab]; None when every row's q is one-hot), and the
+        n-gram match length of every row whose drafts this step are n-gram ones."""
         # The n-gram lookup runs first: it is nearly free, and `auto` needs to know whether it matches.
         # Its proposal is prefix-consistent, so looking up k_max tokens and keeping k equals asking for k.
         lookups: dict[int, list[int]] = {}
+        found_len: dict[int, int] = {}
         if "ngram" in self.proposers:
             rows = [b for b, s in enumerate(seqs) if s.uses("ngram")]
             if rows:
                 found = self.proposers["ngram"].propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
                 lookups = dict(zip(rows, found.drafts, strict=True))
-        plan = self._plan(seqs, lookups)
+                found_len = dict(zip(rows, found.match_lengths or [0] * len(rows), strict=True))
+        plan = self._plan(seqs, lookups, found_len)
         methods = [m for m, _ in plan]
         drafts: list[list[int]] = [lookups[b][:k] if m == "ngram" else [] for b, (m, k) in enumerate(plan)]
+        matches = {b: found_len[b] for b, (m, k) in enumerate(plan) if m == "ngram" and k and found_len.get(b)}
 
         model_q: dict[int, torch.Tensor] = {}  # row -> [k, vocab] for the draft model's rows
         if "draft" in self.proposers:
@@ -263,7 +272,7 @@ class Engine:
                         drafts[b] = proposal.drafts[i]
                         model_q[b] = proposal.probs[i, : len(drafts[b])]
         if not model_q:
-            return methods, drafts, None
+            return methods, drafts, None, matches
         k_max = max(len(d) for d in drafts)
         q = torch.zeros(len(seqs), k_max, self.vocab_size, device=self.device)
         for b, d in enumerate(drafts):
@@ -271,7 +280,7 @@ class Engine:
                 q[b, : len(d)] = model_q[b].to(self.device)
             elif d:  # a deterministic proposer in a mixed batch: q is one-hot at its tokens
                 q[b, torch.arange(len(d)), torch.tensor(d)] = 1.0
-        return methods, drafts, q
+        return methods, drafts, q, matches
 
     def _elapsed(self, started: float) -> float:
         if self.device.type == "cuda":

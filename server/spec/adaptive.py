@@ -12,6 +12,9 @@ draft token. When no (proposer, K) beats plain decoding, the sequence decodes pl
 Only *which* tokens are proposed changes; acceptance stays the lossless rule, so `auto` never
 changes the output distribution, and greedy output is identical.
 
+N-gram acceptance is kept per match length (`match_bucket`): a draft copied after a long match is
+usually accepted whole, one after a one-token match rarely, and the same sequence sees both.
+
 A seeded sampling request must reproduce, but which tokens are drafted changes how its random
 stream is consumed. For those, choices depend only on the request's own history and fixed costs
 (`reproducible=True`), never on timings or on other requests.
@@ -124,6 +127,22 @@ class CostModel:
         return (sum(self._draft_forward) / len(self._draft_forward)) / step
 
 
+NGRAM_BUCKETS = (1, 2, 3, 8)  # match lengths 1, 2, 3-7, 8+ keep separate acceptance statistics
+NGRAM_PRIOR = {1: 0.2, 2: 0.35, 3: 0.55, 8: 0.7}  # per bucket, before any evidence
+
+
+def match_bucket(match_len: int) -> int:
+    """The statistics bucket of an n-gram match length (>= 1)."""
+    return max(b for b in NGRAM_BUCKETS if b <= max(match_len, 1))
+
+
+def _key(method: str, match_len: int | None) -> str:
+    """Where acceptance of `method` is recorded: n-gram drafts per match-length bucket when known."""
+    if method == "ngram" and match_len:
+        return f"ngram@{match_bucket(match_len)}"
+    return method
+
+
 @dataclass
 class _Acceptance:
     """Decayed counts: drafted and accepted tokens, and per draft position how often it was reached
@@ -148,13 +167,18 @@ class _Acceptance:
         return (self.accepted + prior * weight) / (self.drafted + weight)
 
     def by_position(self, prior: float, weight: float, k_max: int) -> list[float]:
-        """Acceptance at each draft position given the earlier ones were accepted, shrunk toward
-        this history's overall rate where a position has little evidence."""
-        overall = self.rate(prior, weight)
-        return [
-            (self.kept[j] + overall * 2.0) / (self.reached[j] + 2.0) if j < len(self.reached) else overall
-            for j in range(max(k_max, 1))
-        ]
+        """Acceptance at each draft position given the earlier ones were accepted. Position 0 is
+        shrunk toward this history's overall rate, each later one toward the position before it,
+        where it has little evidence: positions never drafted yet inherit the last known rate
+        (copying comes in runs, so the conditional rate rarely falls with the position). Without
+        that, a K chosen small would never learn that longer drafts pay."""
+        rates: list[float] = []
+        anchor = self.rate(prior, weight)
+        for j in range(max(k_max, 1)):
+            if j < len(self.reached):
+                anchor = (self.kept[j] + anchor * 2.0) / (self.reached[j] + 2.0)
+            rates.append(anchor)
+        return rates
 
 
 @dataclass
@@ -190,20 +214,25 @@ class AdaptivePolicy:
         self.full_batch = full_batch
         self.fixed_cost = draft_token_cost
         self.cost = cost or CostModel()
-        self.global_rate = {m: _Acceptance() for m in methods}
+        self.global_rate: dict[str, _Acceptance] = {}  # engine-wide, per `_key`
         self.prior = {"ngram": 0.3, "draft": 0.6}  # before any evidence; replaced by engine-wide history
+        self.prior.update({f"ngram@{b}": a for b, a in NGRAM_PRIOR.items()})
         self.seqs: dict[str, _SeqState] = {}
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 
-    def acceptance(self, request_id: str, method: str, reproducible: bool = False, k_max: int = 1) -> list[float]:
-        """Per draft position, the expected acceptance of `method` for this sequence."""
-        prior = self.prior.get(method, 0.5)
-        if not reproducible:
-            prior = self.global_rate[method].rate(prior, 4.0)
+    def acceptance(
+        self, request_id: str, method: str, reproducible: bool = False, k_max: int = 1, match_len: int | None = None
+    ) -> list[float]:
+        """Per draft position, the expected acceptance of `method` for this sequence (for n-gram
+        drafts, of those after a match of `match_len` tokens when given)."""
+        key = _key(method, match_len)
+        prior = self.prior.get(key, 0.5)
+        if not reproducible and key in self.global_rate:
+            prior = self.global_rate[key].rate(prior, 4.0)
         state = self.seqs.get(request_id)
-        seq = state.by_method.get(method) if state else None
+        seq = state.by_method.get(key) if state else None
         return seq.by_position(prior, PRIOR_WEIGHT, k_max) if seq else [prior] * max(k_max, 1)
 
     def method_cost(self, method: str, rows: int = 1, reproducible: bool = False) -> float:
@@ -225,17 +254,18 @@ class AdaptivePolicy:
         rows: int = 1,
         has_match: bool = True,
         reproducible: bool = False,
+        match_len: int | None = None,
     ) -> Choice:
         """Pick (method, K) for one of `rows` sequences in the batch. `has_match`: the n-gram lookup
-        found something to propose. `reproducible`: decide from this request's own history and
-        fixed costs only (seeded sampling)."""
+        found something to propose; `match_len`: how long its match is, when known. `reproducible`:
+        decide from this request's own history and fixed costs only (seeded sampling)."""
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice("none", 0, 1.0)
         for method in self.methods:
             if method == "ngram" and not has_match:
                 continue
-            a = self.acceptance(request_id, method, reproducible, k_max)
+            a = self.acceptance(request_id, method, reproducible, k_max, match_len)
             k, gain = best_k(a, self.method_cost(method, rows, reproducible), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
@@ -281,9 +311,13 @@ class AdaptivePolicy:
                 return Choice(method, 1, 1.0)
         return None
 
-    def observe(self, request_id: str, method: str, drafted: int, accepted: int) -> None:
+    def observe(
+        self, request_id: str, method: str, drafted: int, accepted: int, match_len: int | None = None
+    ) -> None:
+        """What verification did to one sequence's drafts (`match_len`: the n-gram match they came from)."""
         if method == "none" or not drafted:
             return
+        key = _key(method, match_len)
         state = self.seqs.setdefault(request_id, _SeqState())
-        state.by_method.setdefault(method, _Acceptance()).update(drafted, accepted, DECAY)
-        self.global_rate[method].update(drafted, accepted, 0.99)
+        state.by_method.setdefault(key, _Acceptance()).update(drafted, accepted, DECAY)
+        self.global_rate.setdefault(key, _Acceptance()).update(drafted, accepted, 0.99)

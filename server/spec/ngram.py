@@ -1,5 +1,11 @@
 """Prompt-lookup proposer: find the latest earlier occurrence of the text's longest recent n-gram and
-propose the tokens that followed it. No model, no probabilities (q is one-hot)."""
+propose the tokens that followed it. No model, no probabilities (q is one-hot).
+
+Each proposal also reports its match length: how many tokens before the end of the text agree with
+the tokens before the copied source (at least the n-gram, extended backwards up to `MATCH_CAP`). A
+long match means the text is copying a passage, and its continuation is usually accepted whole; a
+one-token match is a guess. `auto` keeps its acceptance statistics per match length.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +15,32 @@ from numpy.lib.stride_tricks import sliding_window_view
 from server.engine.sequence import Sequence
 from server.spec.proposer import Proposal, Proposer
 
+MATCH_CAP = 16  # match lengths are measured up to this many tokens
 
-def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+
+def ngram_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram, and
+    the length of that match (0 and no tokens when nothing matches)."""
     if k <= 0 or len(tokens) < n_min + 1:
-        return []
+        return [], 0
     arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
         suffix = arr[-n:]
         windows = sliding_window_view(arr[:-1], n)  # every n-gram that starts before the suffix does
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
-    return []
+            hit = int(hits[-1])
+            start, length = hit + n, n
+            # extend backwards: the source's earlier tokens against the text's, one by one
+            while length < MATCH_CAP and hit > length - n and tokens[hit - 1 - (length - n)] == tokens[-1 - length]:
+                length += 1
+            return arr[start : start + k].tolist(), length
+    return [], 0
+
+
+def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+    return ngram_match(tokens, k, n_max, n_min)[0]
 
 
 class NgramProposer(Proposer):
@@ -32,5 +50,5 @@ class NgramProposer(Proposer):
         self.n_max, self.n_min = n_max, n_min
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
-        drafts = [ngram_lookup(seq.tokens, k, self.n_max, self.n_min) for seq, k in zip(seqs, ks, strict=True)]
-        return Proposal(drafts=drafts, probs=None)
+        found = [ngram_match(seq.tokens, k, self.n_max, self.n_min) for seq, k in zip(seqs, ks, strict=True)]
+        return Proposal(drafts=[d for d, _ in found], probs=None, match_lengths=[n for _, n in found])

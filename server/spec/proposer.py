@@ -22,6 +22,7 @@ class Proposal:
 
     drafts: list[list[int]]  # up to k_i tokens per sequence (fewer when it has nothing to offer)
     probs: torch.Tensor | None  # q: [n, K, vocab] for model proposers; None = deterministic (one-hot q)
+    match_lengths: list[int] | None = None  # n-gram proposers: tokens of context each draft's source matched
 
 
 class Proposer(ABC):
