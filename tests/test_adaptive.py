@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.spec.adaptive import PROBE_OVERHEAD, AdaptivePolicy, CostModel, best_k, speedup
+from server.spec.adaptive import PROBE_OVERHEAD, AdaptivePolicy, BatchRow, CostModel, best_k, speedup
 from tests.engine_helpers import request, run
 
 
@@ -175,16 +175,54 @@ def test_runs_of_copying_favour_long_drafts():
     assert coins.choose("r", 8, 1).k <= 2
 
 
-def test_in_a_batch_rows_probe_only_for_free():
+def test_in_a_batch_rows_do_not_probe_alone():
     policy = policy_with_costs()
     policy.fixed_cost["draft"] = 1.5  # a draft model slower than the target
     feed(policy, "r", "ngram", 0.0)
     choices = [policy.choose("r", 8, rows=8, has_match=True) for _ in range(64)]
     assert all(c.method == "none" for c in choices)  # alone it would probe; in a batch it waits
-    assert policy.free_probe("r", has_match=False) is None  # no match, and the draft model can't pay
-    probe = policy.free_probe("r", has_match=True)
-    assert probe is not None and probe.method == "ngram" and probe.k == 1
-    assert policy.free_probe("r", has_match=True) is None  # not twice in a row
+
+
+def copying(policy: AdaptivePolicy, rid: str, match_len: int = 12) -> None:
+    for _ in range(20):
+        policy.observe(rid, "ngram", 8, 8, match_len=match_len)
+
+
+def test_batch_width_pays_for_padding_only_when_enough_rows_gain():
+    """The verify pass is padded to its widest row: one copying row among eight does not pay for
+    widening everyone; eight copying rows do."""
+    policy = policy_with_costs(token_ratio=0.1)
+    copying(policy, "c0")
+    for i in range(1, 8):
+        policy.observe(f"c{i}", "ngram", 4, 0, match_len=1)
+    rows = [BatchRow("c0", flexible=8, match_len=12)] + [BatchRow(f"c{i}") for i in range(1, 8)]
+    assert policy.batch_width(rows) == 0
+    for i in range(8):
+        copying(policy, f"c{i}")
+    assert policy.batch_width([BatchRow(f"c{i}", flexible=8, match_len=12) for i in range(8)]) >= 4
+
+
+def test_rows_fill_a_pass_another_row_already_widened():
+    """A row with fixed drafts (a request that asked for ngram K=6) widens the pass anyway, so the
+    auto rows' n-gram drafts up to that width cost nothing: they are taken, however unlikely."""
+    policy = policy_with_costs(token_ratio=0.1)
+    policy.observe("a", "ngram", 4, 0, match_len=1)
+    rows = [BatchRow("fixed", "ngram", 6, match_len=3), BatchRow("a", flexible=3, match_len=1)]
+    assert policy.batch_width(rows) >= 6
+    assert AdaptivePolicy(["ngram"], {"ngram": 0.002}).batch_width(rows) is None  # no timings: no opinion
+
+
+def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
+    engine = tiny_engine_factory()
+    engine.policy.cost.observe_verify = lambda tokens, seconds: None  # keep the costs below fixed
+    for n in (5, 10, 20, 40):
+        engine.policy.cost._verify.append((n, 1.0 + 0.01 * n))  # verifying is nearly free
+    seen = []
+    original = engine.policy.batch_width
+    engine.policy.batch_width = lambda rows: seen.append(w := original(rows)) or w
+    out = run(engine, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
+    assert out == greedy_reference
+    assert any(w for w in seen if w is not None)  # the batch did widen at some step
 
 
 def test_acceptance_is_tracked_per_match_length():
@@ -216,3 +254,25 @@ def test_auto_records_ngram_outcomes_by_match_length(tiny_engine_factory, prompt
     assert out == greedy_reference
     keys = set(engine.policy.global_rate)
     assert keys and all(k.startswith("ngram@") for k in keys)
+
+
+def test_auto_rows_fill_the_width_a_fixed_row_pays_for(tiny_engine_factory, tokenizer):
+    """Next to a request that asked for ngram K=6, an auto request that would not draft on its own
+    (verifying is expensive and its history says n-gram drafts fail) still verifies its n-gram
+    drafts: the pass is that wide anyway."""
+    engine = tiny_engine_factory()
+    engine.policy.cost.observe_verify = lambda tokens, seconds: None
+    for n in (2, 4, 8, 16):
+        engine.policy.cost._verify.append((n, 1.0 + 0.3 * n))
+    for match_len in (1, 2, 3, 8):
+        for _ in range(10):
+            engine.policy.observe("auto", "ngram", 4, 0, match_len=match_len)
+    prompt = tokenizer.encode("a b c a b c a b c a b c a b c a b")
+    assert engine.policy.choose("auto", 6, rows=2, has_match=True, match_len=3).method == "none"
+    for r in (request("fixed", prompt, "ngram", 6), request("auto", prompt, "auto", 6)):
+        engine.add_request(r)
+    drafted = {"fixed": 0, "auto": 0}
+    while engine.has_unfinished():
+        for s in engine.step().seq_stats:
+            drafted[s.request_id] += s.draft_tokens
+    assert drafted["fixed"] > 0 and drafted["auto"] > 0

@@ -28,7 +28,7 @@ from server.engine.types import (
     StepResult,
     TokenLogprob,
 )
-from server.spec.adaptive import AdaptivePolicy
+from server.spec.adaptive import AdaptivePolicy, BatchRow
 from server.spec.draft import DraftModelProposer
 from server.spec.ngram import NgramProposer
 from server.spec.proposer import Proposer
@@ -218,25 +218,47 @@ class Engine:
             if seq.method != "auto":
                 plan.append((seq.method, k_max))
                 continue
-            sp = seq.request.sampling
             choice = self.policy.choose(
                 seq.request_id, k_max,
                 rows=len(seqs),
                 has_match=bool(lookups.get(b)),
-                reproducible=sp.seed is not None and not sp.greedy,
+                reproducible=seq.reproducible,
                 match_len=matches.get(b),
             )
             plan.append((choice.method, choice.k))
             auto_rows.append(b)
-        if len(seqs) > 1 and any(k for _, k in plan):
-            # Some row already widens the verify pass: rows that chose plain decoding may probe free.
-            for b in auto_rows:
-                sp = seqs[b].request.sampling
-                if plan[b][1] == 0 and seqs[b].num_drafts() and not (sp.seed is not None and not sp.greedy):
-                    probe = self.policy.free_probe(seqs[b].request_id, bool(lookups.get(b)))
-                    if probe is not None:
-                        plan[b] = (probe.method, probe.k)
+        if len(seqs) > 1 and auto_rows:
+            self._widen(seqs, plan, set(auto_rows), lookups, matches)
         return plan
+
+    def _widen(
+        self,
+        seqs: list[Sequence],
+        plan: list[tuple[str, int]],
+        auto_rows: set[int],
+        lookups: dict[int, list[int]],
+        matches: dict[int, int],
+    ) -> None:
+        """In a batch, the verify pass is as wide as its widest row for every row: let the policy pick
+        that width for the whole batch, and give each flexible row (auto, not seeded, with an n-gram
+        proposal, not using the draft model this step) as many of its n-gram drafts as fit."""
+        rows = []
+        for b, seq in enumerate(seqs):
+            method, k = plan[b]
+            offer = min(len(lookups.get(b, ())), seq.num_drafts())
+            if b in auto_rows and method in ("none", "ngram") and offer and not seq.reproducible:
+                rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b)))
+            elif method == "ngram":
+                rows.append(BatchRow(seq.request_id, method, min(k, offer), match_len=matches.get(b)))
+            else:
+                rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0))
+        width = self.policy.batch_width(rows)
+        if width is None:
+            return
+        for b, row in enumerate(rows):
+            if row.flexible:
+                k = min(width, row.flexible)
+                plan[b] = ("ngram", k) if k else ("none", 0)
 
     def _propose(
         self, seqs: list[Sequence]

@@ -45,6 +45,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling: `auto`'s choices for it may depend on its own history only (not on timings
+        or other rows), so the same seed draws the same text."""
+        sp = self.request.sampling
+        return sp.seed is not None and not sp.greedy
+
     def uses(self, method: str) -> bool:
         """Whether this sequence joins the proposer `method` (auto sequences join every proposer)."""
         return self.method in (method, "auto")

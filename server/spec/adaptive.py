@@ -12,6 +12,10 @@ draft token. When no (proposer, K) beats plain decoding, the sequence decodes pl
 Only *which* tokens are proposed changes; acceptance stays the lossless rule, so `auto` never
 changes the output distribution, and greedy output is identical.
 
+In a batch, the verify pass is padded to its widest row, so widening it costs the same whoever
+drafts: `batch_width` picks one width for the whole batch (the sum of every row's expected tokens
+over the pass's measured time), and every flexible row drafts up to it.
+
 N-gram acceptance is kept per match length (`match_bucket`): a draft copied after a long match is
 usually accepted whole, one after a one-token match rarely, and the same sequence sees both.
 
@@ -40,6 +44,15 @@ def expected_tokens(a: float, k: int) -> float:
     if a >= 1.0:
         return k + 1.0
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_tokens_at(rates: list[float], k: int) -> float:
+    """Expected tokens from k drafts with per-position conditional acceptance `rates`."""
+    expected, run = 1.0, 1.0
+    for j in range(k):
+        run *= rates[min(j, len(rates) - 1)]
+        expected += run
+    return expected
 
 
 def speedup(a: float, k: int, c: float) -> float:
@@ -95,6 +108,11 @@ class CostModel:
         slope = sum((x - mean_n) * (v - mean_y) for x, v in zip(n, y, strict=True)) / var
         slope = max(slope, 0.0)
         return max(mean_y - slope * mean_n, 1e-6), slope
+
+    @property
+    def fitted(self) -> bool:
+        """Enough timings, at different widths, to predict a pass's time from its width."""
+        return self._fit() is not None
 
     def verify_time(self, tokens: int) -> float | None:
         fit = self._fit()
@@ -189,6 +207,18 @@ class _SeqState:
 
 
 @dataclass(frozen=True)
+class BatchRow:
+    """One row of a batch, for `batch_width`: its fixed drafts (k, by `method`), or for a flexible
+    row (`auto` with an n-gram proposal) how many n-gram drafts it has to offer."""
+
+    request_id: str
+    method: str = "none"
+    k: int = 0
+    flexible: int = 0  # n-gram drafts this row may verify if the pass is widened (0: not flexible)
+    match_len: int | None = None
+
+
+@dataclass(frozen=True)
 class Choice:
     method: str  # "none" or a proposer's method
     k: int
@@ -270,28 +300,45 @@ class AdaptivePolicy:
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
-        # costs far more than its share: there, rows probe only for free (`free_probe`).
+        # costs far more than its share: there, rows draft only within the batch's width (`batch_width`).
         if best.method == "none" and k_max and (rows == 1 or reproducible):
             costs = {m: self.method_cost(m, rows, reproducible) for m in self.methods}
             best = self._probe(state, request_id, has_match, costs, k_max) or best
         state.last_used[best.method] = state.steps
         return best
 
-    def free_probe(self, request_id: str, has_match: bool) -> Choice | None:
-        """A one-token probe for a sequence that chose plain decoding, when another row of the batch
-        already widens this step's verify pass (so the probe costs nothing extra)."""
-        state = self.seqs.get(request_id)
-        if state is None:
+    def batch_width(self, rows: list[BatchRow]) -> int | None:
+        """The number of draft positions W to verify this step for a batch (None: no timings yet).
+
+        The verify pass computes every row padded to the widest one, so its cost depends on W, not
+        on each row's own K, and a row's drafts up to W cost nothing extra. Flexible rows (`auto`
+        rows with an n-gram proposal) therefore draft min(W, their proposal) each, and W maximises
+        the batch's expected tokens per second: the sum of every row's expected tokens over the
+        measured time of a pass over rows x (W + 1) tokens. Rows with fixed drafts set the least W.
+        """
+        fixed_w = max((r.k for r in rows), default=0)
+        flexible = [r for r in rows if r.flexible]
+        if not flexible or not self.cost.fitted:
             return None
-        for method in self.methods:
-            if method == "ngram" and not has_match:
-                continue
-            if method != "ngram" and self.method_cost(method) - self.cost.token_cost(1) >= 1.0:
-                continue  # a draft model costlier than a step never pays, even verified for free
-            if state.steps - state.last_used.get(method, 0) >= 2:
-                state.last_used[method] = state.steps
-                return Choice(method, 1, 1.0)
-        return None
+        fixed_tokens = sum(
+            expected_tokens_at(self.acceptance(r.request_id, r.method, k_max=r.k, match_len=r.match_len), r.k)
+            for r in rows if not r.flexible
+        )
+        rates = {id(r): self.acceptance(r.request_id, "ngram", k_max=r.flexible, match_len=r.match_len)
+                 for r in flexible}
+        top = max(fixed_w, max(r.flexible for r in flexible))
+
+        def score(w: int) -> float:
+            tokens = fixed_tokens + sum(expected_tokens_at(rates[id(r)], min(w, r.flexible)) for r in flexible)
+            return tokens / self.cost.verify_time(len(rows) * (w + 1))
+
+        best_w, best = fixed_w, score(fixed_w)
+        floor = best * (MIN_GAIN if fixed_w == 0 else 1.0)
+        for w in range(fixed_w + 1, top + 1):
+            s = score(w)
+            if s > max(best, floor):
+                best_w, best = w, s
+        return best_w
 
     def _probe(
         self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
