@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from server.spec.adaptive import PROBE_OVERHEAD, AdaptivePolicy, BatchRow, CostModel, best_k, speedup
+from server.spec.adaptive import (
+    PROBE_OVERHEAD,
+    AdaptivePolicy,
+    BatchRow,
+    CostModel,
+    _Acceptance,
+    _SeqState,
+    best_k,
+    speedup,
+)
 from tests.engine_helpers import request, run
 
 
@@ -196,10 +205,10 @@ def test_batch_width_pays_for_padding_only_when_enough_rows_gain():
     for i in range(1, 8):
         policy.observe(f"c{i}", "ngram", 4, 0, match_len=1)
     rows = [BatchRow("c0", flexible=8, match_len=12)] + [BatchRow(f"c{i}") for i in range(1, 8)]
-    assert policy.batch_width(rows) == 0
+    assert policy.batch_width(rows)[0] == 0
     for i in range(8):
         copying(policy, f"c{i}")
-    assert policy.batch_width([BatchRow(f"c{i}", flexible=8, match_len=12) for i in range(8)]) >= 4
+    assert policy.batch_width([BatchRow(f"c{i}", flexible=8, match_len=12) for i in range(8)])[0] >= 4
 
 
 def test_rows_fill_a_pass_another_row_already_widened():
@@ -208,7 +217,7 @@ def test_rows_fill_a_pass_another_row_already_widened():
     policy = policy_with_costs(token_ratio=0.1)
     policy.observe("a", "ngram", 4, 0, match_len=1)
     rows = [BatchRow("fixed", "ngram", 6, match_len=3), BatchRow("a", flexible=3, match_len=1)]
-    assert policy.batch_width(rows) >= 6
+    assert policy.batch_width(rows)[0] >= 6
     assert AdaptivePolicy(["ngram"], {"ngram": 0.002}).batch_width(rows) is None  # no timings: no opinion
 
 
@@ -222,7 +231,7 @@ def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prom
     engine.policy.batch_width = lambda rows: seen.append(w := original(rows)) or w
     out = run(engine, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
     assert out == greedy_reference
-    assert any(w for w in seen if w is not None)  # the batch did widen at some step
+    assert any(w[0] for w in seen if w is not None)  # the batch did widen at some step
 
 
 def test_acceptance_is_tracked_per_match_length():
@@ -276,3 +285,35 @@ def test_auto_rows_fill_the_width_a_fixed_row_pays_for(tiny_engine_factory, toke
         for s in engine.step().seq_stats:
             drafted[s.request_id] += s.draft_tokens
     assert drafted["fixed"] > 0 and drafted["auto"] > 0
+
+
+def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_engine_factory, prompt_ids):
+    """Each row weighs the draft model against its own share of a step, but the draft forward and the
+    wider verify pass are paid by the whole batch: alone, a row the draft model predicts well uses it;
+    in a batch of 4 where the other rows' drafts fail, it does not."""
+
+    def engine_with_costs():
+        engine = tiny_engine_factory()
+        cost = engine.policy.cost
+        for n in (1, 4, 9, 36):
+            cost.observe_verify(n, 1.0 + 0.1 * n)
+        cost.observe_draft(1, 0.5)
+        cost.observe_verify = cost.observe_draft = lambda *args: None
+        for _ in range(20):
+            engine.policy.observe("history", "draft", 8, 8)  # the draft model is always right
+        return engine
+
+    alone = engine_with_costs()
+    run(alone, [request("a", prompt_ids[2], "auto", 8, max_tokens=8)])
+    assert alone.proposers["draft"].kv.cache.layers[0].is_initialized  # the draft model ran
+
+    batch = engine_with_costs()
+    assert batch.policy.choose("probe", 8, rows=4, has_match=False).method == "draft"  # row by row: yes
+    batch.policy.forget("probe")
+    for i in (1, 2, 3):  # these rows' own history: the draft model is always wrong for them
+        failing = _Acceptance()
+        for _ in range(20):
+            failing.update(8, 0, decay=0.9)
+        batch.policy.seqs[f"r{i}"] = _SeqState(by_method={"draft": failing})
+    run(batch, [request(f"r{i}", prompt_ids[2], "auto", 8, max_tokens=8) for i in range(4)])
+    assert not batch.proposers["draft"].kv.cache.layers[0].is_initialized  # the batch: no

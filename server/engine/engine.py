@@ -241,20 +241,39 @@ class Engine:
     ) -> None:
         """In a batch, the verify pass is as wide as its widest row for every row: let the policy pick
         that width for the whole batch, and give each flexible row (auto, not seeded, with an n-gram
-        proposal, not using the draft model this step) as many of its n-gram drafts as fit."""
-        rows = []
-        for b, seq in enumerate(seqs):
-            method, k = plan[b]
-            offer = min(len(lookups.get(b, ())), seq.num_drafts())
-            if b in auto_rows and method in ("none", "ngram") and offer and not seq.reproducible:
-                rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b)))
-            elif method == "ngram":
-                rows.append(BatchRow(seq.request_id, method, min(k, offer), match_len=matches.get(b)))
-            else:
-                rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0))
-        width = self.policy.batch_width(rows)
-        if width is None:
+        proposal, not using the draft model this step) as many of its n-gram drafts as fit. Auto rows
+        that chose the draft model keep it only if the batch as a whole gains from it (each row chose
+        alone, but the draft forward and the wider pass are paid by every row)."""
+
+        def rows_for(demote: bool) -> list[BatchRow]:
+            rows = []
+            for b, seq in enumerate(seqs):
+                method, k = plan[b]
+                offer = min(len(lookups.get(b, ())), seq.num_drafts())
+                free = b in auto_rows and not seq.reproducible
+                if free and demote and method == "draft":
+                    method, k = "none", 0
+                if free and method in ("none", "ngram") and offer:
+                    rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b)))
+                elif method == "ngram":
+                    rows.append(BatchRow(seq.request_id, method, min(k, offer), match_len=matches.get(b)))
+                else:
+                    rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0))
+            return rows
+
+        rows = rows_for(demote=False)
+        best = self.policy.batch_width(rows)
+        if best is None:
             return
+        if any(plan[b][0] == "draft" and not seqs[b].reproducible for b in auto_rows):
+            without = rows_for(demote=True)
+            other = self.policy.batch_width(without)
+            if other is not None and other[1] >= best[1]:
+                rows, best = without, other
+                for b in auto_rows:
+                    if plan[b][0] == "draft" and not seqs[b].reproducible:
+                        plan[b] = ("none", 0)
+        width = best[0]
         for b, row in enumerate(rows):
             if row.flexible:
                 k = min(width, row.flexible)

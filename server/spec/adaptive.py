@@ -135,6 +135,12 @@ class CostModel:
         fixed, per_token = fit
         return rows * per_token / (fixed + per_token * rows)
 
+    def draft_forward_time(self) -> float | None:
+        """Mean seconds of one draft-model forward (None before any)."""
+        if not self._draft_forward:
+            return None
+        return sum(self._draft_forward) / len(self._draft_forward)
+
     def draft_cost(self, rows: int) -> float | None:
         """Relative cost of one draft-model token (one batched draft forward) against a plain step."""
         if not self._draft_forward:
@@ -307,30 +313,35 @@ class AdaptivePolicy:
         state.last_used[best.method] = state.steps
         return best
 
-    def batch_width(self, rows: list[BatchRow]) -> int | None:
-        """The number of draft positions W to verify this step for a batch (None: no timings yet).
+    def batch_width(self, rows: list[BatchRow]) -> tuple[int, float] | None:
+        """The number of draft positions W to verify this step for a batch, and the expected tokens
+        per second it gives (None: no timings yet).
 
         The verify pass computes every row padded to the widest one, so its cost depends on W, not
         on each row's own K, and a row's drafts up to W cost nothing extra. Flexible rows (`auto`
         rows with an n-gram proposal) therefore draft min(W, their proposal) each, and W maximises
         the batch's expected tokens per second: the sum of every row's expected tokens over the
-        measured time of a pass over rows x (W + 1) tokens. Rows with fixed drafts set the least W.
+        measured time of a pass over rows x (W + 1) tokens, plus the draft model's forwards when a
+        row drafts with it. Rows with fixed drafts set the least W.
         """
+        if not self.cost.fitted:
+            return None
         fixed_w = max((r.k for r in rows), default=0)
         flexible = [r for r in rows if r.flexible]
-        if not flexible or not self.cost.fitted:
-            return None
         fixed_tokens = sum(
             expected_tokens_at(self.acceptance(r.request_id, r.method, k_max=r.k, match_len=r.match_len), r.k)
             for r in rows if not r.flexible
         )
-        rates = {id(r): self.acceptance(r.request_id, "ngram", k_max=r.flexible, match_len=r.match_len)
-                 for r in flexible}
-        top = max(fixed_w, max(r.flexible for r in flexible))
+        draft_k = max((r.k for r in rows if r.method == "draft"), default=0)
+        draft_s = draft_k * self._draft_forward_s(len(rows))
+        rates = [self.acceptance(r.request_id, "ngram", k_max=r.flexible, match_len=r.match_len) for r in flexible]
+        top = max([fixed_w, *(r.flexible for r in flexible)])
 
         def score(w: int) -> float:
-            tokens = fixed_tokens + sum(expected_tokens_at(rates[id(r)], min(w, r.flexible)) for r in flexible)
-            return tokens / self.cost.verify_time(len(rows) * (w + 1))
+            tokens = fixed_tokens + sum(
+                expected_tokens_at(a, min(w, r.flexible)) for r, a in zip(flexible, rates, strict=True)
+            )
+            return tokens / (self.cost.verify_time(len(rows) * (w + 1)) + draft_s)
 
         best_w, best = fixed_w, score(fixed_w)
         floor = best * (MIN_GAIN if fixed_w == 0 else 1.0)
@@ -338,7 +349,15 @@ class AdaptivePolicy:
             s = score(w)
             if s > max(best, floor):
                 best_w, best = w, s
-        return best_w
+        return best_w, best
+
+    def _draft_forward_s(self, rows: int) -> float:
+        """Seconds of one draft-model forward for a batch of `rows` (a fixed relative cost, when one
+        is configured, in units of a plain step of that batch)."""
+        own = self.fixed_cost.get("draft")
+        if own is not None:
+            return own * (self.cost.verify_time(rows) or 0.0)
+        return self.cost.draft_forward_time() or 0.0
 
     def _probe(
         self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
