@@ -136,7 +136,10 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_timings(tiny_engine_
         # Measured costs differ from run to run; a seeded request's tokens must not follow them.
         engine.policy.cost.draft_cost = lambda rows: draft_cost
         reqs = [request(f"r{i}", p, "auto", 6, temperature=1.0, seed=3 + i) for i, p in enumerate(prompt_ids)]
-        return run(engine, reqs)
+        out = run(engine, reqs)
+        # the draft model samples from the request's stream, so seeded requests never use it
+        assert not engine.proposers["draft"].kv.cache.layers[0].is_initialized
+        return out
 
     assert sample_once(0.01) == sample_once(5.0)
 

@@ -126,6 +126,21 @@ def test_seed_reproduces_sampled_output(tiny_engine_factory, prompt_ids):
     assert alone["r2"] == first["r2"]
 
 
+def test_a_seed_samples_the_same_text_whatever_the_ngram_drafts(tiny_engine_factory, prompt_ids):
+    """N-gram speculation never changes what a seeded request samples: none, ngram at any K, and
+    auto (alone or in a batch with other requests) give the same text token for token."""
+    def sampled(method: str, k: int, batch: bool) -> list[int]:
+        reqs = [request("seeded", prompt_ids[1], method, k, temperature=0.9, top_p=0.95, seed=11, max_tokens=24)]
+        if batch:
+            reqs += [request(f"other{i}", p, "ngram", 6, temperature=1.0) for i, p in enumerate(prompt_ids[2:])]
+        return run(tiny_engine_factory(), reqs)["seeded"]
+
+    reference = sampled("none", 4, batch=False)
+    for method, k, batch in [("ngram", 1, False), ("ngram", 8, False), ("auto", 8, False),
+                             ("ngram", 4, True), ("auto", 8, True)]:
+        assert sampled(method, k, batch) == reference, (method, k, batch)
+
+
 def test_bad_requests_are_refused_with_a_message(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory(max_model_len=64)
     with pytest.raises(ValueError, match="maximum context length"):

@@ -105,3 +105,34 @@ def test_output_converges_to_target_distribution_and_a_wrong_rule_is_caught():
     assert chisquare(good, expected).pvalue > 1e-3
     bad = _first_token_histogram(p, q, n, accept_all=True)  # "always accept" yields q, not p
     assert chisquare(bad, expected).pvalue < 1e-6
+
+
+def test_deterministic_drafts_do_not_change_what_a_seed_samples():
+    """For n-gram drafts (one-hot q) the sampler draws every token as plain decoding would: the
+    emitted text from a seed is the same whatever was drafted, and only how many tokens one pass
+    yields changes."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(1, 5, V) * 0.7, dim=-1)  # 5 positions of a sampled distribution
+    plain = []
+    gen = torch.Generator().manual_seed(7)
+    for j in range(5):  # plain decoding: one token per pass, from the same seed
+        plain.append(rejection_sample([[]], p[:, j : j + 1], None, [gen]).tokens[0][0])
+    rng = torch.Generator().manual_seed(1)
+    for trial in range(20):  # any drafts at all, right or wrong, of any length
+        gen = torch.Generator().manual_seed(7)
+        out: list[int] = []
+        while len(out) < 5:
+            k = int(torch.randint(0, 5 - len(out), (1,), generator=rng))
+            right = plain[len(out) : len(out) + k]
+            wrong = torch.randint(0, V, (k,), generator=rng).tolist()
+            mix = torch.rand(k, generator=rng) < 0.5
+            drafts = right if trial % 2 else [w if m else r for w, r, m in zip(wrong, right, mix, strict=True)]
+            v = rejection_sample([drafts], p[:, len(out) : len(out) + k + 1], None, [gen])
+            out += v.tokens[0]
+        assert out == plain
+    # a mixed batch: the n-gram row keeps that property next to a draft-model row
+    q = torch.softmax(torch.randn(2, 4, V), dim=-1)
+    q[0] = one_hot(*plain[:4])
+    gen, other = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)
+    v = rejection_sample([plain[:4], [1, 2]], torch.cat([p, p]), q, [gen, other], exact=[True, False])
+    assert v.tokens[0] == plain and v.accepted[0] == 4

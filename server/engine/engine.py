@@ -55,9 +55,7 @@ class Engine:
         if draft is not None:
             self.proposers["draft"] = DraftModelProposer(draft, self.vocab_size)
         # auto: n-gram lookup costs next to nothing per draft token; the draft model's cost is timed.
-        self.policy = AdaptivePolicy(
-            list(self.proposers), draft_token_cost={"ngram": 0.002}, full_batch=settings.max_batch_size
-        )
+        self.policy = AdaptivePolicy(list(self.proposers), draft_token_cost={"ngram": 0.002})
         self.eos_ids = _eos_ids(target)
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
@@ -188,7 +186,10 @@ class Engine:
         sampling = BatchSampling.from_params([s.request.sampling for s in seqs], self.device)
         counts = self._token_counts(seqs, drafts, logits.shape[1]) if sampling.any_penalty else None
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
-        verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs])
+        # Every row but the draft model's draws its tokens exactly as plain decoding would (see
+        # rejection.py), so a seeded request's text does not depend on its n-gram drafts.
+        exact = [m != "draft" for m in methods]
+        verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs], exact)
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
         self.policy.cost.observe_verify(len(fed) * logits.shape[1], self._elapsed(started))
 
@@ -240,8 +241,8 @@ class Engine:
         matches: dict[int, int],
     ) -> None:
         """In a batch, the verify pass is as wide as its widest row for every row: let the policy pick
-        that width for the whole batch, and give each flexible row (auto, not seeded, with an n-gram
-        proposal, not using the draft model this step) as many of its n-gram drafts as fit. Auto rows
+        that width for the whole batch, and give each flexible row (auto, with an n-gram proposal, not
+        using the draft model this step) as many of its n-gram drafts as fit. Auto rows
         that chose the draft model keep it only if the batch as a whole gains from it (each row chose
         alone, but the draft forward and the wider pass are paid by every row)."""
 
@@ -250,7 +251,7 @@ class Engine:
             for b, seq in enumerate(seqs):
                 method, k = plan[b]
                 offer = min(len(lookups.get(b, ())), seq.num_drafts())
-                free = b in auto_rows and not seq.reproducible
+                free = b in auto_rows
                 if free and demote and method == "draft":
                     method, k = "none", 0
                 if free and method in ("none", "ngram") and offer:
@@ -265,13 +266,13 @@ class Engine:
         best = self.policy.batch_width(rows)
         if best is None:
             return
-        if any(plan[b][0] == "draft" and not seqs[b].reproducible for b in auto_rows):
+        if any(plan[b][0] == "draft" for b in auto_rows):
             without = rows_for(demote=True)
             other = self.policy.batch_width(without)
             if other is not None and other[1] >= best[1]:
                 rows, best = without, other
                 for b in auto_rows:
-                    if plan[b][0] == "draft" and not seqs[b].reproducible:
+                    if plan[b][0] == "draft":
                         plan[b] = ("none", 0)
         width = best[0]
         for b, row in enumerate(rows):

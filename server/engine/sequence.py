@@ -47,8 +47,8 @@ class Sequence:
 
     @property
     def reproducible(self) -> bool:
-        """Seeded sampling: `auto`'s choices for it may depend on its own history only (not on timings
-        or other rows), so the same seed draws the same text."""
+        """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
+        proposers that cannot change what it samples (n-gram, see server/spec/rejection.py)."""
         sp = self.request.sampling
         return sp.seed is not None and not sp.greedy
 

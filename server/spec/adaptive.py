@@ -19,9 +19,11 @@ over the pass's measured time), and every flexible row drafts up to it.
 N-gram acceptance is kept per match length (`match_bucket`): a draft copied after a long match is
 usually accepted whole, one after a one-token match rarely, and the same sequence sees both.
 
-A seeded sampling request must reproduce, but which tokens are drafted changes how its random
-stream is consumed. For those, choices depend only on the request's own history and fixed costs
-(`reproducible=True`), never on timings or on other requests.
+A seeded sampling request must reproduce. N-gram drafts cannot change its text (the sampler draws
+every token as plain decoding would and only compares it with the draft: `rejection.py`), but the
+draft model samples its drafts from the request's random stream, so seeded sampling requests
+(`reproducible=True`) use n-gram drafts only, and then any K, any batch and any timing give the same
+text.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence 
 DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
 DEFAULT_DRAFT_COST = 0.75  # a draft model's cost per token before timings exist (DESIGN.md: bf16 copy)
+DETERMINISTIC = ("ngram",)  # proposers whose drafts never change what a seeded request samples
 PROBE_OVERHEAD = 0.02  # the probes of one unused proposer may cost this fraction of the steps, at most
 
 
@@ -240,14 +243,10 @@ class AdaptivePolicy:
         methods: list[str],
         draft_token_cost: dict[str, float],
         cost: CostModel | None = None,
-        full_batch: int = 8,
     ):
         """`draft_token_cost`: relative cost per draft token for proposers the cost model doesn't time
-        (n-gram lookup: ~0). The draft model's is measured by `cost`. `full_batch`: the batch size
-        reproducible choices assume (they cannot look at the real one), so they stay worth it even
-        in a full batch."""
+        (n-gram lookup: ~0). The draft model's is measured by `cost`."""
         self.methods = methods
-        self.full_batch = full_batch
         self.fixed_cost = draft_token_cost
         self.cost = cost or CostModel()
         self.global_rate: dict[str, _Acceptance] = {}  # engine-wide, per `_key`
@@ -259,23 +258,20 @@ class AdaptivePolicy:
         self.seqs.pop(request_id, None)
 
     def acceptance(
-        self, request_id: str, method: str, reproducible: bool = False, k_max: int = 1, match_len: int | None = None
+        self, request_id: str, method: str, k_max: int = 1, match_len: int | None = None
     ) -> list[float]:
         """Per draft position, the expected acceptance of `method` for this sequence (for n-gram
         drafts, of those after a match of `match_len` tokens when given)."""
         key = _key(method, match_len)
         prior = self.prior.get(key, 0.5)
-        if not reproducible and key in self.global_rate:
+        if key in self.global_rate:
             prior = self.global_rate[key].rate(prior, 4.0)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(key) if state else None
         return seq.by_position(prior, PRIOR_WEIGHT, k_max) if seq else [prior] * max(k_max, 1)
 
-    def method_cost(self, method: str, rows: int = 1, reproducible: bool = False) -> float:
+    def method_cost(self, method: str, rows: int = 1) -> float:
         """c for `method`: verifying one more token plus producing one draft token."""
-        if reproducible:
-            verify = self.cost.prior_token_ratio * self.full_batch
-            return verify + self.fixed_cost.get(method, DEFAULT_DRAFT_COST)
         own = self.fixed_cost.get(method)
         if own is None:
             own = self.cost.draft_cost(rows)
@@ -294,21 +290,22 @@ class AdaptivePolicy:
     ) -> Choice:
         """Pick (method, K) for one of `rows` sequences in the batch. `has_match`: the n-gram lookup
         found something to propose; `match_len`: how long its match is, when known. `reproducible`:
-        decide from this request's own history and fixed costs only (seeded sampling)."""
+        seeded sampling, which only drafts with proposers that cannot change its text (n-gram)."""
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice("none", 0, 1.0)
         for method in self.methods:
-            if method == "ngram" and not has_match:
+            if (method == "ngram" and not has_match) or (reproducible and method not in DETERMINISTIC):
                 continue
-            a = self.acceptance(request_id, method, reproducible, k_max, match_len)
-            k, gain = best_k(a, self.method_cost(method, rows, reproducible), k_max)
+            a = self.acceptance(request_id, method, k_max, match_len)
+            k, gain = best_k(a, self.method_cost(method, rows), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
         # costs far more than its share: there, rows draft only within the batch's width (`batch_width`).
-        if best.method == "none" and k_max and (rows == 1 or reproducible):
-            costs = {m: self.method_cost(m, rows, reproducible) for m in self.methods}
+        if best.method == "none" and k_max and rows == 1:
+            allowed = [m for m in self.methods if not reproducible or m in DETERMINISTIC]
+            costs = {m: self.method_cost(m, rows) for m in allowed}
             best = self._probe(state, request_id, has_match, costs, k_max) or best
         state.last_used[best.method] = state.steps
         return best
@@ -367,7 +364,7 @@ class AdaptivePolicy:
         PROBE_OVERHEAD steps keeps their total cost within PROBE_OVERHEAD: a cheap n-gram lookup is
         re-checked every few steps, a draft model rarely (every 64 steps at the least often). A
         proposer too costly to pay even if every draft were accepted is never probed."""
-        for method in self.methods:
+        for method in costs:
             if method == "ngram" and not has_match:
                 continue
             if best_k(1.0, costs[method], k_max)[1] < MIN_GAIN:

@@ -5,9 +5,12 @@ At the first rejection, sample the *recovered* token from normalize(max(p_j - q_
 If every draft is accepted, sample a *bonus* token from p_{k+1}. Either way a row emits
 accepted + 1 tokens, and the result is distributed exactly as sampling from p alone.
 
-A deterministic proposer (n-gram) has q = one-hot(x): accept with probability p(x), otherwise
-sample from p with x removed. Greedy rows arrive with one-hot p, so the rule reduces to "accept
-while x == argmax p" and the recovered/bonus token is argmax p.
+A deterministic proposer (n-gram) has q = one-hot(x). For those rows (`exact`) the sampler draws
+the token at each position from p_j, exactly as plain decoding would (one uniform per emitted token,
+by inverse CDF), and accepts the draft while the drawn token equals it: the acceptance probability
+is p(x), a rejection emits a token distributed as p with x removed, the same law as the rule above,
+and the text is *the same text* plain decoding draws from the same seed, whatever was drafted. Greedy
+rows arrive with one-hot p, so every rule reduces to "accept while x == argmax p".
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def rejection_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generators: list[torch.Generator],
+    exact: list[bool] | None = None,
 ) -> Verdict:
     """Accept/reject every row's drafts against the target in one pass.
 
@@ -41,7 +45,13 @@ def rejection_sample(
         whose q is one-hot must hold one-hot rows here too (the caller builds them).
     generators: one per row; each row draws only from its own, so a seeded request reproduces
         whatever else shares its batch.
+    exact: per row, whether its drafts are deterministic (one-hot q): those rows sample-and-compare
+        (see above). None: every row when `draft_probs` is None, else none.
     """
+    if exact is None:
+        exact = [draft_probs is None] * len(drafts)
+    if all(exact):
+        return _sample_and_compare(drafts, target_probs, generators)
     batch, width, _ = target_probs.shape
     k_max = width - 1
     device = target_probs.device
@@ -63,7 +73,7 @@ def rejection_sample(
     uniform = torch.full((batch, k_max), 2.0, device=device)  # 2.0 never accepts: padding
     for b, gen in enumerate(generators):
         k = len(drafts[b])
-        if k:
+        if k and not exact[b]:  # exact rows draw their own way below, from their own generator
             uniform[b, :k] = torch.rand(k, generator=gen, device=gen.device).to(device)
     accepted_mask = (uniform < accept_prob).to(torch.long)  # [batch, K]
     num_accepted = accepted_mask.cumprod(dim=1).sum(dim=1)  # leading accepts
@@ -87,6 +97,36 @@ def rejection_sample(
     accepted = num_accepted.tolist()
     tokens = []
     for b, gen in enumerate(generators):
-        last = sample(final_p[b], gen)
+        last = sample(final_p[b], gen) if not exact[b] else -1
         tokens.append(drafts[b][: accepted[b]] + [last])
+    rows = [b for b, e in enumerate(exact) if e]
+    if rows:  # a mixed batch: the deterministic rows sample-and-compare instead
+        mine = _sample_and_compare([drafts[b] for b in rows], target_probs[rows], [generators[b] for b in rows])
+        for i, b in enumerate(rows):
+            accepted[b], tokens[b] = mine.accepted[i], mine.tokens[i]
+    return Verdict(accepted=accepted, tokens=tokens)
+
+
+def _sample_and_compare(
+    drafts: list[list[int]], target_probs: torch.Tensor, generators: list[torch.Generator]
+) -> Verdict:
+    """Deterministic drafts: draw each position's token from p as plain decoding would, and keep
+    going while it equals the draft. Emits the drawn tokens; consumes one uniform per sampled token.
+    Greedy rows (one-hot p) need no draw: a draft is kept while p gives it 1, then the argmax."""
+    lead = target_probs[:, 0].amax(dim=-1).tolist()  # 1.0 exactly for greedy (one-hot) rows
+    accepted, tokens = [], []
+    for b, (d, gen) in enumerate(zip(drafts, generators, strict=True)):
+        if lead[b] >= 1.0:
+            hits = target_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.long)].tolist() if d else []
+            kept = next((j for j, h in enumerate(hits) if h < 1.0), len(d))
+            out = [*d[:kept], int(target_probs[b, kept].argmax())]
+        else:
+            out = []
+            for j in range(len(d) + 1):
+                token = sample(target_probs[b, j], gen)
+                out.append(token)
+                if j == len(d) or token != d[j]:
+                    break
+        accepted.append(len(out) - 1)
+        tokens.append(out)
     return Verdict(accepted=accepted, tokens=tokens)
