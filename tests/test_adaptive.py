@@ -320,3 +320,25 @@ def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_en
         batch.policy.seqs[f"r{i}"] = _SeqState(by_method={"draft": failing})
     run(batch, [request(f"r{i}", prompt_ids[2], "auto", 8, max_tokens=8) for i in range(4)])
     assert not batch.proposers["draft"].kv.cache.layers[0].is_initialized  # the batch: no
+
+
+def test_greedy_and_sampled_acceptance_are_kept_apart():
+    """Under sampling a right draft survives only with probability p(x): what greedy requests
+    accepted says little about sampled ones, so each learns from its own kind."""
+    policy = policy_with_costs(token_ratio=0.1)
+    for _ in range(20):
+        policy.observe("g", "ngram", 8, 8, match_len=12)
+        policy.observe("s", "ngram", 4, 0, match_len=12, sampled=True)
+    assert policy.choose("new-greedy", 8, 1, has_match=True, match_len=12).k == 8
+    assert policy.choose("new-sampled", 8, 1, has_match=True, match_len=12, sampled=True).method == "none"
+
+
+def test_a_batch_where_nobody_drafted_still_has_a_cost_model():
+    """Every pass of a batch where nobody drafts has the same width, so no slope can be fitted; the
+    prior slope through the measured mean stands in, and the batch-level choices keep working."""
+    cost = CostModel()
+    for _ in range(8):
+        cost.observe_verify(8, 0.08)  # batch of 8, one token each
+    assert cost.fitted
+    assert cost.verify_time(8) == pytest.approx(0.08)
+    assert cost.verify_time(16) > cost.verify_time(8)

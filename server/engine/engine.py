@@ -200,7 +200,7 @@ class Engine:
             for method, proposer in self.proposers.items():
                 if seq.uses(method):
                     proposer.commit(seq, drafts[b] if methods[b] == method else [], emitted)
-            self.policy.observe(seq.request_id, methods[b], k, accepted, matches.get(b))
+            self.policy.observe(seq.request_id, methods[b], k, accepted, matches.get(b), seq.sampled)
             self._record(seq, k, accepted)
             stats.append(SeqStepStats(seq.request_id, seq.method, k, accepted, len(emitted), k > 0 and accepted == k))
             logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
@@ -225,6 +225,7 @@ class Engine:
                 has_match=bool(lookups.get(b)),
                 reproducible=seq.reproducible,
                 match_len=matches.get(b),
+                sampled=seq.sampled,
             )
             plan.append((choice.method, choice.k))
             auto_rows.append(b)
@@ -255,11 +256,11 @@ class Engine:
                 if free and demote and method == "draft":
                     method, k = "none", 0
                 if free and method in ("none", "ngram") and offer:
-                    rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b)))
+                    rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b), sampled=seq.sampled))
                 elif method == "ngram":
-                    rows.append(BatchRow(seq.request_id, method, min(k, offer), match_len=matches.get(b)))
+                    rows.append(BatchRow(seq.request_id, method, min(k, offer), matches.get(b), sampled=seq.sampled))
                 else:
-                    rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0))
+                    rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0, sampled=seq.sampled))
             return rows
 
         rows = rows_for(demote=False)

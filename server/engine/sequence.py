@@ -46,6 +46,11 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def sampled(self) -> bool:
+        """Temperature > 0 (not greedy)."""
+        return not self.request.sampling.greedy
+
+    @property
     def reproducible(self) -> bool:
         """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
         proposers that cannot change what it samples (n-gram, see server/spec/rejection.py)."""

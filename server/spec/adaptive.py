@@ -99,7 +99,9 @@ class CostModel:
             self._draft_forward.append(seconds / forwards)
 
     def _fit(self) -> tuple[float, float] | None:
-        """Least-squares (fixed, per_token), or None without enough spread in n."""
+        """Least-squares (fixed, per_token), or None before 4 timings. When every timed pass had the
+        same width (a batch where nobody drafts), the slope cannot be fitted: the prior slope is
+        assumed through the timings' mean, T(n) = a (1 + r (n - 1)) with r = `prior_token_ratio`."""
         if len(self._verify) < 4:
             return None
         n = [float(t) for t, _ in self._verify]
@@ -107,14 +109,16 @@ class CostModel:
         mean_n, mean_y = sum(n) / len(n), sum(y) / len(y)
         var = sum((x - mean_n) ** 2 for x in n)
         if var < 1e-9:
-            return None
+            r = self.prior_token_ratio
+            a = mean_y / (1.0 + r * (mean_n - 1.0))
+            return a * (1.0 - r), a * r
         slope = sum((x - mean_n) * (v - mean_y) for x, v in zip(n, y, strict=True)) / var
         slope = max(slope, 0.0)
         return max(mean_y - slope * mean_n, 1e-6), slope
 
     @property
     def fitted(self) -> bool:
-        """Enough timings, at different widths, to predict a pass's time from its width."""
+        """Enough timings (4) to predict a pass's time from its width."""
         return self._fit() is not None
 
     def verify_time(self, tokens: int) -> float | None:
@@ -163,11 +167,14 @@ def match_bucket(match_len: int) -> int:
     return max(b for b in NGRAM_BUCKETS if b <= max(match_len, 1))
 
 
-def _key(method: str, match_len: int | None) -> str:
-    """Where acceptance of `method` is recorded: n-gram drafts per match-length bucket when known."""
-    if method == "ngram" and match_len:
-        return f"ngram@{match_bucket(match_len)}"
-    return method
+SAMPLED_PRIOR_SCALE = 0.7  # sampling accepts a draft with probability p(x) <= 1: start lower than greedy
+
+
+def _key(method: str, match_len: int | None, sampled: bool = False) -> str:
+    """Where acceptance of `method` is recorded: n-gram drafts per match-length bucket when known, and
+    greedy and sampled requests apart (a sampled request keeps a right draft only with p(x))."""
+    key = f"ngram@{match_bucket(match_len)}" if method == "ngram" and match_len else method
+    return f"{key}~" if sampled else key
 
 
 @dataclass
@@ -225,6 +232,7 @@ class BatchRow:
     k: int = 0
     flexible: int = 0  # n-gram drafts this row may verify if the pass is widened (0: not flexible)
     match_len: int | None = None
+    sampled: bool = False  # temperature > 0: acceptance is kept apart from greedy requests
 
 
 @dataclass(frozen=True)
@@ -258,12 +266,12 @@ class AdaptivePolicy:
         self.seqs.pop(request_id, None)
 
     def acceptance(
-        self, request_id: str, method: str, k_max: int = 1, match_len: int | None = None
+        self, request_id: str, method: str, k_max: int = 1, match_len: int | None = None, sampled: bool = False
     ) -> list[float]:
         """Per draft position, the expected acceptance of `method` for this sequence (for n-gram
-        drafts, of those after a match of `match_len` tokens when given)."""
-        key = _key(method, match_len)
-        prior = self.prior.get(key, 0.5)
+        drafts, of those after a match of `match_len` tokens when given; `sampled`: not greedy)."""
+        key = _key(method, match_len, sampled)
+        prior = self.prior.get(_key(method, match_len), 0.5) * (SAMPLED_PRIOR_SCALE if sampled else 1.0)
         if key in self.global_rate:
             prior = self.global_rate[key].rate(prior, 4.0)
         state = self.seqs.get(request_id)
@@ -287,17 +295,19 @@ class AdaptivePolicy:
         has_match: bool = True,
         reproducible: bool = False,
         match_len: int | None = None,
+        sampled: bool = False,
     ) -> Choice:
         """Pick (method, K) for one of `rows` sequences in the batch. `has_match`: the n-gram lookup
         found something to propose; `match_len`: how long its match is, when known. `reproducible`:
-        seeded sampling, which only drafts with proposers that cannot change its text (n-gram)."""
+        seeded sampling, which only drafts with proposers that cannot change its text (n-gram).
+        `sampled`: the request samples (temperature > 0) rather than decoding greedily."""
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice("none", 0, 1.0)
         for method in self.methods:
             if (method == "ngram" and not has_match) or (reproducible and method not in DETERMINISTIC):
                 continue
-            a = self.acceptance(request_id, method, k_max, match_len)
+            a = self.acceptance(request_id, method, k_max, match_len, sampled)
             k, gain = best_k(a, self.method_cost(method, rows), k_max)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
                 best = Choice(method, k, gain)
@@ -326,12 +336,12 @@ class AdaptivePolicy:
         fixed_w = max((r.k for r in rows), default=0)
         flexible = [r for r in rows if r.flexible]
         fixed_tokens = sum(
-            expected_tokens_at(self.acceptance(r.request_id, r.method, k_max=r.k, match_len=r.match_len), r.k)
+            expected_tokens_at(self.acceptance(r.request_id, r.method, r.k, r.match_len, r.sampled), r.k)
             for r in rows if not r.flexible
         )
         draft_k = max((r.k for r in rows if r.method == "draft"), default=0)
         draft_s = draft_k * self._draft_forward_s(len(rows))
-        rates = [self.acceptance(r.request_id, "ngram", k_max=r.flexible, match_len=r.match_len) for r in flexible]
+        rates = [self.acceptance(r.request_id, "ngram", r.flexible, r.match_len, r.sampled) for r in flexible]
         top = max([fixed_w, *(r.flexible for r in flexible)])
 
         def score(w: int) -> float:
@@ -375,12 +385,19 @@ class AdaptivePolicy:
         return None
 
     def observe(
-        self, request_id: str, method: str, drafted: int, accepted: int, match_len: int | None = None
+        self,
+        request_id: str,
+        method: str,
+        drafted: int,
+        accepted: int,
+        match_len: int | None = None,
+        sampled: bool = False,
     ) -> None:
-        """What verification did to one sequence's drafts (`match_len`: the n-gram match they came from)."""
+        """What verification did to one sequence's drafts (`match_len`: the n-gram match they came
+        from; `sampled`: the request samples rather than decoding greedily)."""
         if method == "none" or not drafted:
             return
-        key = _key(method, match_len)
+        key = _key(method, match_len, sampled)
         state = self.seqs.setdefault(request_id, _SeqState())
         state.by_method.setdefault(key, _Acceptance()).update(drafted, accepted, DECAY)
         self.global_rate.setdefault(key, _Acceptance()).update(drafted, accepted, 0.99)
