@@ -104,7 +104,7 @@ def test_speculative_sampling_matches_target_distribution(pair, method):
 def test_always_accept_rule_is_detected(pair, monkeypatch):
     """Accepting every draft token returns the draft's distribution: the same check must fail."""
 
-    def always_accept(drafts, target_probs, draft_probs, generators, exact=None):
+    def always_accept(drafts, target_probs, draft_probs, generators, exact=None, greedy=None):
         tokens = []
         for b, gen in enumerate(generators):
             bonus = int(torch.multinomial(target_probs[b, len(drafts[b])], 1, generator=gen))

@@ -136,3 +136,12 @@ def test_deterministic_drafts_do_not_change_what_a_seed_samples():
     gen, other = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)
     v = rejection_sample([plain[:4], [1, 2]], torch.cat([p, p]), q, [gen, other], exact=[True, False])
     assert v.tokens[0] == plain and v.accepted[0] == 4
+
+
+def test_a_sampled_row_that_is_one_hot_at_first_still_samples_later_positions():
+    """A nucleus can shrink to one token at one position (top_p) and not at the next: only rows that
+    decode greedily take the argmax everywhere."""
+    p = torch.stack([one_hot(2)[0], torch.full((V,), 1.0 / V)])[None]  # [1, 2, V]
+    seconds = {rejection_sample([[2]], p, None, gens(1, seed), greedy=[False]).tokens[0][1] for seed in range(40)}
+    assert len(seconds) > 3  # sampled, not always the same token
+    assert rejection_sample([[2]], p, None, gens(1), greedy=[True]).tokens[0] == [2, int(p[0, 1].argmax())]

@@ -189,7 +189,7 @@ class Engine:
         # Every row but the draft model's draws its tokens exactly as plain decoding would (see
         # rejection.py), so a seeded request's text does not depend on its n-gram drafts.
         exact = [m != "draft" for m in methods]
-        verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs], exact)
+        verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs], exact, sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
         self.policy.cost.observe_verify(len(fed) * logits.shape[1], self._elapsed(started))
 

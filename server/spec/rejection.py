@@ -36,6 +36,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     generators: list[torch.Generator],
     exact: list[bool] | None = None,
+    greedy: list[bool] | None = None,
 ) -> Verdict:
     """Accept/reject every row's drafts against the target in one pass.
 
@@ -47,11 +48,15 @@ def rejection_sample(
         whatever else shares its batch.
     exact: per row, whether its drafts are deterministic (one-hot q): those rows sample-and-compare
         (see above). None: every row when `draft_probs` is None, else none.
+    greedy: per row, whether it decodes greedily (p one-hot at every position): its exact path needs
+        no draws. None: no row is assumed greedy (one-hot rows are then sampled, to the same token).
     """
     if exact is None:
         exact = [draft_probs is None] * len(drafts)
+    if greedy is None:
+        greedy = [False] * len(drafts)
     if all(exact):
-        return _sample_and_compare(drafts, target_probs, generators)
+        return _sample_and_compare(drafts, target_probs, generators, greedy)
     batch, width, _ = target_probs.shape
     k_max = width - 1
     device = target_probs.device
@@ -101,22 +106,23 @@ def rejection_sample(
         tokens.append(drafts[b][: accepted[b]] + [last])
     rows = [b for b, e in enumerate(exact) if e]
     if rows:  # a mixed batch: the deterministic rows sample-and-compare instead
-        mine = _sample_and_compare([drafts[b] for b in rows], target_probs[rows], [generators[b] for b in rows])
+        mine = _sample_and_compare(
+            [drafts[b] for b in rows], target_probs[rows], [generators[b] for b in rows], [greedy[b] for b in rows]
+        )
         for i, b in enumerate(rows):
             accepted[b], tokens[b] = mine.accepted[i], mine.tokens[i]
     return Verdict(accepted=accepted, tokens=tokens)
 
 
 def _sample_and_compare(
-    drafts: list[list[int]], target_probs: torch.Tensor, generators: list[torch.Generator]
+    drafts: list[list[int]], target_probs: torch.Tensor, generators: list[torch.Generator], greedy: list[bool]
 ) -> Verdict:
     """Deterministic drafts: draw each position's token from p as plain decoding would, and keep
     going while it equals the draft. Emits the drawn tokens; consumes one uniform per sampled token.
     Greedy rows (one-hot p) need no draw: a draft is kept while p gives it 1, then the argmax."""
-    lead = target_probs[:, 0].amax(dim=-1).tolist()  # 1.0 exactly for greedy (one-hot) rows
     accepted, tokens = [], []
     for b, (d, gen) in enumerate(zip(drafts, generators, strict=True)):
-        if lead[b] >= 1.0:
+        if greedy[b]:
             hits = target_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.long)].tolist() if d else []
             kept = next((j for j, h in enumerate(hits) if h < 1.0), len(d))
             out = [*d[:kept], int(target_probs[b, kept].argmax())]
