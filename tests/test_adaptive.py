@@ -226,9 +226,9 @@ def test_rows_fill_a_pass_another_row_already_widened():
 
 def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
     engine = tiny_engine_factory()
-    engine.policy.cost.observe_verify = lambda tokens, seconds: None  # keep the costs below fixed
     for n in (5, 10, 20, 40):
-        engine.policy.cost._verify.append((n, 1.0 + 0.01 * n))  # verifying is nearly free
+        engine.policy.cost.observe_verify(n, 1.0 + 0.01 * n)  # verifying is nearly free
+    engine.policy.cost.observe_verify = lambda tokens, seconds: None  # keep these costs fixed
     seen = []
     original = engine.policy.batch_width
     engine.policy.batch_width = lambda rows: seen.append(w := original(rows)) or w
@@ -273,9 +273,9 @@ def test_auto_rows_fill_the_width_a_fixed_row_pays_for(tiny_engine_factory, toke
     (verifying is expensive and its history says n-gram drafts fail) still verifies its n-gram
     drafts: the pass is that wide anyway."""
     engine = tiny_engine_factory()
-    engine.policy.cost.observe_verify = lambda tokens, seconds: None
     for n in (2, 4, 8, 16):
-        engine.policy.cost._verify.append((n, 1.0 + 0.3 * n))
+        engine.policy.cost.observe_verify(n, 1.0 + 0.3 * n)
+    engine.policy.cost.observe_verify = lambda tokens, seconds: None
     for match_len in (1, 2, 3, 8):
         for _ in range(10):
             engine.policy.observe("auto", "ngram", 4, 0, match_len=match_len)

@@ -54,8 +54,7 @@ class Sequence:
     def reproducible(self) -> bool:
         """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
         proposers that cannot change what it samples (n-gram, see server/spec/rejection.py)."""
-        sp = self.request.sampling
-        return sp.seed is not None and not sp.greedy
+        return self.sampled and self.request.sampling.seed is not None
 
     def uses(self, method: str) -> bool:
         """Whether this sequence joins the proposer `method` (auto sequences join every proposer)."""

@@ -49,13 +49,14 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def expected_tokens_at(rates: list[float], k: int) -> float:
-    """Expected tokens from k drafts with per-position conditional acceptance `rates`."""
-    expected, run = 1.0, 1.0
-    for j in range(k):
-        run *= rates[min(j, len(rates) - 1)]
-        expected += run
-    return expected
+def expected_tokens_upto(rates: list[float], k_max: int) -> list[float]:
+    """Expected tokens from k = 0..k_max drafts (index k), with `rates[j]` the acceptance of draft
+    position j given that every earlier draft was accepted (the last rate repeats past the list)."""
+    out, run = [1.0], 1.0
+    for j in range(k_max):
+        run *= rates[min(j, len(rates) - 1)]  # P(the first j + 1 drafts are all accepted)
+        out.append(out[-1] + run)
+    return out
 
 
 def speedup(a: float, k: int, c: float) -> float:
@@ -72,10 +73,7 @@ def best_k(a: float | list[float], c: float, k_max: int) -> tuple[int, float]:
     """
     rates = [a] * k_max if isinstance(a, float | int) else a
     best = (0, 1.0)
-    expected, run = 1.0, 1.0
-    for k in range(1, k_max + 1):
-        run *= rates[min(k - 1, len(rates) - 1)]  # P(the first k drafts are all accepted)
-        expected += run
+    for k, expected in enumerate(expected_tokens_upto(rates, k_max)[1:], start=1):
         s = expected / (c * k + 1.0)
         if s > best[1]:
             best = (k, s)
@@ -90,20 +88,27 @@ class CostModel:
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
         self._draft_forward: deque[float] = deque(maxlen=window)
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
+        self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self._verify.append((tokens, seconds))
+        self._fitted = None
 
     def observe_draft(self, forwards: int, seconds: float) -> None:
         if forwards:
             self._draft_forward.append(seconds / forwards)
 
     def _fit(self) -> tuple[float, float] | None:
-        """Least-squares (fixed, per_token), or None before 4 timings. When every timed pass had the
-        same width (a batch where nobody drafts), the slope cannot be fitted: the prior slope is
-        assumed through the timings' mean, T(n) = a (1 + r (n - 1)) with r = `prior_token_ratio`."""
-        if len(self._verify) < 4:
-            return None
+        """(fixed, per_token), or None before 4 timings. Computed once per new timing: the policy
+        asks for it many times a step (every row, every candidate width)."""
+        if self._fitted is None and len(self._verify) >= 4:
+            self._fitted = self._least_squares()
+        return self._fitted
+
+    def _least_squares(self) -> tuple[float, float]:
+        """Least squares over the timings. When every timed pass had the same width (a batch where
+        nobody drafts), the slope cannot be fitted: the prior slope is assumed through the timings'
+        mean, T(n) = a (1 + r (n - 1)) with r = `prior_token_ratio`."""
         n = [float(t) for t, _ in self._verify]
         y = [s for _, s in self._verify]
         mean_n, mean_y = sum(n) / len(n), sum(y) / len(y)
@@ -336,18 +341,19 @@ class AdaptivePolicy:
         fixed_w = max((r.k for r in rows), default=0)
         flexible = [r for r in rows if r.flexible]
         fixed_tokens = sum(
-            expected_tokens_at(self.acceptance(r.request_id, r.method, r.k, r.match_len, r.sampled), r.k)
+            expected_tokens_upto(self.acceptance(r.request_id, r.method, r.k, r.match_len, r.sampled), r.k)[-1]
             for r in rows if not r.flexible
         )
         draft_k = max((r.k for r in rows if r.method == "draft"), default=0)
         draft_s = draft_k * self._draft_forward_s(len(rows))
-        rates = [self.acceptance(r.request_id, "ngram", r.flexible, r.match_len, r.sampled) for r in flexible]
+        expected = [  # per flexible row: expected tokens with 0..flexible drafts
+            expected_tokens_upto(self.acceptance(r.request_id, "ngram", r.flexible, r.match_len, r.sampled), r.flexible)
+            for r in flexible
+        ]
         top = max([fixed_w, *(r.flexible for r in flexible)])
 
         def score(w: int) -> float:
-            tokens = fixed_tokens + sum(
-                expected_tokens_at(a, min(w, r.flexible)) for r, a in zip(flexible, rates, strict=True)
-            )
+            tokens = fixed_tokens + sum(e[min(w, len(e) - 1)] for e in expected)
             return tokens / (self.cost.verify_time(len(rows) * (w + 1)) + draft_s)
 
         best_w, best = fixed_w, score(fixed_w)
