@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from server.engine.kv_cache import BatchKV
-from server.engine.models import LoadedModel
-from server.spec.ngram import ngram_lookup
+from server.model.kv_cache import BatchKV
+from server.model.loading import LoadedModel
+from server.speculation.ngram import ngram_lookup
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.models import LoadedModel
+from server.model.loading import LoadedModel
 
 PEER_METHODS = ("hf-none", "hf-prompt-lookup", "hf-assisted")
 

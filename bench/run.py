@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.peer import Peer, chat_ids
     from bench.server_proc import live_server
     from server.config import Settings
-    from server.engine.models import load_draft_like, load_model
+    from server.model.loading import load_draft_like, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

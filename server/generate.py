@@ -9,7 +9,7 @@ import uuid
 
 from server.config import Settings
 from server.engine.engine import build_engine
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
 
 def generate_cli(settings: Settings, args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from typing import get_args
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
 
-from server.engine.types import FinishReason, RequestStats, SpecMethod, StepResult
+from server.types import FinishReason, RequestStats, SpecMethod, StepResult
 
 METHODS: tuple[str, ...] = get_args(SpecMethod)  # every method gets its counter series up front
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
-from server.engine.types import RequestStats
+from server.types import RequestStats
 
 LOGGER = logging.getLogger("specula.request")
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.engine.types import GenerationRequest, RequestOutput, RequestStats, StepResult
+from server.types import GenerationRequest, RequestOutput, RequestStats, StepResult
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from server.config import Settings
-from server.engine.models import LoadedModel, load_default_tokenizer
+from server.model.loading import LoadedModel, load_default_tokenizer
 from tests.engine_helpers import PROMPTS, request, run
 from tests.models import as_loaded, perturbed, tiny_llama
 

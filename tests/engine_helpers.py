@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
 PROMPTS = [
     "Hello world, this is",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from server.engine.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, StepResult
+from server.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, StepResult
 
 
 @dataclass

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from server.api.app import create_app
 from server.config import Settings
 from server.engine.engine import Engine
-from server.engine.models import LoadedModel
+from server.model.loading import LoadedModel
 
 
 @contextmanager

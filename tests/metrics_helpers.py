@@ -6,7 +6,7 @@ import random
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.engine.types import RequestOutput, RequestStats, SeqStepStats, StepResult
+from server.types import RequestOutput, RequestStats, SeqStepStats, StepResult
 from server.metrics import Metrics
 
 # Every family name the issue requires (counters without their `_total` suffix, as the parser reports).

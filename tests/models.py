@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from server.engine.models import LoadedModel
+from server.model.loading import LoadedModel
 
 
 def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:

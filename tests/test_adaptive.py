@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from server.spec.adaptive import (
+from server.speculation.adaptive import (
     PROBE_OVERHEAD,
     AdaptivePolicy,
     BatchRow,

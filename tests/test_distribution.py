@@ -14,8 +14,8 @@ from scipy.stats import chisquare
 import server.engine.engine as engine_module
 from server.config import Settings
 from server.engine.engine import Engine
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
-from server.spec.rejection import Verdict
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.speculation.rejection import Verdict
 from tests.models import as_loaded, perturbed, tiny_llama
 
 VOCAB = 64

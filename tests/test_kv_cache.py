@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.kv_cache import BatchKV
+from server.model.kv_cache import BatchKV
 
 
 def clean_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from server.engine.types import RequestStats, SeqStepStats, StepResult
+from server.types import RequestStats, SeqStepStats, StepResult
 from server.metrics import Metrics
 from server.request_log import format_request_line, log_request, request_record
 from tests.metrics_helpers import (

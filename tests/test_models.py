@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from server.engine.models import check_same_tokenizer, load_draft_like, load_model
+from server.model.loading import check_same_tokenizer, load_draft_like, load_model
 from tests.models import as_loaded, tiny_llama
 
 

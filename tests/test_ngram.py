@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.spec.ngram import MATCH_CAP, ngram_lookup, ngram_match
+from server.speculation.ngram import MATCH_CAP, ngram_lookup, ngram_match
 
 
 def test_longest_suffix_ngram_proposes_what_followed_its_latest_occurrence():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from server.engine.sampling import BatchSampling, probabilities
-from server.engine.types import SamplingParams
-from server.spec.rejection import rejection_sample
+from server.sampling import BatchSampling, probabilities
+from server.types import SamplingParams
+from server.speculation.rejection import rejection_sample
 
 V = 6
 

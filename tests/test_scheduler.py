@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from server.scheduler import EngineError, QueueFull, RequestRejected, Scheduler, ShuttingDown
 from tests.fake_engine import FakeEngine, fake_token
 

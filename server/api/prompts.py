@@ -13,7 +13,7 @@ from typing import Any
 
 from server.api.errors import APIError, bad_request
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
-from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.types import RequestOutput, RequestStats, TokenLogprob
+from server.types import RequestOutput, RequestStats, TokenLogprob
 
 
 @dataclass

@@ -27,7 +27,7 @@ from server.api.prompts import (
     generation_requests,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
-from server.engine.types import GenerationRequest, RequestOutput, RequestStats
+from server.types import GenerationRequest, RequestOutput, RequestStats
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
 

@@ -14,13 +14,13 @@ import time
 import torch
 
 from server.config import Settings
-from server.engine.attention import use_gqa_attention
+from server.model.attention import use_gqa_attention
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.kv_cache import BatchKV
-from server.engine.models import LoadedModel, load_draft_like, load_model
-from server.engine.sampling import BatchSampling, probabilities, raw_logprobs
+from server.model.kv_cache import BatchKV
+from server.model.loading import LoadedModel, load_draft_like, load_model
+from server.sampling import BatchSampling, probabilities, raw_logprobs
 from server.engine.sequence import Sequence
-from server.engine.types import (
+from server.types import (
     GenerationRequest,
     RequestOutput,
     RequestStats,
@@ -28,11 +28,11 @@ from server.engine.types import (
     StepResult,
     TokenLogprob,
 )
-from server.spec.adaptive import AdaptivePolicy, BatchRow
-from server.spec.draft import DraftModelProposer
-from server.spec.ngram import NgramProposer
-from server.spec.proposer import Proposer
-from server.spec.rejection import rejection_sample
+from server.speculation.adaptive import AdaptivePolicy, BatchRow
+from server.speculation.draft_model import DraftModelProposer
+from server.speculation.ngram import NgramProposer
+from server.speculation.proposer import Proposer
+from server.speculation.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 

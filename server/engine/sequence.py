@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.types import FinishReason, GenerationRequest, RequestStats
+from server.types import FinishReason, GenerationRequest, RequestStats
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Sequence:
     @property
     def reproducible(self) -> bool:
         """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
-        proposers that cannot change what it samples (n-gram, see server/spec/rejection.py)."""
+        proposers that cannot change what it samples (n-gram, see server/speculation/rejection.py)."""
         return self.sampled and self.request.sampling.seed is not None
 
     def uses(self, method: str) -> bool:

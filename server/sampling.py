@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.types import SamplingParams
+from server.types import SamplingParams
 
 
 @dataclass(frozen=True)

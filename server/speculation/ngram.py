@@ -13,7 +13,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from server.engine.sequence import Sequence
-from server.spec.proposer import Proposal, Proposer
+from server.speculation.proposer import Proposal, Proposer
 
 MATCH_CAP = 16  # match lengths are measured up to this many tokens
 

@@ -11,11 +11,11 @@ import dataclasses
 
 import torch
 
-from server.engine.kv_cache import BatchKV
-from server.engine.models import LoadedModel
-from server.engine.sampling import BatchSampling, probabilities, sample
+from server.model.kv_cache import BatchKV
+from server.model.loading import LoadedModel
+from server.sampling import BatchSampling, probabilities, sample
 from server.engine.sequence import Sequence
-from server.spec.proposer import Proposal, Proposer
+from server.speculation.proposer import Proposal, Proposer
 
 
 class DraftModelProposer(Proposer):

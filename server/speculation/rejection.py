@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.sampling import sample
+from server.sampling import sample
 
 
 @dataclass(frozen=True)
