@@ -2,7 +2,7 @@
 
 c is what the cost model calls the price of one draft token in target steps:
   * draft: one draft-model forward of one token per row / one target forward of one token per row,
-    both through the engine's own `BatchKV` at the same context (the workload prompts);
+    both through the engine's own `ModelRunner` at the same context (the workload prompts);
   * ngram: the engine's `ngram_lookup` for every row of the batch / one target forward (about 0).
 `verify` = a target forward over K+1 tokens per row / one over 1 token: the cost model assumes 1.
 Measurements of the kinds alternate within each repeat, and the median is kept, so drift on a
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from server.model.kv_cache import BatchKV
 from server.model.loading import LoadedModel
+from server.model.runner import ModelRunner
 from server.speculation.ngram import ngram_lookup
 
 
@@ -49,22 +49,19 @@ class BatchCosts:
         return {**asdict(self), "c_draft": self.c_draft, "c_ngram": self.c_ngram, "verify_ratio": self.verify_ratio}
 
 
-def _prefilled(model: LoadedModel, rows: list[list[int]]) -> BatchKV:
-    kv = BatchKV(model.model)
-    fresh = kv.new_rows([f"row{b}" for b in range(len(rows))])
-    fresh.forward(rows, want_logits=False)
-    kv.add_rows(fresh)
-    return kv
+def _prefilled(model: LoadedModel, rows: list[list[int]]) -> ModelRunner:
+    runner = ModelRunner(model.model)
+    runner.join([f"row{b}" for b in range(len(rows))], rows)
+    return runner
 
 
-def _timed_step(kv: BatchKV, width: int, token: int) -> float:
+def _timed_step(runner: ModelRunner, width: int, token: int) -> float:
     """Seconds for one forward of `width` tokens per row; rolled back afterwards (bookkeeping only)."""
     started = time.perf_counter()
-    kv.forward([[token] * width for _ in kv.rows])
+    runner.forward([[token] * width for _ in runner.rows])
     elapsed = time.perf_counter() - started
-    for b in range(len(kv.rows)):
-        kv.rollback(b, width)
-    kv.maybe_compact()
+    for b in range(len(runner.rows)):
+        runner.rollback(b, width)
     return elapsed
 
 

@@ -1,4 +1,4 @@
-"""The speculative-decoding cost model the benchmark compares measurements against (DESIGN.md).
+"""The speculative-decoding cost model the benchmark compares measurements against (docs/design.md).
 
 With per-position acceptance probability a (i.i.d.), K draft tokens per step, and a draft costing c
 target steps per token, one step emits (1 - a^(K+1)) / (1 - a) tokens on average and costs cK + 1
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from server.speculation.adaptive import expected_tokens, speedup
+
 
 def expected_tokens_per_step(a: float, k: int) -> float:
     """Mean tokens one verify pass emits: 1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)."""
@@ -16,20 +18,19 @@ def expected_tokens_per_step(a: float, k: int) -> float:
         raise ValueError(f"acceptance rate must be in [0, 1], got {a}")
     if k < 0:
         raise ValueError(f"K must be >= 0, got {k}")
-    if math.isclose(a, 1.0):
-        return float(k + 1)  # the limit a -> 1
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    return expected_tokens(1.0 if math.isclose(a, 1.0) else a, k)  # the policy's own formula
 
 
 def theoretical_speedup(a: float, k: int, c: float) -> float:
     """Expected speedup over plain decoding: (1 - a^(K+1)) / ((1 - a)(cK + 1))."""
     if c < 0:
         raise ValueError(f"cost ratio must be >= 0, got {c}")
-    return expected_tokens_per_step(a, k) / (c * k + 1.0)
+    expected_tokens_per_step(a, k)  # validates a and k
+    return speedup(1.0 if math.isclose(a, 1.0) else a, k, c)
 
 
 def mean_accepted_length(accepted_tokens: int, decode_steps: int) -> float:
-    """Tokens emitted per verify pass: 1 + accepted / steps (DESIGN.md's words); 0 with no steps."""
+    """Tokens emitted per verify pass: 1 + accepted / steps (docs/design.md); 0 with no steps."""
     return 1.0 + accepted_tokens / decode_steps if decode_steps else 0.0
 
 

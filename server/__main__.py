@@ -7,6 +7,7 @@ import logging
 import sys
 
 from server.config import Settings
+from server.speculation.registry import BUILTIN
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -16,7 +17,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 or auto")
-    p.add_argument("--speculation", default=None, choices=["none", "ngram", "draft", "auto"])
+    p.add_argument("--speculation", default=None, choices=BUILTIN.methods)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="draft tokens per step (K)")
 
 

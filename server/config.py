@@ -6,7 +6,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -14,12 +14,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from server.speculation.registry import BUILTIN
+from server.types import DEFAULT_METHOD, DEFAULT_NUM_TOKENS
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
 
 # The YAML path is per-call state for `settings_customise_sources` (a classmethod pydantic calls).
 _yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", default=None)
 
-Method = Literal["none", "ngram", "draft", "auto"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
@@ -41,8 +43,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "specula")
 
     # Speculation defaults for requests that don't say.
-    speculation: Method = "auto"
-    num_speculative_tokens: int = Field(default=8, ge=1, le=32)
+    speculation: str = DEFAULT_METHOD  # one of BUILTIN.methods (server/speculation/registry.py)
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_TOKENS, ge=1, le=32)
     ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
     ngram_min: int = Field(default=1, ge=1, le=16)
 
@@ -59,6 +61,13 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
+
+    @field_validator("speculation")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in BUILTIN.methods:
+            raise ValueError(f"unknown speculation method {value!r}; choose one of {', '.join(BUILTIN.methods)}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

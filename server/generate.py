@@ -28,11 +28,12 @@ def generate_cli(settings: Settings, args: argparse.Namespace) -> int:
         speculation=SpeculationParams(settings.speculation, settings.num_speculative_tokens),
     )
     try:
-        engine.add_request(request)
+        engine.limits.check(request)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
+    started = time.perf_counter()  # the prompt's prefill counts, as it does for a server's request
+    engine.add_request(request)
     final = None
     while engine.has_unfinished():
         for out in engine.step().outputs:

@@ -25,9 +25,8 @@ from typing import get_args
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
 
-from server.types import FinishReason, RequestStats, SpecMethod, StepResult
+from server.types import FinishReason, RequestStats, StepResult
 
-METHODS: tuple[str, ...] = get_args(SpecMethod)  # every method gets its counter series up front
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 # Tokens emitted per verify pass is an integer in [1, K + 1], K <= 32.
@@ -42,14 +41,19 @@ class Metrics:
     """All Prometheus collectors of one server.
 
     `model` is the served model name (the `model` label everywhere); `target`, `draft`, `method` and
-    `k` are the server's configuration, exported once as `specula_speculation_info`.
+    `k` are the server's configuration, exported once as `specula_speculation_info`. `methods` are the
+    speculation methods the server runs ("none", its proposers, "auto"); the speculation series are
+    labelled with the request's `method` and the `proposer` that drafted in each step ("none" for a
+    plain step), so `method="auto"` can be split by what `auto` chose.
     """
 
-    def __init__(self, model: str, target: str, draft: str | None, method: str, k: int) -> None:
+    def __init__(
+        self, model: str, target: str, draft: str | None, method: str, k: int, methods: tuple[str, ...]
+    ) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        spec = ["model", "method"]
+        spec = ["model", "method", "proposer"]
         self.draft_tokens = Counter(
             "specula_spec_decode_draft_tokens", "Draft tokens proposed.", spec, registry=r
         )
@@ -134,9 +138,12 @@ class Metrics:
             {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
         )
         # Create the series up front so dashboards show 0 (not "no data") before the first request.
-        for m in METHODS:
-            for c in (self.draft_tokens, self.accepted_tokens, self.steps):
-                c.labels(model, m)
+        proposers = [m for m in methods if m not in ("none", "auto")]
+        for m in methods:
+            used = ["none", *proposers] if m == "auto" else ["none", *([m] if m in proposers else [])]
+            for proposer in used:
+                for c in (self.draft_tokens, self.accepted_tokens, self.steps):
+                    c.labels(model, m, proposer)
         for reason in FINISH_REASONS:
             self.requests.labels(model, reason)
         for c in (self.prompt_tokens, self.generation_tokens):
@@ -151,7 +158,7 @@ class Metrics:
         Generation tokens are the token ids of the step's outputs (after stop truncation).
         """
         for s in result.seq_stats:
-            labels = (self.model, s.method)
+            labels = (self.model, s.method, s.proposer)
             self.steps.labels(*labels).inc()
             self.draft_tokens.labels(*labels).inc(s.draft_tokens)
             self.accepted_tokens.labels(*labels).inc(s.accepted_tokens)

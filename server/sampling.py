@@ -1,6 +1,6 @@
 """Turn logits into the distribution a request samples from: penalties, temperature, top-k, top-p.
 
-DESIGN.md calls the result p (target) or q (draft); both go through this same function, so the
+docs/design.md calls the result p (target) or q (draft); both go through this same function, so the
 acceptance rule compares like with like. Greedy rows (temperature 0) become one-hot at the argmax.
 """
 

@@ -10,10 +10,12 @@ runs `admit -> step -> deliver` forever:
 * **deliver**: each `RequestOutput` goes to its request's `RequestStream` through
   `loop.call_soon_threadsafe`, so the event loop never blocks on model work.
 
-Admission control happens in `submit`: at most `max_waiting` sequences may wait beyond the free batch
-slots, otherwise `QueueFull` (the API answers 429). An aborted request (client gone) leaves the
-batch at the next step boundary. A step that raises fails the sequences it was running (they get
-`EngineError`) and the worker carries on.
+The scheduler is the one owner of the waiting queue, the running set and pending aborts; the engine
+only holds the batch it is given. Admission control happens in `submit`: a request the engine
+cannot run (`ServingLimits.check`) is `RequestRejected` at once, and at most `max_waiting`
+sequences may wait beyond the free batch slots, otherwise `QueueFull` (the API answers 429).
+An aborted request (client gone) leaves the batch at the next step boundary. A step that raises
+fails the sequences it was running (they get `EngineError`) and the worker carries on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.types import GenerationRequest, RequestOutput, RequestStats, StepResult
+from server.types import GenerationRequest, RequestOutput, RequestStats, ServingLimits, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 class SchedulerEngine(Protocol):
     """The part of `server.engine.engine.Engine` the scheduler uses (single-threaded)."""
 
-    def add_request(self, req: GenerationRequest) -> None: ...
+    def add_requests(self, reqs: list[GenerationRequest]) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> StepResult: ...
     def has_unfinished(self) -> bool: ...
@@ -126,9 +128,12 @@ class Scheduler:
         *,
         max_batch_size: int,
         max_waiting: int,
+        limits: ServingLimits | None = None,
         metrics: SchedulerMetrics | None = None,
     ) -> None:
+        """`limits`: what the engine can run; requests are checked against them in `submit`."""
         self._engine = engine
+        self._limits = limits
         self._max_batch_size = max_batch_size
         self._max_waiting = max_waiting
         self._metrics = metrics
@@ -159,7 +164,14 @@ class Scheduler:
         return len(self._running)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> RequestStream:
-        """Queue the sequences of one API request (all or none). Raises `QueueFull`, `ShuttingDown`."""
+        """Queue the sequences of one API request (all or none). Raises `RequestRejected`, `QueueFull`,
+        `ShuttingDown`."""
+        if self._limits is not None:
+            for r in requests:
+                try:
+                    self._limits.check(r)
+                except ValueError as exc:
+                    raise RequestRejected(str(exc)) from exc
         stream = RequestStream([r.request_id for r in requests])
         now = time.monotonic()
         with self._lock:
@@ -233,8 +245,7 @@ class Scheduler:
                 self._call_engine(self._engine.abort_request, rid)
             if stop:
                 return
-            for seq in admitted:
-                self._admit(seq)
+            self._admit(admitted)
             if not self._engine.has_unfinished():
                 self._publish_load()
                 self._wake.wait()
@@ -252,15 +263,34 @@ class Scheduler:
         except Exception:
             log.exception("engine call %s(%s) failed", getattr(fn, "__name__", fn), request_id)
 
-    def _admit(self, seq: _Seq) -> None:
-        seq.scheduled = time.monotonic()
+    def _admit(self, seqs: list[_Seq]) -> None:
+        """Join admitted sequences to the engine's batch: together (one prefill), or one by one when
+        that fails, so one bad request fails alone."""
+        if not seqs:
+            return
+        now = time.monotonic()
+        for seq in seqs:
+            seq.scheduled = now
         try:
-            self._engine.add_request(seq.request)
-        except ValueError as exc:
-            self._drop(seq, RequestRejected(str(exc)))
+            self._engine.add_requests([s.request for s in seqs])
+            return
         except Exception as exc:
-            log.exception("engine.add_request failed")
-            self._drop(seq, EngineError(f"the engine failed to add the request: {exc}"))
+            if len(seqs) == 1:
+                self._refuse(seqs[0], exc)
+                return
+        for seq in seqs:
+            try:
+                self._engine.add_requests([seq.request])
+            except Exception as exc:
+                self._refuse(seq, exc)
+
+    def _refuse(self, seq: _Seq, exc: Exception) -> None:
+        """The engine would not take `seq`: bad input (ValueError) or a bug."""
+        if isinstance(exc, ValueError):
+            self._drop(seq, RequestRejected(str(exc)))
+            return
+        log.error("engine.add_requests failed", exc_info=exc)
+        self._drop(seq, EngineError(f"the engine failed to add the request: {exc}"))
 
     def _drop(self, seq: _Seq, exc: BaseException) -> None:
         """Remove a running sequence and fail its whole API request (its siblings are aborted)."""

@@ -8,15 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-SpecMethod = Literal["none", "ngram", "draft", "auto"]
 FinishReason = Literal["stop", "length", "abort"]
+Origin = Literal["accepted", "recovered", "bonus", "plain"]  # where an emitted token came from
+DEFAULT_METHOD = "auto"  # the method of a request that names none (`Settings.speculation`'s default too)
+DEFAULT_NUM_TOKENS = 8  # K: the most draft tokens per step (`Settings.num_speculative_tokens`'s default)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence samples. temperature == 0 means greedy.
 
-    `p` in DESIGN.md is the target distribution after `temperature`, penalties, `top_k` and `top_p`.
+    `p` in docs/design.md is the target distribution after `temperature`, penalties, `top_k` and `top_p`.
     """
 
     max_tokens: int = 16
@@ -52,16 +54,16 @@ class SamplingParams:
 class SpeculationParams:
     """Which proposer drafts for a sequence and how many tokens (K) per step.
 
-    `auto` lets the engine pick the proposer and K (up to `num_tokens`) every step from measured
-    acceptance and costs, down to plain decoding when speculation does not pay.
+    `method` is the request's mode: "none", a proposer's name (server/speculation/registry.py), or
+    "auto", which lets the engine pick the proposer and K (up to `num_tokens`) every step from measured
+    acceptance and costs, down to plain decoding when speculation does not pay. Whether the server
+    can run it is `ServingLimits.check`'s question.
     """
 
-    method: SpecMethod = "ngram"
-    num_tokens: int = 4
+    method: str = DEFAULT_METHOD
+    num_tokens: int = DEFAULT_NUM_TOKENS
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "ngram", "draft", "auto"):
-            raise ValueError(f"unknown speculation method {self.method!r}")
         if not 1 <= self.num_tokens <= 32:
             raise ValueError("speculation.num_tokens must be in [1, 32]")
 
@@ -81,11 +83,52 @@ class GenerationRequest:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
 
 
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the loaded engine can serve. `check` is the one place a request is validated against it,
+    before it reaches the engine (the API turns its ValueError into a 400, the scheduler into a
+    rejected request)."""
+
+    max_context: int  # prompt + max_tokens, in tokens
+    vocab_size: int  # token ids must be in [0, vocab_size): the target's logits width
+    methods: tuple[str, ...]  # speculation methods this server runs
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ValueError (a message meant for the client) if the engine cannot run `request`."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_context} tokens, but the request asks "
+                f"for {total} ({len(prompt)} in the prompt + {request.sampling.max_tokens} max_tokens)"
+            )
+        self.check_method(request.speculation.method)
+
+    def check_method(self, method: str) -> None:
+        if method not in self.methods:
+            raise ValueError(
+                f"speculation method {method!r} is not available on this server (available: "
+                f"{', '.join(self.methods)})"
+            )
+
+
+@dataclass
+class ProposerTally:
+    """Draft and accepted tokens of one proposer within one request."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 @dataclass
 class RequestStats:
     """Cumulative speculation figures for one request; feeds `usage.speculation`."""
 
-    method: str
+    method: str  # the request's mode ("auto", "ngram", ...)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     draft_tokens: int = 0  # tokens proposed
@@ -94,6 +137,7 @@ class RequestStats:
     bonus_tokens: int = 0  # extra target tokens after all drafts were accepted
     decode_steps: int = 0  # verify passes (target forwards after prefill)
     accepted_per_position: list[int] = field(default_factory=list)  # index j: accepted at draft pos j
+    by_proposer: dict[str, ProposerTally] = field(default_factory=dict)  # who drafted what (auto mixes them)
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,7 +153,8 @@ class SeqStepStats:
     """What one verify pass did for one sequence (per-step input to the metrics)."""
 
     request_id: str
-    method: str
+    method: str  # the request's mode ("auto", "ngram", ...)
+    proposer: str  # who drafted in this step: a proposer's name, or "none" for a plain step
     draft_tokens: int
     accepted_tokens: int
     emitted_tokens: int  # tokens appended this step before stop truncation: accepted + 1
@@ -123,6 +168,20 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """Where one emitted token came from (opt-in per-token origins on the stream).
+
+    `origin`: an accepted draft token, the recovered token at a rejection, the bonus token after a fully
+    accepted draft, or a plain step's token. `proposer`: who drafted in that step (None for plain).
+    `step`: the request's verify pass (0-based), so tokens of one target pass share it.
+    """
+
+    origin: Origin
+    proposer: str | None
+    step: int
 
 
 @dataclass
@@ -140,6 +199,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     stats: RequestStats
+    sources: list[TokenSource] = field(default_factory=list)  # one per token in `token_ids`
 
 
 @dataclass

@@ -34,13 +34,15 @@ def tiny_draft(tiny_target, tokenizer) -> LoadedModel:
 
 @pytest.fixture
 def tiny_engine_factory(tiny_target, tiny_draft) -> Callable[..., object]:
-    """`factory(**settings_overrides) -> Engine` on the tiny models (draft included unless draft=None)."""
+    """`factory(registry=..., cost=..., **settings_overrides) -> Engine` on the tiny models (draft
+    included unless draft=None; `registry`: the proposers, `cost`: an injected step-cost model)."""
     from server.engine.engine import Engine
+    from server.speculation.registry import BUILTIN
 
-    def make(**overrides) -> Engine:
+    def make(registry=BUILTIN, cost=None, **overrides) -> Engine:
         with_draft = overrides.pop("draft", "target") is not None
         settings = Settings.load(**overrides)
-        return Engine(tiny_target, tiny_draft if with_draft else None, settings)
+        return Engine(tiny_target, tiny_draft if with_draft else None, settings, registry=registry, cost=cost)
 
     return make
 

@@ -3,7 +3,8 @@
 Each step emits one token per running request: token t+1 of a request is `(prompt[-1] + t + 1) % 1000 + 300`
 (plain word pieces of the SmolLM2 vocabulary). It records every step's batch so tests can check
 admission and aborts at step boundaries. `fail_on` prompt ids make `step()` raise (a bug), and
-prompts longer than `max_context` are refused by `add_request` with ValueError, like the real engine.
+prompts longer than `max_context` are refused by `add_requests` with ValueError (the engine trusts the
+scheduler's check; the fake refuses so the scheduler's handling of a refusal can be tested).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from server.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, StepResult
+from server.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, ServingLimits, StepResult
 
 
 @dataclass
@@ -30,7 +31,8 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.max_context = max_context
-        self.has_draft = False
+        self.limits = ServingLimits(max_context=max_context, vocab_size=len(tokenizer), methods=("none", "auto"))
+        self.draft_name = None
         self.step_s = step_s
         self.fail_on = fail_on
         self.running: dict[str, _Running] = {}
@@ -41,10 +43,12 @@ class FakeEngine:
     def num_running(self) -> int:
         return len(self.running)
 
-    def add_request(self, req: GenerationRequest) -> None:
-        if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_context:
-            raise ValueError("prompt too long")
-        self.running[req.request_id] = _Running(req, stats=RequestStats(method=req.speculation.method))
+    def add_requests(self, reqs: list[GenerationRequest]) -> None:
+        for req in reqs:
+            if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_context:
+                raise ValueError("prompt too long")
+        for req in reqs:
+            self.running[req.request_id] = _Running(req, stats=RequestStats(method=req.speculation.method))
 
     def abort_request(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:
@@ -73,5 +77,5 @@ class FakeEngine:
             if done:
                 del self.running[rid]
             outputs.append(RequestOutput(rid, [tok], text, None, done, "length" if done else None, run.stats))
-            seq_stats.append(SeqStepStats(rid, run.stats.method, 0, 0, 1, False))
+            seq_stats.append(SeqStepStats(rid, run.stats.method, "none", 0, 0, 1, False))
         return StepResult(outputs, seq_stats)

@@ -6,8 +6,8 @@ import random
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.types import RequestOutput, RequestStats, SeqStepStats, StepResult
 from server.metrics import Metrics
+from server.types import RequestOutput, RequestStats, SeqStepStats, StepResult
 
 # Every family name the issue requires (counters without their `_total` suffix, as the parser reports).
 REQUIRED_FAMILIES = (
@@ -32,7 +32,10 @@ REQUIRED_FAMILIES = (
 
 
 def new_metrics() -> Metrics:
-    return Metrics(model="tiny", target="tiny-target", draft="tiny-draft", method="ngram", k=4)
+    return Metrics(
+        model="tiny", target="tiny-target", draft="tiny-draft", method="ngram", k=4,
+        methods=("none", "ngram", "draft", "auto"),
+    )
 
 
 def synthetic_steps(
@@ -52,7 +55,8 @@ def synthetic_steps(
             st = stats[rid]
             k = 0 if st.method == "none" else rng.randint(0, 5)
             acc = rng.randint(0, k)
-            seq.append(SeqStepStats(rid, st.method, k, acc, acc + 1, bonus=acc == k and k > 0))
+            proposer = st.method if k else "none"
+            seq.append(SeqStepStats(rid, st.method, proposer, k, acc, acc + 1, bonus=acc == k and k > 0))
             st.draft_tokens += k
             st.accepted_tokens += acc
             st.decode_steps += 1

@@ -11,25 +11,36 @@ from server.speculation.adaptive import (
     AdaptivePolicy,
     BatchRow,
     CostModel,
+    Offer,
     _Acceptance,
+    _key,
     _SeqState,
     best_k,
     speedup,
 )
-from tests.engine_helpers import request, run
+from server.speculation.draft_model import DraftModelProposer
+from server.speculation.ngram import NgramProposer, confidence_level
+from tests.engine_helpers import FixedCosts, final_stats, request, run
+
+TRAITS = {"ngram": NgramProposer.traits, "draft": DraftModelProposer.traits}
 
 
 def policy_with_costs(draft_forward_ratio: float = 0.75, token_ratio: float = 0.05) -> AdaptivePolicy:
-    cost = CostModel()
-    for n in (1, 2, 4, 8, 1, 2, 4, 8):  # T(n) = 1 + token_ratio * (n - 1)
-        cost.observe_verify(n, 1.0 + token_ratio * (n - 1))
-    cost.observe_draft(4, 4 * draft_forward_ratio)
-    return AdaptivePolicy(["ngram", "draft"], draft_token_cost={"ngram": 0.002}, cost=cost)
+    return AdaptivePolicy(TRAITS, FixedCosts(token_ratio, {"draft": draft_forward_ratio}))
 
 
 def feed(policy: AdaptivePolicy, rid: str, method: str, rate: float, steps: int = 20, k: int = 4) -> None:
     for _ in range(steps):
         policy.observe(rid, method, k, round(rate * k))
+
+
+def ngram(match_len: int = 1, drafts: int = 8) -> dict[str, Offer]:
+    """What the n-gram lookup offers a row: `drafts` tokens after a match of `match_len`."""
+    return {"ngram": Offer(drafts, confidence_level(match_len))}
+
+
+def level(match_len: int) -> int:
+    return confidence_level(match_len)
 
 
 def test_speedup_formula():
@@ -44,17 +55,17 @@ def test_low_acceptance_turns_speculation_off():
     policy = policy_with_costs()
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.1)
-    choice = policy.choose("r", k_max=8, rows=1, has_match=True)
-    assert choice.method == "none" and choice.k == 0
+    choice = policy.choose("r", k_max=8, rows=1, offers=ngram())
+    assert choice.proposer is None and choice.k == 0
 
 
 def test_high_acceptance_raises_k():
     policy = policy_with_costs()
     feed(policy, "lo", "ngram", 0.5)
     feed(policy, "hi", "ngram", 1.0)
-    lo = policy.choose("lo", k_max=8)
-    hi = policy.choose("hi", k_max=8)
-    assert lo.method == hi.method == "ngram"
+    lo = policy.choose("lo", k_max=8, offers=ngram())
+    hi = policy.choose("hi", k_max=8, offers=ngram())
+    assert lo.proposer == hi.proposer == "ngram"
     assert hi.k > lo.k and hi.k == 8
 
 
@@ -62,11 +73,11 @@ def test_cheap_proposer_wins_at_equal_acceptance_and_no_match_falls_back():
     policy = policy_with_costs(draft_forward_ratio=0.75)
     feed(policy, "r", "ngram", 0.9)
     feed(policy, "r", "draft", 0.9)
-    assert policy.choose("r", 8, 1, has_match=True).method == "ngram"
-    assert policy.choose("r", 8, 1, has_match=False).method == "draft"
+    assert policy.choose("r", 8, 1, offers=ngram()).proposer == "ngram"
+    assert policy.choose("r", 8, 1).proposer == "draft"  # nothing to look up: the model drafts
     expensive = policy_with_costs(draft_forward_ratio=1.2)
     feed(expensive, "r", "draft", 0.9)
-    assert expensive.choose("r", 8, 1, has_match=False).method == "none"
+    assert expensive.choose("r", 8, 1).proposer is None
 
 
 def test_k_shrinks_as_verification_stops_being_free():
@@ -75,8 +86,8 @@ def test_k_shrinks_as_verification_stops_being_free():
     for _ in range(60):  # independent per-token acceptance 0.7: leading successes out of 8
         accepted = next((j for j in range(8) if rng.random() >= 0.7), 8)
         policy.observe("r", "ngram", 8, accepted)
-    alone = policy.choose("r", k_max=8, rows=1).k
-    crowded = policy.choose("r", k_max=8, rows=8).k  # each verified token costs its share
+    alone = policy.choose("r", k_max=8, rows=1, offers=ngram()).k
+    crowded = policy.choose("r", k_max=8, rows=8, offers=ngram()).k  # each verified token costs its share
     assert 0 < crowded < alone
 
 
@@ -85,12 +96,12 @@ def test_unused_proposer_is_probed_now_and_then_within_a_cost_budget():
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.0)
     steps = 64
-    choices = [policy.choose("r", 8, 1, has_match=True) for _ in range(steps)]
-    probes = [c for c in choices if c.method != "none"]
+    choices = [policy.choose("r", 8, 1, offers=ngram()) for _ in range(steps)]
+    probes = [c for c in choices if c.proposer is not None]
     assert probes and all(c.k == 1 for c in probes)
-    spent = sum(policy.method_cost(c.method, 1) for c in probes)
+    spent = sum(policy.method_cost(c.proposer, 1) for c in probes)
     assert spent <= 2 * PROBE_OVERHEAD * steps + max(policy.method_cost(m, 1) for m in ("ngram", "draft"))
-    assert sum(c.method == "ngram" for c in probes) > sum(c.method == "draft" for c in probes)
+    assert sum(c.proposer == "ngram" for c in probes) > sum(c.proposer == "draft" for c in probes)
 
 
 def test_auto_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
@@ -100,79 +111,65 @@ def test_auto_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, gre
 
 
 def test_auto_with_a_perfect_cheap_draft_speculates(tiny_target, prompt_ids):
-    """A draft that always agrees and (as if it were small) costs 5% of a step: auto must use it."""
+    """A draft that always agrees (the target itself) and, by the injected costs, costs 5% of a step
+    (as a small draft would): auto must use it."""
     from server.config import Settings
     from server.engine.engine import Engine
 
-    engine = Engine(tiny_target, tiny_target, Settings.load())
-    engine.policy.fixed_cost["draft"] = 0.05  # the same weights cost a full step; pretend it is small
-    for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "auto", 4, max_tokens=30))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
+    engine = Engine(tiny_target, tiny_target, Settings.load(), cost=FixedCosts(draft={"draft": 0.05}))
+    done = final_stats(engine, [request(f"r{i}", p, "auto", 4, max_tokens=30) for i, p in enumerate(prompt_ids)])
     assert all(s.draft_tokens > 0 and s.acceptance_rate > 0.9 for s in done.values())
+    assert all(s.by_proposer["draft"].draft_tokens > 0 for s in done.values())
     assert all(s.decode_steps < 15 for s in done.values())  # 30 tokens in well under 30 passes
 
 
 def test_auto_does_not_use_a_draft_that_costs_a_full_step(tiny_target, prompt_ids):
-    """The same weights as draft agree on everything but cost as much as the target: never pays."""
+    """The same weights as draft agree on everything but cost as much as the target (measured): never pays."""
     from server.config import Settings
     from server.engine.engine import Engine
 
     engine = Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16))  # no n-gram matches
-    for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "auto", 4, max_tokens=40))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
+    done = final_stats(engine, [request(f"r{i}", p, "auto", 4, max_tokens=40) for i, p in enumerate(prompt_ids)])
     for stats in done.values():  # after the first measured steps, only rare K=1 probes
         assert stats.draft_tokens <= 8
 
 
-def test_seeded_sampling_under_auto_reproduces_whatever_the_timings(tiny_engine_factory, prompt_ids):
+def test_seeded_sampling_under_auto_reproduces_whatever_the_costs(tiny_engine_factory, prompt_ids):
     def sample_once(draft_cost: float) -> dict[str, list[int]]:
-        engine = tiny_engine_factory()
         # Measured costs differ from run to run; a seeded request's tokens must not follow them.
-        engine.policy.cost.draft_cost = lambda rows: draft_cost
+        engine = tiny_engine_factory(cost=FixedCosts(draft={"draft": draft_cost}))
         reqs = [request(f"r{i}", p, "auto", 6, temperature=1.0, seed=3 + i) for i, p in enumerate(prompt_ids)]
         out = run(engine, reqs)
         # the draft model samples from the request's stream, so seeded requests never use it
-        assert not engine.proposers["draft"].kv.cache.layers[0].is_initialized
+        assert engine.planner.proposers["draft"].forwards == 0
         return out
 
     assert sample_once(0.01) == sample_once(5.0)
 
 
-def test_unseeded_auto_follows_the_measured_costs(tiny_engine_factory, prompt_ids):
-    """The counterpart of the test above: without a seed, the timings do steer the choice."""
+def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):
+    """The counterpart of the test above: without a seed, the costs do steer the choice."""
     used = {}
     for cost in (0.01, 5.0):
-        engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
-        engine.policy.cost.draft_cost = lambda rows, c=cost: c
-        engine.policy.prior["draft"] = 0.9
-        for i, p in enumerate(prompt_ids):
-            engine.add_request(request(f"r{i}", p, "auto", 6, temperature=1.0))
-        drafted = 0
-        while engine.has_unfinished():
-            drafted += sum(s.draft_tokens for s in engine.step().seq_stats)
-        used[cost] = drafted
+        engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": cost}))
+        for _ in range(20):
+            engine.planner.policy.observe("history", "draft", 6, 6, sampled=True)  # the draft is usually right
+        stats = final_stats(engine, [request(f"r{i}", p, "auto", 6, temperature=1.0) for i, p in enumerate(prompt_ids)])
+        used[cost] = sum(s.draft_tokens for s in stats.values())
     assert used[0.01] > 4 * max(used[5.0], 1)
 
 
 def test_a_proposer_that_cannot_pay_is_never_probed():
     policy = policy_with_costs(draft_forward_ratio=1.3)  # the bf16 copy on one CPU thread, measured
     feed(policy, "r", "draft", 0.1)
-    choices = [policy.choose("r", 8, 1, has_match=False) for _ in range(64)]
-    assert all(c.method == "none" for c in choices)
+    choices = [policy.choose("r", 8, 1) for _ in range(64)]
+    assert all(c.proposer is None for c in choices)
 
 
 def test_auto_sequences_never_using_the_draft_never_prefill_it(tiny_engine_factory, prompt_ids):
-    engine = tiny_engine_factory(ngram_min=16, ngram_max=16)
-    engine.policy.cost.draft_cost = lambda rows: 5.0  # far too slow to ever pay
+    engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": 5.0}))  # never pays
     run(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids)])
-    draft_kv = engine.proposers["draft"].kv
-    assert not draft_kv.cache.layers[0].is_initialized  # no draft forward ever ran
+    assert engine.planner.proposers["draft"].forwards == 0  # no draft forward ever ran, not even a prefill
 
 
 def test_runs_of_copying_favour_long_drafts():
@@ -183,21 +180,20 @@ def test_runs_of_copying_favour_long_drafts():
         bursty.observe("r", "ngram", 8, 8 if step % 2 else 0)
         coins.observe("r", "ngram", 8, 1)  # first accepted, second rejected: 1 of 2 reached
         coins.observe("r", "ngram", 8, 0)
-    assert bursty.choose("r", 8, 1).k >= 6
-    assert coins.choose("r", 8, 1).k <= 2
+    assert bursty.choose("r", 8, 1, offers=ngram()).k >= 6
+    assert coins.choose("r", 8, 1, offers=ngram()).k <= 2
 
 
 def test_in_a_batch_rows_do_not_probe_alone():
-    policy = policy_with_costs()
-    policy.fixed_cost["draft"] = 1.5  # a draft model slower than the target
+    policy = policy_with_costs(draft_forward_ratio=1.5)  # a draft model slower than the target
     feed(policy, "r", "ngram", 0.0)
-    choices = [policy.choose("r", 8, rows=8, has_match=True) for _ in range(64)]
-    assert all(c.method == "none" for c in choices)  # alone it would probe; in a batch it waits
+    choices = [policy.choose("r", 8, rows=8, offers=ngram()) for _ in range(64)]
+    assert all(c.proposer is None for c in choices)  # alone it would probe; in a batch it waits
 
 
 def copying(policy: AdaptivePolicy, rid: str, match_len: int = 12) -> None:
     for _ in range(20):
-        policy.observe(rid, "ngram", 8, 8, match_len=match_len)
+        policy.observe(rid, "ngram", 8, 8, level(match_len))
 
 
 def test_batch_width_pays_for_padding_only_when_enough_rows_gain():
@@ -206,48 +202,50 @@ def test_batch_width_pays_for_padding_only_when_enough_rows_gain():
     policy = policy_with_costs(token_ratio=0.1)
     copying(policy, "c0")
     for i in range(1, 8):
-        policy.observe(f"c{i}", "ngram", 4, 0, match_len=1)
-    rows = [BatchRow("c0", flexible=8, match_len=12)] + [BatchRow(f"c{i}") for i in range(1, 8)]
+        policy.observe(f"c{i}", "ngram", 4, 0, level(1))
+    rows = [BatchRow("c0", "ngram", level=level(12), flexible=8)] + [BatchRow(f"c{i}") for i in range(1, 8)]
     assert policy.batch_width(rows)[0] == 0
     for i in range(8):
         copying(policy, f"c{i}")
-    assert policy.batch_width([BatchRow(f"c{i}", flexible=8, match_len=12) for i in range(8)])[0] >= 4
+    assert policy.batch_width([BatchRow(f"c{i}", "ngram", level=level(12), flexible=8) for i in range(8)])[0] >= 4
 
 
 def test_rows_fill_a_pass_another_row_already_widened():
     """A row with fixed drafts (a request that asked for ngram K=6) widens the pass anyway, so the
     auto rows' n-gram drafts up to that width cost nothing: they are taken, however unlikely."""
     policy = policy_with_costs(token_ratio=0.1)
-    policy.observe("a", "ngram", 4, 0, match_len=1)
-    rows = [BatchRow("fixed", "ngram", 6, match_len=3), BatchRow("a", flexible=3, match_len=1)]
+    policy.observe("a", "ngram", 4, 0, level(1))
+    rows = [BatchRow("fixed", "ngram", 6, level(3)), BatchRow("a", "ngram", level=level(1), flexible=3)]
     assert policy.batch_width(rows)[0] >= 6
-    assert AdaptivePolicy(["ngram"], {"ngram": 0.002}).batch_width(rows) is None  # no timings: no opinion
+    assert AdaptivePolicy({"ngram": NgramProposer.traits}).batch_width(rows) is None  # no timings: no opinion
 
 
 def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
-    engine = tiny_engine_factory()
-    for n in (5, 10, 20, 40):
-        engine.policy.cost.observe_verify(n, 1.0 + 0.01 * n)  # verifying is nearly free
-    engine.policy.cost.observe_verify = lambda tokens, seconds: None  # keep these costs fixed
-    seen = []
-    original = engine.policy.batch_width
-    engine.policy.batch_width = lambda rows: seen.append(w := original(rows)) or w
-    out = run(engine, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
+    engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.01))  # verifying is nearly free
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(request(f"r{i}", p, "auto", 8))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+    widened = False
+    while engine.has_unfinished():
+        result = engine.step()
+        widened |= len(result.seq_stats) > 1 and any(s.draft_tokens for s in result.seq_stats)
+        for o in result.outputs:
+            out[o.request_id] += o.token_ids
     assert out == greedy_reference
-    assert any(w[0] for w in seen if w is not None)  # the batch did widen at some step
+    assert widened  # some step of the batch drafted
 
 
-def test_acceptance_is_tracked_per_match_length():
+def test_acceptance_is_tracked_per_confidence_level():
     """The same sequence copies (long matches, drafts accepted) and writes freely (one-token
     matches, drafts rejected): long matches get long drafts, one-token matches none."""
     policy = policy_with_costs(token_ratio=0.1)
     for _ in range(20):
-        policy.observe("r", "ngram", 8, 8, match_len=12)
-        policy.observe("r", "ngram", 4, 0, match_len=1)
-    assert policy.choose("r", 8, 1, has_match=True, match_len=12).k == 8
-    assert policy.choose("r", 8, 1, has_match=True, match_len=1).method == "none"
-    # a new sequence starts from what the whole engine has seen at that match length
-    assert policy.choose("new", 8, 1, has_match=True, match_len=9).k >= 6
+        policy.observe("r", "ngram", 8, 8, level(12))
+        policy.observe("r", "ngram", 4, 0, level(1))
+    assert policy.choose("r", 8, 1, offers=ngram(12)).k == 8
+    assert policy.choose("r", 8, 1, offers=ngram(1)).proposer is None
+    # a new sequence starts from what the whole engine has seen at that confidence level
+    assert policy.choose("new", 8, 1, offers=ngram(9)).k >= 6
 
 
 def test_positions_never_drafted_inherit_the_last_known_rate():
@@ -257,37 +255,30 @@ def test_positions_never_drafted_inherit_the_last_known_rate():
     policy = policy_with_costs(token_ratio=0.1)
     for step in range(40):
         policy.observe("r", "ngram", 2, 2 if step % 2 else 0)
-    assert policy.choose("r", 8, 1).k >= 6
+    assert policy.choose("r", 8, 1, offers=ngram()).k >= 6
 
 
-def test_auto_records_ngram_outcomes_by_match_length(tiny_engine_factory, prompt_ids, greedy_reference):
+def test_ngram_outcomes_are_recorded_by_confidence_level(tiny_engine_factory, prompt_ids, greedy_reference):
     engine = tiny_engine_factory()
     out = run(engine, [request(f"r{i}", p, "ngram", 4) for i, p in enumerate(prompt_ids)])
     assert out == greedy_reference
-    keys = set(engine.policy.global_rate)
-    assert keys and all(k.startswith("ngram@") for k in keys)
+    keys = set(engine.planner.policy.global_rate)
+    assert len(keys) > 1 and all(k.startswith("ngram@") for k in keys)  # several match lengths were seen
 
 
 def test_auto_rows_fill_the_width_a_fixed_row_pays_for(tiny_engine_factory, tokenizer):
     """Next to a request that asked for ngram K=6, an auto request that would not draft on its own
     (verifying is expensive and its history says n-gram drafts fail) still verifies its n-gram
     drafts: the pass is that wide anyway."""
-    engine = tiny_engine_factory()
-    for n in (2, 4, 8, 16):
-        engine.policy.cost.observe_verify(n, 1.0 + 0.3 * n)
-    engine.policy.cost.observe_verify = lambda tokens, seconds: None
-    for match_len in (1, 2, 3, 8):
+    engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.3))
+    policy = engine.planner.policy
+    for lv in range(4):
         for _ in range(10):
-            engine.policy.observe("auto", "ngram", 4, 0, match_len=match_len)
+            policy.observe("auto", "ngram", 4, 0, lv)
     prompt = tokenizer.encode("a b c a b c a b c a b c a b c a b")
-    assert engine.policy.choose("auto", 6, rows=2, has_match=True, match_len=3).method == "none"
-    for r in (request("fixed", prompt, "ngram", 6), request("auto", prompt, "auto", 6)):
-        engine.add_request(r)
-    drafted = {"fixed": 0, "auto": 0}
-    while engine.has_unfinished():
-        for s in engine.step().seq_stats:
-            drafted[s.request_id] += s.draft_tokens
-    assert drafted["fixed"] > 0 and drafted["auto"] > 0
+    assert policy.choose("auto", 6, rows=2, offers=ngram(3, 6)).proposer is None
+    stats = final_stats(engine, [request("fixed", prompt, "ngram", 6), request("auto", prompt, "auto", 6)])
+    assert stats["fixed"].draft_tokens > 0 and stats["auto"].draft_tokens > 0
 
 
 def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_engine_factory, prompt_ids):
@@ -296,30 +287,26 @@ def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_en
     in a batch of 4 where the other rows' drafts fail, it does not."""
 
     def engine_with_costs():
-        engine = tiny_engine_factory()
-        cost = engine.policy.cost
-        for n in (1, 4, 9, 36):
-            cost.observe_verify(n, 1.0 + 0.1 * n)
-        cost.observe_draft(1, 0.5)
-        cost.observe_verify = cost.observe_draft = lambda *args: None
+        engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.1, draft={"draft": 0.5}))
         for _ in range(20):
-            engine.policy.observe("history", "draft", 8, 8)  # the draft model is always right
+            engine.planner.policy.observe("history", "draft", 8, 8)  # the draft model is always right
         return engine
 
     alone = engine_with_costs()
     run(alone, [request("a", prompt_ids[2], "auto", 8, max_tokens=8)])
-    assert alone.proposers["draft"].kv.cache.layers[0].is_initialized  # the draft model ran
+    assert alone.planner.proposers["draft"].forwards > 0  # the draft model ran
 
     batch = engine_with_costs()
-    assert batch.policy.choose("probe", 8, rows=4, has_match=False).method == "draft"  # row by row: yes
-    batch.policy.forget("probe")
+    policy = batch.planner.policy
+    assert policy.choose("probe", 8, rows=4).proposer == "draft"  # row by row: yes
+    policy.forget("probe")
     for i in (1, 2, 3):  # these rows' own history: the draft model is always wrong for them
         failing = _Acceptance()
         for _ in range(20):
             failing.update(8, 0, decay=0.9)
-        batch.policy.seqs[f"r{i}"] = _SeqState(by_method={"draft": failing})
+        policy.seqs[f"r{i}"] = _SeqState(by_method={_key("draft", 0, False): failing})
     run(batch, [request(f"r{i}", prompt_ids[2], "auto", 8, max_tokens=8) for i in range(4)])
-    assert not batch.proposers["draft"].kv.cache.layers[0].is_initialized  # the batch: no
+    assert batch.planner.proposers["draft"].forwards == 0  # the batch: no
 
 
 def test_greedy_and_sampled_acceptance_are_kept_apart():
@@ -327,10 +314,10 @@ def test_greedy_and_sampled_acceptance_are_kept_apart():
     accepted says little about sampled ones, so each learns from its own kind."""
     policy = policy_with_costs(token_ratio=0.1)
     for _ in range(20):
-        policy.observe("g", "ngram", 8, 8, match_len=12)
-        policy.observe("s", "ngram", 4, 0, match_len=12, sampled=True)
-    assert policy.choose("new-greedy", 8, 1, has_match=True, match_len=12).k == 8
-    assert policy.choose("new-sampled", 8, 1, has_match=True, match_len=12, sampled=True).method == "none"
+        policy.observe("g", "ngram", 8, 8, level(12))
+        policy.observe("s", "ngram", 4, 0, level(12), sampled=True)
+    assert policy.choose("new-greedy", 8, 1, offers=ngram(12)).k == 8
+    assert policy.choose("new-sampled", 8, 1, offers=ngram(12), sampled=True).proposer is None
 
 
 def test_a_batch_where_nobody_drafted_still_has_a_cost_model():

@@ -161,7 +161,7 @@ async def test_malformed_bodies(client):
 
 async def test_draft_method_without_a_draft_model(client):
     r = await client.post(CHAT, json=chat_body(speculation={"method": "draft"}))
-    check_error(r, 400, "speculation.method", None, "draft model")
+    check_error(r, 400, "speculation.method", None, "not available on this server")
 
 
 async def test_unknown_routes_and_methods(client):

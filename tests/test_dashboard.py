@@ -32,6 +32,7 @@ def test_dashboard_loads_with_panels_and_queries() -> None:
     titles = " | ".join(p["title"].lower() for p in all_panels(dash))
     for needed in (
         "acceptance rate by method",
+        "acceptance rate by proposer",
         "mean accepted length",
         "draft position",
         "tokens/s",

@@ -14,8 +14,8 @@ from scipy.stats import chisquare
 import server.engine.engine as engine_module
 from server.config import Settings
 from server.engine.engine import Engine
-from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from server.speculation.rejection import Verdict
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.models import as_loaded, perturbed, tiny_llama
 
 VOCAB = 64
@@ -104,7 +104,7 @@ def test_speculative_sampling_matches_target_distribution(pair, method):
 def test_always_accept_rule_is_detected(pair, monkeypatch):
     """Accepting every draft token returns the draft's distribution: the same check must fail."""
 
-    def always_accept(drafts, target_probs, draft_probs, generators, exact=None, greedy=None):
+    def always_accept(drafts, target_probs, draft_probs, generators, greedy=None):
         tokens = []
         for b, gen in enumerate(generators):
             bonus = int(torch.multinomial(target_probs[b, len(drafts[b])], 1, generator=gen))

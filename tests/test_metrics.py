@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from server.types import RequestStats, SeqStepStats, StepResult
 from server.metrics import Metrics
 from server.request_log import format_request_line, log_request, request_record
+from server.types import RequestStats, SeqStepStats, StepResult
 from tests.metrics_helpers import (
     REQUIRED_FAMILIES,
     family_names,
@@ -77,9 +77,9 @@ def test_per_position_counts_prefix_of_accepted() -> None:
         StepResult(
             outputs=[],
             seq_stats=[
-                SeqStepStats("a", "draft", 4, 2, 3, bonus=False),
-                SeqStepStats("b", "draft", 4, 4, 5, bonus=True),
-                SeqStepStats("c", "draft", 4, 0, 1, bonus=False),
+                SeqStepStats("a", "draft", "draft", 4, 2, 3, bonus=False),
+                SeqStepStats("b", "draft", "draft", 4, 4, 5, bonus=True),
+                SeqStepStats("c", "draft", "draft", 4, 0, 1, bonus=False),
             ],
         )
     )
@@ -96,7 +96,7 @@ def test_per_position_counts_prefix_of_accepted() -> None:
         le: s[
             (
                 "specula_spec_decode_acceptance_length_bucket",
-                (("le", le), ("method", "draft"), ("model", "tiny")),
+                (("le", le), ("method", "draft"), ("model", "tiny"), ("proposer", "draft")),
             )
         ]
         for le in ("1.0", "3.0", "5.0")
@@ -119,7 +119,7 @@ def test_inter_token_latency_is_per_token() -> None:
 
 
 def test_errors_load_and_info() -> None:
-    m = Metrics(model="tiny", target="t", draft=None, method="none", k=4)
+    m = Metrics(model="tiny", target="t", draft=None, method="none", k=4, methods=("none", "ngram", "auto"))
     m.observe_error(400)
     m.observe_error(400)
     m.observe_error(503)

@@ -45,7 +45,7 @@ def reference(engine, chat_prompts) -> dict[str, list[int]]:
 
 def test_default_model_loads_from_the_gguf_package_with_a_draft(engine):
     assert engine.model_name == "SmolLM2-135M-Instruct"
-    assert engine.has_draft and engine.draft_name.endswith("bfloat16")
+    assert "draft" in engine.methods and engine.draft_name.endswith("bfloat16")
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from server.scheduler import EngineError, QueueFull, RequestRejected, Scheduler, ShuttingDown
+from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.fake_engine import FakeEngine, fake_token
 
 

@@ -3,7 +3,8 @@
 Everything a client can get wrong about its prompt is checked here, before the request reaches the
 scheduler, so it is answered with a 400 that names the field: an unknown model (404), a prompt that
 together with `max_tokens` does not fit the context, token ids outside the vocabulary, a chat
-without a template, the draft method on a server without a draft model.
+without a template, a speculation method this server cannot run. The limits themselves (context,
+vocabulary, methods) are the engine's `ServingLimits`, the same ones the scheduler checks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from server.api.errors import APIError, bad_request
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
-from server.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import GenerationRequest, SamplingParams, ServingLimits, SpeculationParams
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,7 @@ class ModelInfo:
 
     name: str
     tokenizer: Any  # a Hugging Face tokenizer
-    max_context: int
-    has_draft: bool
+    limits: ServingLimits  # context length, vocabulary bounds and methods: the engine's own
     default_method: str
     default_num_tokens: int
     default_max_tokens: int
@@ -55,7 +55,7 @@ def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
 def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
     """Token ids of each prompt; token id prompts are checked against the vocabulary."""
     tok = info.tokenizer
-    vocab = len(tok)
+    vocab = info.limits.vocab_size
     out: list[list[int]] = []
     for i, prompt in enumerate(body.prompt):
         if isinstance(prompt, str):
@@ -70,7 +70,7 @@ def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list
 
 def resolve_max_tokens(info: ModelInfo, requested: int | None, prompt_len: int, param: str) -> int:
     """`requested` if prompt + it fits the context; the server default (clipped to fit) if None."""
-    room = info.max_context - prompt_len
+    room = info.limits.max_context - prompt_len
     if requested is None:
         if room < 1:
             raise _too_long(info, prompt_len, 1, param)
@@ -82,7 +82,7 @@ def resolve_max_tokens(info: ModelInfo, requested: int | None, prompt_len: int, 
 
 def _too_long(info: ModelInfo, prompt_len: int, max_tokens: int, param: str) -> APIError:
     return bad_request(
-        f"This model's maximum context length is {info.max_context} tokens. However, you requested "
+        f"This model's maximum context length is {info.limits.max_context} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
         "Please reduce the length of the prompt or of max_tokens.",
         param,
@@ -94,9 +94,11 @@ def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationPar
     opts = body.speculation
     method = (opts.method if opts else None) or info.default_method
     num_tokens = (opts.num_tokens if opts else None) or info.default_num_tokens
-    if method == "draft" and not info.has_draft:
-        raise bad_request("speculation method 'draft' needs a draft model; this server has none", "speculation.method")
-    return SpeculationParams(method=method, num_tokens=num_tokens)  # type: ignore[arg-type]
+    try:
+        info.limits.check_method(method)
+    except ValueError as exc:
+        raise bad_request(str(exc), "speculation.method") from exc
+    return SpeculationParams(method=method, num_tokens=num_tokens)
 
 
 def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.speculation.registry import BUILTIN
+
 # OpenAI fields without an implementation here, and the values that mean "not used" (besides null).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
@@ -46,10 +48,12 @@ class _Body(BaseModel):
 class SpeculationOptions(_Body):
     """Extension: how this request is speculated. Unset fields take the server's defaults."""
 
-    method: Literal["none", "ngram", "draft", "auto"] | None = Field(
+    method: str | None = Field(
         default=None,
-        description="proposer: none (plain decoding), ngram (prompt lookup), draft (draft model), or auto "
-        "(the engine picks the proposer and K each step from measured acceptance and cost)",
+        description="none (plain decoding), a proposer (" + ", ".join(BUILTIN.proposers) + "), or auto (the "
+        "engine picks the proposer and K each step from measured acceptance and cost); a method this server "
+        "cannot run is a 400",
+        json_schema_extra={"examples": list(BUILTIN.methods)},
     )
     num_tokens: int | None = Field(
         default=None, ge=1, le=32, description="draft tokens per step (K); the most auto may use"

@@ -27,9 +27,9 @@ from server.api.prompts import (
     generation_requests,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
-from server.types import GenerationRequest, RequestOutput, RequestStats
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
+from server.types import GenerationRequest, RequestOutput, RequestStats
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class OpenAIServing:
     def _submit(self, requests: list[GenerationRequest]) -> RequestStream:
         try:
             return self.scheduler.submit(requests)
-        except (QueueFull, ShuttingDown) as exc:
+        except (RequestRejected, QueueFull, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
     async def _await(self, request: Request, stream: RequestStream, work: Awaitable[T]) -> T:

@@ -64,23 +64,29 @@ class ServerState:
 
     def _start(self, engine: Any) -> None:
         s = self.settings
-        method = s.speculation if (s.speculation != "draft" or engine.has_draft) else "ngram"
+        # A configured method this server cannot run (a proposer that could not be built here, e.g.
+        # `draft` without a draft model) falls back to `auto` over what it can run.
+        method = s.speculation if s.speculation in engine.limits.methods else "auto"
         self.metrics = Metrics(
             model=engine.model_name,
             target=s.target or engine.model_name,
-            draft=s.draft if engine.has_draft else None,
+            draft=engine.draft_name,
             method=method,
             k=s.num_speculative_tokens,
+            methods=engine.limits.methods,
         )
         self.scheduler = Scheduler(
-            engine, max_batch_size=s.max_batch_size, max_waiting=s.max_waiting, metrics=self.metrics
+            engine,
+            max_batch_size=s.max_batch_size,
+            max_waiting=s.max_waiting,
+            limits=engine.limits,
+            metrics=self.metrics,
         )
         self.scheduler.start()
         info = ModelInfo(
             name=engine.model_name,
             tokenizer=engine.tokenizer,
-            max_context=engine.max_context,
-            has_draft=engine.has_draft,
+            limits=engine.limits,
             default_method=method,
             default_num_tokens=s.num_speculative_tokens,
             default_max_tokens=s.default_max_tokens,

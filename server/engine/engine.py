@@ -1,7 +1,10 @@
-"""The speculative decoding engine: one `step()` = propose -> verify -> accept -> commit for a batch.
+"""The speculative decoding engine: one `step()` = plan -> verify -> accept -> commit for a batch.
 
-Single-threaded by contract: the scheduler calls it from one worker thread. Requests join at the
-start of a step (their prompts are prefilled then) and leave at its end (finished or aborted).
+Single-threaded by contract: the scheduler calls it from one worker thread, and owns the waiting
+queue. A request joins when the scheduler adds it (its prompt is prefilled then) and leaves at the
+end of the step that finishes it, or when it is aborted. The engine never names a proposer: the
+planner (server/speculation/planner.py) decides who drafts what, the model runner runs the target,
+and the rejection sampler decides what is kept (docs/design.md).
 """
 
 from __future__ import annotations
@@ -14,73 +17,120 @@ import time
 import torch
 
 from server.config import Settings
-from server.model.attention import use_gqa_attention
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.model.kv_cache import BatchKV
-from server.model.loading import LoadedModel, load_draft_like, load_model
-from server.sampling import BatchSampling, probabilities, raw_logprobs
 from server.engine.sequence import Sequence
+from server.model.attention import use_gqa_attention
+from server.model.loading import LoadedModel, load_draft_like, load_model
+from server.model.runner import ModelRunner
+from server.sampling import BatchSampling, probabilities, raw_logprobs
+from server.speculation.adaptive import CostModel
+from server.speculation.planner import Planner, RowPlan, elapsed_since
+from server.speculation.proposer import BuildContext
+from server.speculation.registry import BUILTIN, Registry
+from server.speculation.rejection import rejection_sample
 from server.types import (
     GenerationRequest,
+    ProposerTally,
     RequestOutput,
     RequestStats,
     SeqStepStats,
+    ServingLimits,
     StepResult,
     TokenLogprob,
+    TokenSource,
 )
-from server.speculation.adaptive import AdaptivePolicy, BatchRow
-from server.speculation.draft_model import DraftModelProposer
-from server.speculation.ngram import NgramProposer
-from server.speculation.proposer import Proposer
-from server.speculation.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: Settings) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        settings: Settings,
+        registry: Registry = BUILTIN,
+        cost: CostModel | None = None,
+    ) -> None:
+        """`registry`: the proposers to build (tests add their own); `cost`: the step-cost model `auto`
+        plans with (default: fitted online from this engine's timings)."""
         self.target = target
         self.settings = settings
         self.tokenizer = target.tokenizer
         self.device = target.device
         self.model_name = settings.served_model_name or target.name
-        self.max_context = settings.max_model_len or target.max_context
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
             if loaded is not None:
                 use_gqa_attention(loaded.model)
-        self.kv = BatchKV(target.model)
-        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(settings.ngram_max, settings.ngram_min)}
-        if draft is not None:
-            self.proposers["draft"] = DraftModelProposer(draft, self.vocab_size)
-        # auto: n-gram lookup costs next to nothing per draft token; the draft model's cost is timed.
-        self.policy = AdaptivePolicy(list(self.proposers), draft_token_cost={"ngram": 0.002})
+        self.runner = ModelRunner(target.model)
+        self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost)
+        self.limits = ServingLimits(
+            max_context=settings.max_model_len or target.max_context,
+            vocab_size=self.vocab_size,
+            methods=self.planner.methods,
+        )
         self.eos_ids = _eos_ids(target)
-        self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
-        self._aborted: set[str] = set()
+        self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
         self._seed_source = random.SystemRandom()
 
     # ---- the scheduler's interface -------------------------------------------------------------
     @property
-    def has_draft(self) -> bool:
-        return "draft" in self.proposers
+    def max_context(self) -> int:
+        return self.limits.max_context
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return self.limits.methods
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.running)
 
     def kv_cache_usage(self) -> float:
         """Live KV tokens as a fraction of what `max_batch_size` full-context rows would hold."""
-        return self.kv.live_tokens / (self.settings.max_batch_size * self.max_context)
+        return self.runner.kv.live_tokens / (self.settings.max_batch_size * self.max_context)
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request for the next step. Raises ValueError (a user-facing message) on bad input."""
-        self._validate(request)
+        """Join a request to the batch now (see `add_requests`)."""
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[GenerationRequest]) -> None:
+        """Join requests to the running batch: prefill every prompt token but the last (which the
+        next step feeds), together, and tell the planner. The requests must pass `limits.check`
+        (the scheduler and the API check them first); the scheduler keeps the batch within
+        `max_batch_size`."""
+        seqs = [self._sequence(r) for r in requests]
+        for seq in seqs:
+            if seq.request_id in self.running:
+                raise ValueError(f"duplicate request id {seq.request_id!r}")
+        prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
+        hidden = self.runner.join([s.request_id for s in seqs], prompts, hidden=self.planner.needs_hidden)
+        for seq in seqs:
+            self.running[seq.request_id] = seq
+        self.planner.join(seqs, hidden)
+        self._prefill_tokens += sum(len(p) for p in prompts)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a running request now (its client is gone: no output is produced for it)."""
+        self._leave({request_id})
+
+    def step(self) -> StepResult:
+        """One speculative step for the batch, and what it produced."""
+        started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        seq_stats = self._speculative_step(outputs) if self.running else []
+        self._leave({o.request_id for o in outputs if o.finished})
+        prefill, self._prefill_tokens = self._prefill_tokens, 0
+        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started)
+
+    # ---- joining and leaving -------------------------------------------------------------------
+    def _sequence(self, request: GenerationRequest) -> Sequence:
         sampling = request.sampling
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sampling.seed if sampling.seed is not None else self._seed_source.randrange(2**63))
@@ -90,245 +140,52 @@ class Engine:
             accepted_per_position=[0] * request.speculation.k,
         )
         detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), sampling.stop)
-        self.waiting.append(Sequence(request=request, generator=gen, detokenizer=detok, stats=stats))
-
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request at the next step; it gets a final output with finish_reason "abort"."""
-        if request_id in self.running or any(s.request_id == request_id for s in self.waiting):
-            self._aborted.add(request_id)
-
-    def step(self) -> StepResult:
-        """Admit waiting requests, run one speculative step for the batch, and report what it produced."""
-        started = time.perf_counter()
-        outputs = self._abort_pending()
-        prefill_tokens = self._admit()
-        seq_stats: list[SeqStepStats] = []
-        if self.running:
-            seq_stats = self._speculative_step(outputs)
-        finished = {o.request_id for o in outputs if o.finished}
-        self._leave(finished)
-        return StepResult(outputs, seq_stats, prefill_tokens, time.perf_counter() - started)
-
-    # ---- admission and leaving -----------------------------------------------------------------
-    def _validate(self, request: GenerationRequest) -> None:
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        total = len(prompt) + request.sampling.max_tokens
-        if total > self.max_context:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_context} tokens, but the request asks "
-                f"for {total} ({len(prompt)} in the prompt + {request.sampling.max_tokens} max_tokens)"
-            )
-        method = request.speculation.method
-        if method not in ("none", "auto") and method not in self.proposers:
-            raise ValueError(f"speculation method {method!r} is not available: the server has no draft model")
-        rid = request.request_id
-        if rid in self.running or any(s.request_id == rid for s in self.waiting):
-            raise ValueError(f"duplicate request id {rid!r}")
-
-    def _admit(self) -> int:
-        """Prefill waiting sequences (all but their last prompt token) and join them to the batch."""
-        room = self.settings.max_batch_size - len(self.running)
-        joining, self.waiting = self.waiting[:room], self.waiting[room:]
-        if not joining:
-            return 0
-        fresh = self.kv.new_rows([s.request_id for s in joining])
-        prompts = [list(s.request.prompt_token_ids[:-1]) for s in joining]
-        fresh.prefill(prompts)
-        self.kv.add_rows(fresh)
-        for seq in joining:
-            self.running[seq.request_id] = seq
-        for method, proposer in self.proposers.items():
-            users = [s for s in joining if s.uses(method)]
-            if users:
-                proposer.join(users)
-        return sum(len(p) for p in prompts)
+        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats)
 
     def _leave(self, request_ids: set[str]) -> None:
-        request_ids = {rid for rid in request_ids if rid in self.running}
-        if not request_ids:
+        leaving = [self.running[rid] for rid in request_ids if rid in self.running]
+        if not leaving:
             return
-        self.kv.remove_rows(request_ids)
-        for method, proposer in self.proposers.items():
-            proposer.leave({rid for rid in request_ids if self.running[rid].uses(method)})
-        for rid in request_ids:
-            del self.running[rid]
-            self.policy.forget(rid)
-
-    def _abort_pending(self) -> list[RequestOutput]:
-        if not self._aborted:
-            return []
-        outputs = []
-        for seq in [s for s in self.waiting if s.request_id in self._aborted]:
-            self.waiting.remove(seq)
-            seq.finish_reason = "abort"
-            outputs.append(self._output(seq, [], None))
-        aborted_running = {rid for rid in self._aborted if rid in self.running}
-        for rid in aborted_running:
-            self.running[rid].finish_reason = "abort"
-            outputs.append(self._output(self.running[rid], [], None))
-        self._leave(aborted_running)
-        self._aborted.clear()
-        return outputs
+        self.runner.leave({s.request_id for s in leaving})
+        self.planner.leave(leaving)
+        for seq in leaving:
+            del self.running[seq.request_id]
 
     # ---- one speculative step ------------------------------------------------------------------
     def _speculative_step(self, outputs: list[RequestOutput]) -> list[SeqStepStats]:
-        seqs = [self.running[rid] for rid in self.kv.rows]
-        methods, drafts, q, matches = self._propose(seqs)
+        seqs = [self.running[rid] for rid in self.runner.rows]
+        plan = self.planner.plan(seqs)  # propose
 
         # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions.
-        fed = [[seq.last_token, *d] for seq, d in zip(seqs, drafts, strict=True)]
+        fed = [[seq.last_token, *row.drafts] for seq, row in zip(seqs, plan.rows, strict=True)]
         started = time.perf_counter()
-        logits = self.kv.forward(fed)
-        sampling = BatchSampling.from_params([s.request.sampling for s in seqs], self.device)
-        counts = self._token_counts(seqs, drafts, logits.shape[1]) if sampling.any_penalty else None
+        out = self.runner.forward(fed, hidden=self.planner.needs_hidden)
+        logits = out.logits  # [batch, K+1, vocab]
+        sampling = BatchSampling.from_params([s.sampling for s in seqs], self.device)
+        counts = self._token_counts(seqs, plan.drafts, logits.shape[1]) if sampling.any_penalty else None
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
-        # Every row but the draft model's draws its tokens exactly as plain decoding would (see
-        # rejection.py), so a seeded request's text does not depend on its n-gram drafts.
-        exact = [m != "draft" for m in methods]
-        verdict = rejection_sample(drafts, p, q, [s.generator for s in seqs], exact, sampling.greedy.tolist())
+        verdict = rejection_sample(plan.drafts, p, plan.q, [s.generator for s in seqs], sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
-        self.policy.cost.observe_verify(len(fed) * logits.shape[1], self._elapsed(started))
+        self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))
 
         stats = []
-        for b, seq in enumerate(seqs):
-            k, accepted, emitted = len(drafts[b]), verdict.accepted[b], verdict.tokens[b]
-            self.kv.rollback(b, k - accepted)  # the one place target rollback happens
-            for method, proposer in self.proposers.items():
-                if seq.uses(method):
-                    proposer.commit(seq, drafts[b] if methods[b] == method else [], emitted)
-            self.policy.observe(seq.request_id, methods[b], k, accepted, matches.get(b), seq.sampled)
-            self._record(seq, k, accepted)
-            stats.append(SeqStepStats(seq.request_id, seq.method, k, accepted, len(emitted), k > 0 and accepted == k))
-            logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
-            kept = self._append(seq, emitted)
-            outputs.append(self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None))
-        return stats
-
-    def _plan(
-        self, seqs: list[Sequence], lookups: dict[int, list[int]], matches: dict[int, int]
-    ) -> list[tuple[str, int]]:
-        """(proposer, K) per row this step: the request's own, or the adaptive policy's for `auto`."""
-        plan: list[tuple[str, int]] = []
-        auto_rows = []
-        for b, seq in enumerate(seqs):
-            k_max = seq.num_drafts()
-            if seq.method != "auto":
-                plan.append((seq.method, k_max))
-                continue
-            choice = self.policy.choose(
-                seq.request_id, k_max,
-                rows=len(seqs),
-                has_match=bool(lookups.get(b)),
-                reproducible=seq.reproducible,
-                match_len=matches.get(b),
-                sampled=seq.sampled,
+        for b, (seq, row) in enumerate(zip(seqs, plan.rows, strict=True)):
+            k, accepted, emitted = len(row.drafts), verdict.accepted[b], verdict.tokens[b]
+            self.runner.rollback(b, k - accepted)  # the one place target rollback happens
+            hidden = out.hidden[b, : accepted + 1] if out.hidden is not None else None  # the committed fed tokens
+            self.planner.commit(seq, row, emitted, hidden)
+            sources = _sources(row, accepted, seq.stats.decode_steps)
+            self._record(seq, row, accepted)
+            stats.append(
+                SeqStepStats(seq.request_id, seq.mode, row.proposer or "none", k, accepted, len(emitted),
+                             k > 0 and accepted == k)
             )
-            plan.append((choice.method, choice.k))
-            auto_rows.append(b)
-        if len(seqs) > 1 and auto_rows:
-            self._widen(seqs, plan, set(auto_rows), lookups, matches)
-        return plan
-
-    def _widen(
-        self,
-        seqs: list[Sequence],
-        plan: list[tuple[str, int]],
-        auto_rows: set[int],
-        lookups: dict[int, list[int]],
-        matches: dict[int, int],
-    ) -> None:
-        """In a batch, the verify pass is as wide as its widest row for every row: let the policy pick
-        that width for the whole batch, and give each flexible row (auto, with an n-gram proposal, not
-        using the draft model this step) as many of its n-gram drafts as fit. Auto rows
-        that chose the draft model keep it only if the batch as a whole gains from it (each row chose
-        alone, but the draft forward and the wider pass are paid by every row)."""
-
-        def rows_for(demote: bool) -> list[BatchRow]:
-            rows = []
-            for b, seq in enumerate(seqs):
-                method, k = plan[b]
-                offer = min(len(lookups.get(b, ())), seq.num_drafts())
-                free = b in auto_rows
-                if free and demote and method == "draft":
-                    method, k = "none", 0
-                if free and method in ("none", "ngram") and offer:
-                    rows.append(BatchRow(seq.request_id, flexible=offer, match_len=matches.get(b), sampled=seq.sampled))
-                elif method == "ngram":
-                    rows.append(BatchRow(seq.request_id, method, min(k, offer), matches.get(b), sampled=seq.sampled))
-                else:
-                    rows.append(BatchRow(seq.request_id, method, k if method == "draft" else 0, sampled=seq.sampled))
-            return rows
-
-        rows = rows_for(demote=False)
-        best = self.policy.batch_width(rows)
-        if best is None:
-            return
-        if any(plan[b][0] == "draft" for b in auto_rows):
-            without = rows_for(demote=True)
-            other = self.policy.batch_width(without)
-            if other is not None and other[1] >= best[1]:
-                rows, best = without, other
-                for b in auto_rows:
-                    if plan[b][0] == "draft":
-                        plan[b] = ("none", 0)
-        width = best[0]
-        for b, row in enumerate(rows):
-            if row.flexible:
-                k = min(width, row.flexible)
-                plan[b] = ("ngram", k) if k else ("none", 0)
-
-    def _propose(
-        self, seqs: list[Sequence]
-    ) -> tuple[list[str], list[list[int]], torch.Tensor | None, dict[int, int]]:
-        """Plan, then ask each proposer for its rows' drafts. Returns each row's proposer this step,
-        the drafts, q for the batch ([batch, K, vocab]; None when every row's q is one-hot), and the
-        n-gram match length of every row whose drafts this step are n-gram ones."""
-        # The n-gram lookup runs first: it is nearly free, and `auto` needs to know whether it matches.
-        # Its proposal is prefix-consistent, so looking up k_max tokens and keeping k equals asking for k.
-        lookups: dict[int, list[int]] = {}
-        found_len: dict[int, int] = {}
-        if "ngram" in self.proposers:
-            rows = [b for b, s in enumerate(seqs) if s.uses("ngram")]
-            if rows:
-                found = self.proposers["ngram"].propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
-                lookups = dict(zip(rows, found.drafts, strict=True))
-                found_len = dict(zip(rows, found.match_lengths or [0] * len(rows), strict=True))
-        plan = self._plan(seqs, lookups, found_len)
-        methods = [m for m, _ in plan]
-        drafts: list[list[int]] = [lookups[b][:k] if m == "ngram" else [] for b, (m, k) in enumerate(plan)]
-        matches = {b: found_len[b] for b, (m, k) in enumerate(plan) if m == "ngram" and k and found_len.get(b)}
-
-        model_q: dict[int, torch.Tensor] = {}  # row -> [k, vocab] for the draft model's rows
-        if "draft" in self.proposers:
-            rows = [b for b, s in enumerate(seqs) if s.uses("draft")]
-            if rows:
-                ks = [plan[b][1] if plan[b][0] == "draft" else 0 for b in rows]
-                started = time.perf_counter()
-                proposal = self.proposers["draft"].propose([seqs[b] for b in rows], ks)
-                self.policy.cost.observe_draft(max(ks), self._elapsed(started))
-                for i, b in enumerate(rows):
-                    if ks[i]:
-                        drafts[b] = proposal.drafts[i]
-                        model_q[b] = proposal.probs[i, : len(drafts[b])]
-        if not model_q:
-            return methods, drafts, None, matches
-        k_max = max(len(d) for d in drafts)
-        q = torch.zeros(len(seqs), k_max, self.vocab_size, device=self.device)
-        for b, d in enumerate(drafts):
-            if b in model_q:
-                q[b, : len(d)] = model_q[b].to(self.device)
-            elif d:  # a deterministic proposer in a mixed batch: q is one-hot at its tokens
-                q[b, torch.arange(len(d)), torch.tensor(d)] = 1.0
-        return methods, drafts, q, matches
-
-    def _elapsed(self, started: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # timings feed `auto`: count the kernels, not the launch
-        return time.perf_counter() - started
+            logprobs = self._logprobs(logits[b], emitted, seq.sampling.logprobs)
+            kept = self._append(seq, emitted)
+            outputs.append(
+                self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None, sources[:kept])
+            )
+        return stats
 
     def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
         """[batch, W, vocab]: generated tokens before each verify position (drafts before it included)."""
@@ -340,14 +197,17 @@ class Engine:
                 counts[b, j + 1 :, token] += 1
         return counts
 
-    def _record(self, seq: Sequence, drafts: int, accepted: int) -> None:
-        st = seq.stats
+    def _record(self, seq: Sequence, row: RowPlan, accepted: int) -> None:
+        st, drafts = seq.stats, len(row.drafts)
         st.decode_steps += 1
         st.draft_tokens += drafts
         st.accepted_tokens += accepted
         for j in range(accepted):
             st.accepted_per_position[j] += 1
         if drafts:
+            tally = st.by_proposer.setdefault(row.proposer, ProposerTally())
+            tally.draft_tokens += drafts
+            tally.accepted_tokens += accepted
             if accepted == drafts:
                 st.bonus_tokens += 1
             else:
@@ -382,10 +242,13 @@ class Engine:
             for j, token in enumerate(emitted)
         ]
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, sources: list[TokenSource]
+    ) -> RequestOutput:
         seq.stats.completion_tokens = len(seq.output_ids)
         stats = copy.copy(seq.stats)
         stats.accepted_per_position = list(seq.stats.accepted_per_position)
+        stats.by_proposer = {name: copy.copy(t) for name, t in seq.stats.by_proposer.items()}
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -394,7 +257,16 @@ class Engine:
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stats=stats,
+            sources=sources,
         )
+
+
+def _sources(row: RowPlan, accepted: int, step: int) -> list[TokenSource]:
+    """Where each of a step's accepted + 1 emitted tokens came from."""
+    if not row.drafts:
+        return [TokenSource("plain", None, step)]
+    last = "bonus" if accepted == len(row.drafts) else "recovered"
+    return [TokenSource("accepted", row.proposer, step)] * accepted + [TokenSource(last, row.proposer, step)]
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

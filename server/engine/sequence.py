@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.types import FinishReason, GenerationRequest, RequestStats
+from server.types import FinishReason, GenerationRequest, RequestStats, SamplingParams
 
 
 @dataclass
@@ -24,8 +24,13 @@ class Sequence:
         return self.request.request_id
 
     @property
-    def method(self) -> str:
+    def mode(self) -> str:
+        """The request's speculation method: "none", a proposer's name, or "auto"."""
         return self.request.speculation.method
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
 
     @property
     def tokens(self) -> list[int]:
@@ -53,12 +58,8 @@ class Sequence:
     @property
     def reproducible(self) -> bool:
         """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
-        proposers that cannot change what it samples (n-gram, see server/speculation/rejection.py)."""
+        deterministic proposers, which cannot change what it samples (server/speculation/rejection.py)."""
         return self.sampled and self.request.sampling.seed is not None
-
-    def uses(self, method: str) -> bool:
-        """Whether this sequence joins the proposer `method` (auto sequences join every proposer)."""
-        return self.method in (method, "auto")
 
     def num_drafts(self) -> int:
         """The most drafts this step may carry: the request's K, but never drafting past max_tokens."""

@@ -1,6 +1,9 @@
 """The KV cache of a running batch, and the one place where rejected tokens are rolled back.
 
-Layout (see DESIGN.md): all rows share one column space. Each forward appends W columns to every
+This module is bookkeeping only (columns, keep mask, positions, membership, compaction); running
+the model over it (masks, position ids, the forward) is `runner.py`'s job.
+
+Layout (docs/design.md, "the life of a request"): all rows share one column space. Each forward appends W columns to every
 row; row b's new tokens occupy the first n_b of them and the rest are holes. A per-row boolean
 `keep` mask says which columns hold that row's live tokens, and each row carries its own logical
 position (the number of live tokens), so RoPE positions stay exact whatever the holes. Rolling back
@@ -14,7 +17,6 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 _RECENT = 64  # columns remembered per row for rollback (more than any step ever rolls back)
@@ -76,15 +78,14 @@ class _BatchCache(Cache):
 class BatchKV:
     """KV cache for the rows of one model's running batch.
 
-    Rows are identified by request id. `forward` feeds ragged new tokens for every row and returns
-    their logits; `rollback` turns a row's most recent tokens into holes; `add_rows`/`remove_rows`
-    change the batch between steps (the only operations that copy the cache).
+    Rows are identified by request id. The model runner (`runner.py`) writes a forward's new columns
+    through `cache` and then calls `advance`; `rollback` turns a row's most recent tokens into holes;
+    `add_rows`/`remove_rows` change the batch between steps (the only operations that copy the cache).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.device = model.device
-        self.num_layers = model.config.num_hidden_layers
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.device = device
+        self.num_layers = num_layers
         self.rows: list[str] = []
         self.length = 0  # columns used (shared by all rows)
         self.capacity = 16
@@ -104,70 +105,17 @@ class BatchKV:
     def live_tokens(self) -> int:
         return sum(self.positions)
 
-    # ---- the forward pass ----------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, tokens: list[list[int]], want_logits: bool = True) -> torch.Tensor | None:
-        """Append `tokens[b]` to row b for every row and return logits [batch, W, vocab] (float32).
-
-        W = max(len(tokens[b])); logits at [b, j] for j >= len(tokens[b]) are meaningless. With
-        `want_logits=False` (prefill) the LM head runs on one position only and None is returned.
-        """
-        assert len(tokens) == len(self.rows), "one token list per row"
-        self.maybe_compact()  # here, so every cache (target and draft) keeps its holes bounded
-        batch = len(self.rows)
-        width = max((len(t) for t in tokens), default=0)
-        if batch == 0 or width == 0:
-            raise ValueError("forward needs at least one new token")
-        counts = torch.tensor([len(t) for t in tokens], device=self.device)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        for b, row_tokens in enumerate(tokens):
-            ids[b, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
-        ids = ids.to(self.device)
-        start = torch.tensor(self.positions, device=self.device)
-        steps = torch.arange(width, device=self.device)
-        position_ids = start[:, None] + steps[None, :]  # [batch, W]
-
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._attention_mask(counts, width),
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=0 if want_logits else 1,
-        )
-        logits = out.logits.float() if want_logits else None
-
+    # ---- after a forward -------------------------------------------------------------------------
+    def advance(self, counts: list[int], width: int) -> None:
+        """Record a forward that appended `width` columns, of which row b's first `counts[b]` are real."""
         self._ensure_capacity(self.length + width)
-        self.keep[:, self.length : self.length + width] = steps[None, :] < counts[:, None]
-        for b, n in enumerate(counts.tolist()):
+        steps = torch.arange(width, device=self.device)
+        real = steps[None, :] < torch.tensor(counts, device=self.device)[:, None]  # [batch, W]
+        self.keep[:, self.length : self.length + width] = real
+        for b, n in enumerate(counts):
             self.positions[b] += n
             self._recent[b].extend(range(self.length, self.length + n))
         self.length += width
-        return logits
-
-    def prefill(self, tokens: list[list[int]], chunk: int = 512) -> None:
-        """Feed long token lists in chunks, so the mask and activations of a prompt stay bounded
-        (one 8k-token forward would build a 256 MB mask per row)."""
-        longest = max((len(t) for t in tokens), default=0)
-        for start in range(0, longest, chunk):
-            self.forward([t[start : start + chunk] for t in tokens], want_logits=False)
-
-    def _attention_mask(self, counts: torch.Tensor, width: int) -> torch.Tensor:
-        """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
-
-        A padding query attends to its own column too, so no softmax row is empty (no NaNs anywhere,
-        even in hole columns that are never read).
-        """
-        batch = len(self.rows)
-        steps = torch.arange(width, device=self.device)
-        old = self.keep[:, None, : self.length].expand(batch, width, self.length)  # [batch, W, length]
-        causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
-        real = steps[None, None, :] < counts[:, None, None]  # [batch, 1, W]: key j is a real token
-        new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
-        dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     # ---- rollback: the one place rejected tokens are undone --------------------------------------
     def rollback(self, row: int, num_tokens: int) -> None:
@@ -224,7 +172,7 @@ class BatchKV:
 
     def new_rows(self, request_ids: list[str]) -> BatchKV:
         """An empty cache for rows about to be prefilled and then merged with `add_rows`."""
-        fresh = BatchKV(self.model)
+        fresh = BatchKV(self.num_layers, self.device)
         fresh.rows = list(request_ids)
         fresh.positions = [0] * len(request_ids)
         fresh._recent = [deque(maxlen=_RECENT) for _ in request_ids]

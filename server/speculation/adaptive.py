@@ -16,14 +16,17 @@ In a batch, the verify pass is padded to its widest row, so widening it costs th
 drafts: `batch_width` picks one width for the whole batch (the sum of every row's expected tokens
 over the pass's measured time), and every flexible row drafts up to it.
 
-N-gram acceptance is kept per match length (`match_bucket`): a draft copied after a long match is
-usually accepted whole, one after a one-token match rarely, and the same sequence sees both.
+The policy knows proposers only by their `Traits` (proposer.py): what a draft token costs (declared,
+or timed by the planner), whether drafts are deterministic, and the acceptance to expect per
+confidence level before any evidence. Acceptance is kept per proposer and confidence level (an
+n-gram draft copied after a long match is usually accepted whole, one after a one-token match
+rarely, and the same sequence sees both), and greedy apart from sampled requests.
 
-A seeded sampling request must reproduce. N-gram drafts cannot change its text (the sampler draws
-every token as plain decoding would and only compares it with the draft: `rejection.py`), but the
-draft model samples its drafts from the request's random stream, so seeded sampling requests
-(`reproducible=True`) use n-gram drafts only, and then any K, any batch and any timing give the same
-text.
+A seeded sampling request must reproduce. Deterministic drafts cannot change its text (the sampler
+draws every token as plain decoding would and only compares it with the draft: `rejection.py`), but a
+model proposer samples its drafts from the request's random stream, so seeded sampling requests
+(`reproducible=True`) use deterministic proposers only, and then any K, any batch and any timing give
+the same text.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from server.speculation.proposer import Traits
+
 PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence starts from
 DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
-DEFAULT_DRAFT_COST = 0.75  # a draft model's cost per token before timings exist (DESIGN.md: bf16 copy)
-DETERMINISTIC = ("ngram",)  # proposers whose drafts never change what a seeded request samples
+DEFAULT_DRAFT_COST = 0.75  # a timed proposer's cost per token before timings exist
 PROBE_OVERHEAD = 0.02  # the probes of one unused proposer may cost this fraction of the steps, at most
 
 
@@ -82,11 +86,13 @@ def best_k(a: float | list[float], c: float, k_max: int) -> tuple[int, float]:
 
 class CostModel:
     """Step timings, fitted online: verify time T(n) = fixed + per_token * n for n fed tokens, and
-    the draft model's time per forward. Relative costs are what the policy needs."""
+    each timed proposer's time per draft token (one batched forward). Relative costs are what the
+    policy needs."""
 
     def __init__(self, window: int = 128, prior_token_ratio: float = 0.05) -> None:
+        self._window = window
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
-        self._draft_forward: deque[float] = deque(maxlen=window)
+        self._draft_forward: dict[str, deque[float]] = {}
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
 
@@ -94,9 +100,10 @@ class CostModel:
         self._verify.append((tokens, seconds))
         self._fitted = None
 
-    def observe_draft(self, forwards: int, seconds: float) -> None:
+    def observe_draft(self, proposer: str, forwards: int, seconds: float) -> None:
+        """`proposer` drafted up to `forwards` tokens per row in `seconds`."""
         if forwards:
-            self._draft_forward.append(seconds / forwards)
+            self._draft_forward.setdefault(proposer, deque(maxlen=self._window)).append(seconds / forwards)
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per_token), or None before 4 timings. Computed once per new timing: the policy
@@ -147,39 +154,25 @@ class CostModel:
         fixed, per_token = fit
         return rows * per_token / (fixed + per_token * rows)
 
-    def draft_forward_time(self) -> float | None:
-        """Mean seconds of one draft-model forward (None before any)."""
-        if not self._draft_forward:
-            return None
-        return sum(self._draft_forward) / len(self._draft_forward)
+    def draft_forward_time(self, proposer: str) -> float | None:
+        """Mean seconds of one of `proposer`'s draft tokens (None before any timing)."""
+        times = self._draft_forward.get(proposer)
+        return sum(times) / len(times) if times else None
 
-    def draft_cost(self, rows: int) -> float | None:
-        """Relative cost of one draft-model token (one batched draft forward) against a plain step."""
-        if not self._draft_forward:
-            return None
-        step = self.verify_time(rows)
-        if not step:
-            return None
-        return (sum(self._draft_forward) / len(self._draft_forward)) / step
-
-
-NGRAM_BUCKETS = (1, 2, 3, 8)  # match lengths 1, 2, 3-7, 8+ keep separate acceptance statistics
-NGRAM_PRIOR = {1: 0.2, 2: 0.35, 3: 0.55, 8: 0.7}  # per bucket, before any evidence
-
-
-def match_bucket(match_len: int) -> int:
-    """The statistics bucket of an n-gram match length (>= 1)."""
-    return max(b for b in NGRAM_BUCKETS if b <= max(match_len, 1))
+    def draft_cost(self, proposer: str, rows: int) -> float | None:
+        """Relative cost of one of `proposer`'s draft tokens (one batched forward) against a plain step."""
+        forward = self.draft_forward_time(proposer)
+        step = self.verify_time(rows) if forward is not None else None
+        return forward / step if step else None
 
 
 SAMPLED_PRIOR_SCALE = 0.7  # sampling accepts a draft with probability p(x) <= 1: start lower than greedy
 
 
-def _key(method: str, match_len: int | None, sampled: bool = False) -> str:
-    """Where acceptance of `method` is recorded: n-gram drafts per match-length bucket when known, and
-    greedy and sampled requests apart (a sampled request keeps a right draft only with p(x))."""
-    key = f"ngram@{match_bucket(match_len)}" if method == "ngram" and match_len else method
-    return f"{key}~" if sampled else key
+def _key(proposer: str, level: int, sampled: bool) -> str:
+    """Where acceptance of `proposer`'s drafts at confidence `level` is recorded (greedy and sampled
+    requests apart: a sampled request keeps a right draft only with probability p(x))."""
+    return f"{proposer}@{level}{'~' if sampled else ''}"
 
 
 @dataclass
@@ -228,101 +221,113 @@ class _SeqState:
 
 
 @dataclass(frozen=True)
+class Offer:
+    """What a lookahead proposer has ready for one row before planning: drafts and their confidence."""
+
+    drafts: int
+    level: int = 0
+
+
+@dataclass(frozen=True)
 class BatchRow:
-    """One row of a batch, for `batch_width`: its fixed drafts (k, by `method`), or for a flexible
-    row (`auto` with an n-gram proposal) how many n-gram drafts it has to offer."""
+    """One row of a batch, for `batch_width`: the drafts it verifies whatever the width (`k` by
+    `proposer`), or for a flexible row (`auto` with a lookahead proposal) how many of `proposer`'s
+    drafts it may verify if the pass is widened."""
 
     request_id: str
-    method: str = "none"
+    proposer: str | None = None  # None: plain decoding
     k: int = 0
-    flexible: int = 0  # n-gram drafts this row may verify if the pass is widened (0: not flexible)
-    match_len: int | None = None
+    level: int = 0
+    flexible: int = 0  # lookahead drafts this row may verify if the pass is widened (0: not flexible)
     sampled: bool = False  # temperature > 0: acceptance is kept apart from greedy requests
 
 
 @dataclass(frozen=True)
 class Choice:
-    method: str  # "none" or a proposer's method
+    proposer: str | None  # None: decode plainly this step
     k: int
     predicted_speedup: float
 
 
 class AdaptivePolicy:
-    """Per-sequence choice of proposer and K. Pure bookkeeping: the engine feeds it outcomes and
+    """Per-sequence choice of proposer and K. Pure bookkeeping: the planner feeds it outcomes and
     timings and asks it before each step."""
 
-    def __init__(
-        self,
-        methods: list[str],
-        draft_token_cost: dict[str, float],
-        cost: CostModel | None = None,
-    ):
-        """`draft_token_cost`: relative cost per draft token for proposers the cost model doesn't time
-        (n-gram lookup: ~0). The draft model's is measured by `cost`."""
-        self.methods = methods
-        self.fixed_cost = draft_token_cost
+    def __init__(self, traits: dict[str, Traits], cost: CostModel | None = None) -> None:
+        """`traits`: every proposer `auto` may choose, in order of preference on ties."""
+        self.traits = traits
         self.cost = cost or CostModel()
         self.global_rate: dict[str, _Acceptance] = {}  # engine-wide, per `_key`
-        self.prior = {"ngram": 0.3, "draft": 0.6}  # before any evidence; replaced by engine-wide history
-        self.prior.update({f"ngram@{b}": a for b, a in NGRAM_PRIOR.items()})
         self.seqs: dict[str, _SeqState] = {}
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
 
     def acceptance(
-        self, request_id: str, method: str, k_max: int = 1, match_len: int | None = None, sampled: bool = False
+        self, request_id: str, proposer: str, k_max: int = 1, level: int = 0, sampled: bool = False
     ) -> list[float]:
-        """Per draft position, the expected acceptance of `method` for this sequence (for n-gram
-        drafts, of those after a match of `match_len` tokens when given; `sampled`: not greedy)."""
-        key = _key(method, match_len, sampled)
-        prior = self.prior.get(_key(method, match_len), 0.5) * (SAMPLED_PRIOR_SCALE if sampled else 1.0)
+        """Per draft position, the expected acceptance of `proposer`'s drafts at confidence `level` for
+        this sequence (`sampled`: the request samples rather than decoding greedily)."""
+        key = _key(proposer, level, sampled)
+        priors = self.traits[proposer].confidence_priors
+        prior = priors[min(level, len(priors) - 1)] * (SAMPLED_PRIOR_SCALE if sampled else 1.0)
         if key in self.global_rate:
             prior = self.global_rate[key].rate(prior, 4.0)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(key) if state else None
         return seq.by_position(prior, PRIOR_WEIGHT, k_max) if seq else [prior] * max(k_max, 1)
 
-    def method_cost(self, method: str, rows: int = 1) -> float:
-        """c for `method`: verifying one more token plus producing one draft token."""
-        own = self.fixed_cost.get(method)
+    def own_cost(self, proposer: str, rows: int = 1) -> float:
+        """One of `proposer`'s draft tokens against a plain step: declared, else timed, else a default."""
+        own = self.traits[proposer].draft_token_cost
         if own is None:
-            own = self.cost.draft_cost(rows)
-            if own is None:
-                own = DEFAULT_DRAFT_COST
-        return self.cost.token_cost(rows) + own
+            own = self.cost.draft_cost(proposer, rows)
+        return DEFAULT_DRAFT_COST if own is None else own
+
+    def method_cost(self, proposer: str, rows: int = 1) -> float:
+        """c for `proposer`: verifying one more token plus producing one draft token."""
+        return self.cost.token_cost(rows) + self.own_cost(proposer, rows)
+
+    def usable(self, proposer: str, offers: dict[str, Offer], reproducible: bool) -> bool:
+        """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
+        to offer, a model proposer only for requests whose text it cannot change (`reproducible`)."""
+        traits = self.traits[proposer]
+        if traits.lookahead and not offers.get(proposer, Offer(0)).drafts:
+            return False
+        return traits.deterministic or not reproducible
 
     def choose(
         self,
         request_id: str,
         k_max: int,
         rows: int = 1,
-        has_match: bool = True,
+        offers: dict[str, Offer] | None = None,
         reproducible: bool = False,
-        match_len: int | None = None,
         sampled: bool = False,
     ) -> Choice:
-        """Pick (method, K) for one of `rows` sequences in the batch. `has_match`: the n-gram lookup
-        found something to propose; `match_len`: how long its match is, when known. `reproducible`:
-        seeded sampling, which only drafts with proposers that cannot change its text (n-gram).
-        `sampled`: the request samples (temperature > 0) rather than decoding greedily."""
+        """Pick (proposer, K) for one of `rows` sequences in the batch. `offers`: what each lookahead
+        proposer has ready for this row. `reproducible`: seeded sampling (deterministic proposers
+        only). `sampled`: the request samples (temperature > 0) rather than decoding greedily."""
+        offers = offers or {}
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
-        best = Choice("none", 0, 1.0)
-        for method in self.methods:
-            if (method == "ngram" and not has_match) or (reproducible and method not in DETERMINISTIC):
+        best = Choice(None, 0, 1.0)
+        for name in self.traits:
+            if not self.usable(name, offers, reproducible):
                 continue
-            a = self.acceptance(request_id, method, k_max, match_len, sampled)
-            k, gain = best_k(a, self.method_cost(method, rows), k_max)
-            if k and gain > best.predicted_speedup * (MIN_GAIN if best.method == "none" else 1.0):
-                best = Choice(method, k, gain)
+            offer = offers.get(name, Offer(k_max))
+            limit = min(k_max, offer.drafts)
+            a = self.acceptance(request_id, name, limit, offer.level, sampled)
+            k, gain = best_k(a, self.method_cost(name, rows), limit)
+            if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
+                best = Choice(name, k, gain)
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
         # costs far more than its share: there, rows draft only within the batch's width (`batch_width`).
-        if best.method == "none" and k_max and rows == 1:
-            allowed = [m for m in self.methods if not reproducible or m in DETERMINISTIC]
-            costs = {m: self.method_cost(m, rows) for m in allowed}
-            best = self._probe(state, request_id, has_match, costs, k_max) or best
-        state.last_used[best.method] = state.steps
+        if best.proposer is None and k_max and rows == 1:
+            costs = {m: self.method_cost(m, rows) for m in self.traits if self.usable(m, offers, reproducible)}
+            best = self._probe(state, costs, k_max) or best
+        if best.proposer is not None:
+            state.last_used[best.proposer] = state.steps
         return best
 
     def batch_width(self, rows: list[BatchRow]) -> tuple[int, float] | None:
@@ -331,30 +336,32 @@ class AdaptivePolicy:
 
         The verify pass computes every row padded to the widest one, so its cost depends on W, not
         on each row's own K, and a row's drafts up to W cost nothing extra. Flexible rows (`auto`
-        rows with an n-gram proposal) therefore draft min(W, their proposal) each, and W maximises
+        rows with a lookahead proposal) therefore draft min(W, their proposal) each, and W maximises
         the batch's expected tokens per second: the sum of every row's expected tokens over the
-        measured time of a pass over rows x (W + 1) tokens, plus the draft model's forwards when a
-        row drafts with it. Rows with fixed drafts set the least W.
+        measured time of a pass over rows x (W + 1) tokens, plus the forwards of every proposer that
+        drafts for some row. Rows with fixed drafts set the least W.
         """
         if not self.cost.fitted:
             return None
         fixed_w = max((r.k for r in rows), default=0)
         flexible = [r for r in rows if r.flexible]
         fixed_tokens = sum(
-            expected_tokens_upto(self.acceptance(r.request_id, r.method, r.k, r.match_len, r.sampled), r.k)[-1]
-            for r in rows if not r.flexible
-        )
-        draft_k = max((r.k for r in rows if r.method == "draft"), default=0)
-        draft_s = draft_k * self._draft_forward_s(len(rows))
+            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.k, r.level, r.sampled), r.k)[-1]
+            for r in rows if not r.flexible and r.proposer is not None
+        ) + sum(1.0 for r in rows if not r.flexible and r.proposer is None)
+        drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
+        for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
+            most = max(r.k for r in rows if r.proposer == name and not r.flexible)
+            drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows)) or 0.0)
         expected = [  # per flexible row: expected tokens with 0..flexible drafts
-            expected_tokens_upto(self.acceptance(r.request_id, "ngram", r.flexible, r.match_len, r.sampled), r.flexible)
+            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.flexible, r.level, r.sampled), r.flexible)
             for r in flexible
         ]
         top = max([fixed_w, *(r.flexible for r in flexible)])
 
         def score(w: int) -> float:
             tokens = fixed_tokens + sum(e[min(w, len(e) - 1)] for e in expected)
-            return tokens / (self.cost.verify_time(len(rows) * (w + 1)) + draft_s)
+            return tokens / (self.cost.verify_time(len(rows) * (w + 1)) + drafting_s)
 
         best_w, best = fixed_w, score(fixed_w)
         floor = best * (MIN_GAIN if fixed_w == 0 else 1.0)
@@ -364,46 +371,28 @@ class AdaptivePolicy:
                 best_w, best = w, s
         return best_w, best
 
-    def _draft_forward_s(self, rows: int) -> float:
-        """Seconds of one draft-model forward for a batch of `rows` (a fixed relative cost, when one
-        is configured, in units of a plain step of that batch)."""
-        own = self.fixed_cost.get("draft")
-        if own is not None:
-            return own * (self.cost.verify_time(rows) or 0.0)
-        return self.cost.draft_forward_time() or 0.0
-
-    def _probe(
-        self, state: _SeqState, request_id: str, has_match: bool, costs: dict[str, float], k_max: int
-    ) -> Choice | None:
+    def _probe(self, state: _SeqState, costs: dict[str, float], k_max: int) -> Choice | None:
         """Now and then draft one token with an unused proposer, so a sequence whose text turns
-        copy-heavy later is noticed. A probe costs c (one draft token); probing every c /
-        PROBE_OVERHEAD steps keeps their total cost within PROBE_OVERHEAD: a cheap n-gram lookup is
-        re-checked every few steps, a draft model rarely (every 64 steps at the least often). A
-        proposer too costly to pay even if every draft were accepted is never probed."""
-        for method in costs:
-            if method == "ngram" and not has_match:
+        predictable later is noticed. A probe costs c (one draft token); probing every c /
+        PROBE_OVERHEAD steps keeps their total cost within PROBE_OVERHEAD: a cheap lookup is
+        re-checked every few steps, a model rarely (every 64 steps at the least often). A proposer
+        too costly to pay even if every draft were accepted is never probed."""
+        for name, cost in costs.items():
+            if best_k(1.0, cost, k_max)[1] < MIN_GAIN:
                 continue
-            if best_k(1.0, costs[method], k_max)[1] < MIN_GAIN:
-                continue
-            interval = min(max(math.ceil(costs[method] / PROBE_OVERHEAD), 2), 64)
-            if state.steps - state.last_used.get(method, 0) >= interval:
-                return Choice(method, 1, 1.0)
+            interval = min(max(math.ceil(cost / PROBE_OVERHEAD), 2), 64)
+            if state.steps - state.last_used.get(name, 0) >= interval:
+                return Choice(name, 1, 1.0)
         return None
 
     def observe(
-        self,
-        request_id: str,
-        method: str,
-        drafted: int,
-        accepted: int,
-        match_len: int | None = None,
-        sampled: bool = False,
+        self, request_id: str, proposer: str | None, drafted: int, accepted: int, level: int = 0, sampled: bool = False
     ) -> None:
-        """What verification did to one sequence's drafts (`match_len`: the n-gram match they came
-        from; `sampled`: the request samples rather than decoding greedily)."""
-        if method == "none" or not drafted:
+        """What verification did to one sequence's drafts (`level`: their confidence level; `sampled`:
+        the request samples rather than decoding greedily)."""
+        if proposer is None or not drafted:
             return
-        key = _key(method, match_len, sampled)
+        key = _key(proposer, level, sampled)
         state = self.seqs.setdefault(request_id, _SeqState())
         state.by_method.setdefault(key, _Acceptance()).update(drafted, accepted, DECAY)
         self.global_rate.setdefault(key, _Acceptance()).update(drafted, accepted, 0.99)

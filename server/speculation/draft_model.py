@@ -2,7 +2,7 @@
 
 Its cache holds every committed token except `pending[rid]` (tokens committed since it last fed:
 the target's recovered/bonus token, and after a full accept also the last draft). Each step feeds
-pending + d_1..d_{k-1}; after verification the rejected drafts are rolled back in `BatchKV`.
+pending + d_1..d_{k-1}; after verification the rejected drafts are rolled back in its KV cache.
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ import dataclasses
 
 import torch
 
-from server.model.kv_cache import BatchKV
 from server.model.loading import LoadedModel
+from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, sample
-from server.engine.sequence import Sequence
-from server.speculation.proposer import Proposal, Proposer
+from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
 
 
 class DraftModelProposer(Proposer):
-    method = "draft"
+    # Its cost is timed (a model forward per draft token); a bf16 copy of the target accepts ~0.6+.
+    traits = Traits(deterministic=False, confidence_priors=(0.6,))
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> DraftModelProposer | None:
+        return cls(ctx.draft, ctx.vocab_size) if ctx.draft is not None else None
 
     def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
         """`vocab_size`: the target's logits width. Checkpoints that share a tokenizer may pad their
@@ -27,54 +31,56 @@ class DraftModelProposer(Proposer):
         target's ids, so tokens the target cannot score are never drafted."""
         self.draft = draft
         self.vocab_size = vocab_size
-        self.kv = BatchKV(draft.model)
+        self.runner = ModelRunner(draft.model)
+        self.forwards = 0  # draft-model forwards run so far (tests and the bench read it)
         self.pending: dict[str, list[int]] = {}
 
-    def join(self, seqs: list[Sequence]) -> None:
+    def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:
         """Nothing is computed yet: a sequence is prefilled into the draft cache the first time it
         asks for drafts (an `auto` sequence may never do so, and then never pays for it)."""
         for s in seqs:
-            self.pending[s.request_id] = list(s.request.prompt_token_ids)
+            self.pending[s.request_id] = list(s.tokens)
 
     def _prefill(self, request_ids: list[str]) -> None:
         """Bring sequences into the draft cache: all their tokens but the last become cached."""
-        fresh = self.kv.new_rows(request_ids)
-        fresh.prefill([self.pending[rid][:-1] for rid in request_ids])
-        self.kv.add_rows(fresh)
+        self.runner.join(request_ids, [self.pending[rid][:-1] for rid in request_ids])
+        self.forwards += 1
         for rid in request_ids:
             self.pending[rid] = self.pending[rid][-1:]
 
     def leave(self, request_ids: set[str]) -> None:
-        self.kv.remove_rows(request_ids)
+        self.runner.leave(request_ids)
         for rid in request_ids:
             self.pending.pop(rid, None)
 
     @torch.no_grad()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
         by_id = {s.request_id: (s, k) for s, k in zip(seqs, ks, strict=True)}
-        cached = set(self.kv.rows)
+        cached = set(self.runner.rows)
         starting = [s.request_id for s, k in zip(seqs, ks, strict=True) if k > 0 and s.request_id not in cached]
         if starting:
             self._prefill(starting)
-        rows = self.kv.rows  # every cached row is asked each step (the engine guarantees it)
+        rows = self.runner.rows  # every cached row is asked each step (the engine guarantees it)
         row_k = [by_id[rid][1] for rid in rows]
         k_max = max(row_k, default=0)
         vocab = self.vocab_size
         drafts: list[list[int]] = [[] for _ in rows]
-        q = torch.zeros(len(rows), max(k_max, 1), vocab, device=self.kv.device)  # [rows, K, vocab]
+        device = self.runner.device
+        q = torch.zeros(len(rows), max(k_max, 1), vocab, device=device)  # [rows, K, vocab]
         if k_max == 0:
             return self._in_order(seqs, drafts, q[:, :0])
-        params = [dataclasses.replace(by_id[rid][0].request.sampling, presence_penalty=0.0, frequency_penalty=0.0)
+        params = [dataclasses.replace(by_id[rid][0].sampling, presence_penalty=0.0, frequency_penalty=0.0)
                   for rid in rows]
-        sampling = BatchSampling.from_params(params, self.kv.device)
+        sampling = BatchSampling.from_params(params, device)
         gens = [by_id[rid][0].generator for rid in rows]
         greedy = [p.greedy for p in params]
 
         feed = [self.pending[rid] if k > 0 else [] for rid, k in zip(rows, row_k, strict=True)]
         for j in range(k_max):
-            logits = self.kv.forward(feed)  # [rows, W, vocab]
-            last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=self.kv.device)
-            step_logits = _to_width(logits[torch.arange(len(rows), device=self.kv.device), last][:, None], vocab)
+            logits = self.runner.forward(feed).logits  # [rows, W, vocab]
+            self.forwards += 1
+            last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=device)
+            step_logits = _to_width(logits[torch.arange(len(rows), device=device), last][:, None], vocab)
             probs = probabilities(step_logits, sampling)[:, 0]  # [rows, vocab]
             q[:, j] = probs  # rows that fed nothing keep garbage here, past their own k
             greedy_tokens = probs.argmax(dim=-1).tolist()  # one-hot rows: no randomness needed
@@ -90,17 +96,17 @@ class DraftModelProposer(Proposer):
                 self.pending[rid] = []  # fed: now in the draft cache
         return self._in_order(seqs, drafts, q[:, :k_max])
 
-    def _in_order(self, seqs: list[Sequence], drafts: list[list[int]], q: torch.Tensor) -> Proposal:
+    def _in_order(self, seqs: list[SequenceView], drafts: list[list[int]], q: torch.Tensor) -> Proposal:
         """Reorder from this proposer's cache rows to the caller's sequence order (sequences not in
-        the cache drafted nothing)."""
-        rows = {rid: i for i, rid in enumerate(self.kv.rows)}
-        empty = q.new_zeros(q.shape[1:])
+        the cache drafted nothing); each row's q is cut to its own drafts."""
+        rows = {rid: i for i, rid in enumerate(self.runner.rows)}
+        out_drafts = [drafts[rows[s.request_id]] if s.request_id in rows else [] for s in seqs]
         return Proposal(
-            drafts=[drafts[rows[s.request_id]] if s.request_id in rows else [] for s in seqs],
-            probs=torch.stack([q[rows[s.request_id]] if s.request_id in rows else empty for s in seqs]),
+            drafts=out_drafts,
+            q=[q[rows[s.request_id], : len(d)] if d else None for s, d in zip(seqs, out_drafts, strict=True)],
         )
 
-    def commit(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:
+    def commit(self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None) -> None:
         rid = seq.request_id
         accepted = len(emitted) - 1
         if not drafts:  # it drafted nothing this step (or is not in the cache yet): catch up later
@@ -109,7 +115,7 @@ class DraftModelProposer(Proposer):
         # The cache now holds d_1..d_{k-1}; keep the accepted ones, roll back the rest.
         in_cache = len(drafts) - 1
         kept = min(accepted, in_cache)
-        self.kv.rollback(self.kv.index(rid), in_cache - kept)
+        self.runner.rollback(self.runner.kv.index(rid), in_cache - kept)
         self.pending[rid] = emitted[kept:]  # [x] after a rejection; [d_k, bonus] after a full accept
 
 

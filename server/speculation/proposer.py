@@ -1,43 +1,115 @@
-"""The interface every proposer implements (draft model, n-gram; later EAGLE/Medusa-style heads).
+"""The contract every proposer implements, and what a proposer says about itself.
 
-A proposer is told when sequences join and leave, asked for up to k_i draft tokens per sequence
-each step, and told what the target accepted so it can resynchronise its own state. Proposers that
-need the target's last hidden states can be added by extending `propose`'s inputs; the engine owns
-the target forward and would pass them along.
+A proposer drafts tokens for the sequences that use it; the target verifies them (docs/design.md).
+The planner (`planner.py`) is the only caller. Per sequence, in order:
+
+1. `join(seqs, prompt_hidden)`: once, before its first step. `prompt_hidden[i]` holds the target's
+   hidden states of seqs[i]'s prefilled tokens (every prompt token but the last), when the proposer's
+   traits ask for them (`needs_hidden`), else None.
+2. Each step, `propose(seqs, ks)`: up to ks[i] draft tokens for seqs[i] (ks[i] may be 0: the row
+   drafts nothing this step but is still asked, so a batched proposer's rows stay aligned).
+3. After verification, `commit(seq, drafts, emitted, hidden)`: `drafts` are the tokens this proposer
+   offered for seq this step ([] when another proposer drafted or none did), `emitted` the accepted
+   prefix of them plus the recovered or bonus token. `hidden` (when asked for) holds the target's hidden
+   states of the fed tokens that are now committed: the step's first fed token (the sequence's last
+   token before the step) and the accepted drafts, [len(emitted), hidden]. Called before the tokens are
+   appended to seq (a stop may drop some of them from the output afterwards).
+4. `leave(request_ids)`: finished or aborted.
+
+Hidden states are the output of the target's base model after its final norm (what its LM head reads),
+so hidden row i predicts the token after fed token i.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from server.engine.sequence import Sequence
+from server.config import Settings
+from server.model.loading import LoadedModel
+from server.types import SamplingParams
+
+
+class SequenceView(Protocol):
+    """What a proposer may read of a sequence in flight (the engine's `Sequence` satisfies it)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def tokens(self) -> list[int]: ...  # prompt plus committed output
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator: ...  # the request's own random stream
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a proposer says about itself; `auto` and the planner work from this alone.
+
+    deterministic: its q is one-hot at its drafts. The sampler then draws every token exactly as plain
+        decoding would and compares (rejection.py), so its drafts never change what a seeded request
+        samples; only such proposers draft for seeded sampling requests under `auto`.
+    lookahead: proposing is nearly free and prefix-consistent (asking for k and keeping j equals asking
+        for j), so the planner asks it for every row's most drafts before planning, and `auto` knows
+        whether it has anything to offer and how confident it is.
+    needs_hidden: it reads the target's hidden states (join/commit receive them).
+    draft_token_cost: its cost per draft token relative to a plain target step, when declared; None
+        means the planner times its `propose` calls (a model's forward).
+    confidence_priors: expected acceptance of its first draft before any evidence, per confidence level
+        (`Proposal.confidence` indexes this tuple; one level when the proposer reports none).
+    """
+
+    deterministic: bool
+    lookahead: bool = False
+    needs_hidden: bool = False
+    draft_token_cost: float | None = None
+    confidence_priors: tuple[float, ...] = (0.5,)
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for a list of sequences, in the order they were asked for."""
+    """Draft tokens for a list of sequences, in the order they were asked for.
+
+    Example: an n-gram lookup that found "b c d" after a 12-token match for seq 0 and nothing for seq 1
+    returns drafts=[[b, c, d], []], q=None, confidence=[3, 0] (level 3 = a match of 8 tokens or more).
+    """
 
     drafts: list[list[int]]  # up to k_i tokens per sequence (fewer when it has nothing to offer)
-    probs: torch.Tensor | None  # q: [n, K, vocab] for model proposers; None = deterministic (one-hot q)
-    match_lengths: list[int] | None = None  # n-gram proposers: tokens of context each draft's source matched
+    q: list[torch.Tensor | None] | None = None  # per sequence [k_i, vocab]; None: deterministic (one-hot)
+    confidence: list[int] | None = None  # per sequence: an index into `Traits.confidence_priors`
 
 
 class Proposer(ABC):
-    method: str
+    """One way of drafting. Subclasses set `traits` and implement `propose`."""
 
-    def join(self, seqs: list[Sequence]) -> None:  # noqa: B027 - optional hook
-        """Sequences that start using this proposer (called once, before their first step)."""
+    traits: Traits
+
+    def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:  # noqa: B027
+        """Sequences that start using this proposer (see the module docstring)."""
 
     def leave(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Sequences that finished or were aborted."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
         """Up to ks[i] draft tokens for seqs[i]."""
 
-    def commit(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:  # noqa: B027
-        """After verification: `emitted` = the accepted prefix of `drafts` plus the recovered/bonus
-        token. Called before the tokens are appended to `seq` (stop truncation may drop some after)."""
+    def commit(  # noqa: B027 - optional hook
+        self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None
+    ) -> None:
+        """What the target kept of this step (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a proposer may be built from: the loaded target, the configured draft model (if any), the
+    settings, and the target's logits width (q is taken over the target's token ids)."""
+
+    target: LoadedModel
+    draft: LoadedModel | None  # the configured draft model, or None when the server has none
+    settings: Settings
+    vocab_size: int

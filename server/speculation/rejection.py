@@ -5,7 +5,7 @@ At the first rejection, sample the *recovered* token from normalize(max(p_j - q_
 If every draft is accepted, sample a *bonus* token from p_{k+1}. Either way a row emits
 accepted + 1 tokens, and the result is distributed exactly as sampling from p alone.
 
-A deterministic proposer (n-gram) has q = one-hot(x). For those rows (`exact`) the sampler draws
+A deterministic proposer (n-gram) has q = one-hot(x). For those rows (q given as None) the sampler draws
 the token at each position from p_j, exactly as plain decoding would (one uniform per emitted token,
 by inverse CDF), and accepts the draft while the drawn token equals it: the acceptance probability
 is p(x), a rejection emits a token distributed as p with x removed, the same law as the rule above,
@@ -33,66 +33,79 @@ class Verdict:
 def rejection_sample(
     drafts: list[list[int]],
     target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
+    draft_probs: list[torch.Tensor | None],
     generators: list[torch.Generator],
-    exact: list[bool] | None = None,
     greedy: list[bool] | None = None,
 ) -> Verdict:
     """Accept/reject every row's drafts against the target in one pass.
 
     drafts: per row, its k_b draft tokens (k_b may be 0, and may differ between rows).
     target_probs: p, [batch, K + 1, vocab], K = max k_b; row b's position j scores drafts[b][j].
-    draft_probs: q, [batch, K, vocab], or None when every row's proposer is deterministic. Rows
-        whose q is one-hot must hold one-hot rows here too (the caller builds them).
+    draft_probs: per row, q [k_b, vocab] from a model proposer, or None for a deterministic proposer
+        (q one-hot at its drafts) or a row without drafts: those rows sample-and-compare (see above).
     generators: one per row; each row draws only from its own, so a seeded request reproduces
         whatever else shares its batch.
-    exact: per row, whether its drafts are deterministic (one-hot q): those rows sample-and-compare
-        (see above). None: every row when `draft_probs` is None, else none.
     greedy: per row, whether it decodes greedily (p one-hot at every position): its exact path needs
         no draws. None: no row is assumed greedy (one-hot rows are then sampled, to the same token).
+
+    Example (greedy, one row): drafts [[5, 9]], p one-hot at 5 then 7 then anything: 5 is accepted, 9
+    rejected, and the recovered token is 7: Verdict(accepted=[1], tokens=[[5, 7]]).
     """
-    if exact is None:
-        exact = [draft_probs is None] * len(drafts)
     if greedy is None:
         greedy = [False] * len(drafts)
-    if all(exact):
-        return _sample_and_compare(drafts, target_probs, generators, greedy)
-    batch, width, _ = target_probs.shape
+    verdict = Verdict(accepted=[0] * len(drafts), tokens=[[] for _ in drafts])
+    exact = [b for b, q in enumerate(draft_probs) if q is None]
+    ruled = [b for b, q in enumerate(draft_probs) if q is not None]
+    parts = []
+    if exact:
+        gens, greedy_rows = [generators[b] for b in exact], [greedy[b] for b in exact]
+        parts.append((exact, _sample_and_compare([drafts[b] for b in exact], target_probs[exact], gens, greedy_rows)))
+    if ruled:
+        qs = [draft_probs[b] for b in ruled]
+        gens = [generators[b] for b in ruled]
+        parts.append((ruled, _accept_reject([drafts[b] for b in ruled], target_probs[ruled], qs, gens)))
+    for rows, part in parts:
+        for i, b in enumerate(rows):
+            verdict.accepted[b], verdict.tokens[b] = part.accepted[i], part.tokens[i]
+    return verdict
+
+
+def _accept_reject(
+    drafts: list[list[int]],
+    target_probs: torch.Tensor,
+    draft_probs: list[torch.Tensor],
+    generators: list[torch.Generator],
+) -> Verdict:
+    """The min(1, p/q) rule for rows whose q comes from a model (every row here has a q)."""
+    batch, width, vocab = target_probs.shape
     k_max = width - 1
     device = target_probs.device
     lengths = torch.tensor([len(d) for d in drafts], device=device)
-    draft_ids = torch.zeros(batch, max(k_max, 1), dtype=torch.long, device=device)
+    draft_ids = torch.zeros(batch, k_max, dtype=torch.long, device=device)  # [batch, K]
+    q = torch.zeros(batch, k_max, vocab, device=device)  # [batch, K, vocab]; zero past each row's drafts
     for b, d in enumerate(drafts):
         if d:
             draft_ids[b, : len(d)] = torch.tensor(d, device=device)
-    draft_ids = draft_ids[:, :k_max]  # [batch, K]
+            q[b, : len(d)] = draft_probs[b].to(device)
 
     p_x = target_probs[:, :k_max].gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)  # one-hot q: q(x) = 1
-    else:
-        q_x = draft_probs.gather(-1, draft_ids[..., None])[..., 0]
+    q_x = q.gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
     # q(x) > 0 for any token actually sampled from q; the clamp only guards the padded positions.
-    accept_prob = (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0)  # q >= p: always accept
+    accept_prob = (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0)  # p >= q: always accept
 
     uniform = torch.full((batch, k_max), 2.0, device=device)  # 2.0 never accepts: padding
     for b, gen in enumerate(generators):
         k = len(drafts[b])
-        if k and not exact[b]:  # exact rows draw their own way below, from their own generator
+        if k:
             uniform[b, :k] = torch.rand(k, generator=gen, device=gen.device).to(device)
     accepted_mask = (uniform < accept_prob).to(torch.long)  # [batch, K]
-    num_accepted = accepted_mask.cumprod(dim=1).sum(dim=1)  # leading accepts
-    num_accepted = torch.minimum(num_accepted, lengths)
+    num_accepted = torch.minimum(accepted_mask.cumprod(dim=1).sum(dim=1), lengths)  # leading accepts
 
     rows = torch.arange(batch, device=device)
     final_p = target_probs[rows, num_accepted]  # [batch, vocab]: p at the first rejection or bonus slot
     rejected = num_accepted < lengths
     if bool(rejected.any()):
-        if draft_probs is None:
-            rejected_x = draft_ids[rows, num_accepted.clamp(max=max(k_max - 1, 0))]
-            final_q = torch.zeros_like(final_p).scatter_(-1, rejected_x[:, None], 1.0)
-        else:
-            final_q = draft_probs[rows, num_accepted.clamp(max=max(k_max - 1, 0))]
+        final_q = q[rows, num_accepted.clamp(max=max(k_max - 1, 0))]
         residual = (final_p - final_q).clamp_min(0.0)
         mass = residual.sum(dim=-1, keepdim=True)
         # mass == 0 only when p == q up to rounding, where rejection had probability ~0: use p.
@@ -100,17 +113,7 @@ def rejection_sample(
         final_p = torch.where(rejected[:, None], residual, final_p)
 
     accepted = num_accepted.tolist()
-    tokens = []
-    for b, gen in enumerate(generators):
-        last = sample(final_p[b], gen) if not exact[b] else -1
-        tokens.append(drafts[b][: accepted[b]] + [last])
-    rows = [b for b, e in enumerate(exact) if e]
-    if rows:  # a mixed batch: the deterministic rows sample-and-compare instead
-        mine = _sample_and_compare(
-            [drafts[b] for b in rows], target_probs[rows], [generators[b] for b in rows], [greedy[b] for b in rows]
-        )
-        for i, b in enumerate(rows):
-            accepted[b], tokens[b] = mine.accepted[i], mine.tokens[i]
+    tokens = [drafts[b][: accepted[b]] + [sample(final_p[b], gen)] for b, gen in enumerate(generators)]
     return Verdict(accepted=accepted, tokens=tokens)
 
 

@@ -1,0 +1,142 @@
+"""The model runner: one model's batched forward over its `BatchKV` (masks, positions, outputs).
+
+Every forward appends ragged new inputs to every row of the running batch: token ids, or input
+embeddings (a draft head feeds the target's features, not tokens). It returns the logits of the fed
+positions and, when asked, their hidden states: the output of the base model after its final norm,
+which is what the LM head reads (index -1 of transformers' `hidden_states`), and optionally other
+layers by index (0 = the embeddings, i = after decoder layer i). Proposers that read the target's
+features (EAGLE-style heads) get them from here through the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from server.model.kv_cache import BatchKV
+
+Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one forward computed for the fed positions (row b's position j >= n_b is padding)."""
+
+    logits: torch.Tensor | None  # [batch, W, vocab] float32; None when not asked for
+    hidden: torch.Tensor | None = None  # [batch, W, hidden]: after the final norm (what the LM head reads)
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # chosen layer index -> [batch, W, hidden]
+
+
+class ModelRunner:
+    """Runs one model over the rows of its batch cache. Single-threaded, like the engine."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = model.device
+        self.kv = BatchKV(model.config.num_hidden_layers, model.device)
+
+    @property
+    def rows(self) -> list[str]:
+        return self.kv.rows
+
+    # ---- the forward pass ----------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self, inputs: Inputs, *, logits: bool = True, hidden: bool = False, layers: tuple[int, ...] = ()
+    ) -> ForwardOutput:
+        """Append `inputs[b]` to row b for every row; return what was asked for every fed position.
+
+        `logits=False` runs the LM head on one position only (prefill) and returns no logits.
+        """
+        kv = self.kv
+        assert len(inputs) == len(kv.rows), "one input list per row"
+        kv.maybe_compact()  # here, so every cache (target and drafts) keeps its holes bounded
+        batch = len(kv.rows)
+        counts = [len(x) for x in inputs]
+        width = max(counts, default=0)
+        if batch == 0 or width == 0:
+            raise ValueError("forward needs at least one new input")
+        feed = self._feed(inputs, width)
+        steps = torch.arange(width, device=self.device)
+        position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
+        want_states = hidden or bool(layers)
+        out = self.model(
+            **feed,
+            attention_mask=self._attention_mask(counts, width),
+            position_ids=position_ids,
+            cache=kv.cache,
+            use_cache=True,
+            logits_to_keep=0 if logits else 1,
+            output_hidden_states=want_states,
+        )
+        kv.advance(counts, width)
+        states = out.hidden_states if want_states else None
+        return ForwardOutput(
+            logits=out.logits.float() if logits else None,
+            hidden=states[-1] if hidden else None,
+            layers={i: states[i] for i in layers} if states is not None else {},
+        )
+
+    def _feed(self, inputs: Inputs, width: int) -> dict[str, torch.Tensor]:
+        """Token ids [batch, W] or input embeddings [batch, W, hidden], zero-padded past each row's inputs."""
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            first = inputs[0]
+            embeds = first.new_zeros(len(inputs), width, first.shape[-1])
+            for b, x in enumerate(inputs):
+                embeds[b, : len(x)] = x
+            return {"inputs_embeds": embeds.to(self.device, self.model.dtype)}
+        ids = torch.zeros(len(inputs), width, dtype=torch.long)
+        for b, row in enumerate(inputs):
+            ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        return {"input_ids": ids.to(self.device)}
+
+    def _attention_mask(self, counts: list[int], width: int) -> torch.Tensor:
+        """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
+
+        A padding query attends to its own column too, so no softmax row is empty (no NaNs anywhere,
+        even in hole columns that are never read).
+        """
+        kv = self.kv
+        batch, length = len(kv.rows), kv.length
+        steps = torch.arange(width, device=self.device)
+        old = kv.keep[:, None, :length].expand(batch, width, length)  # [batch, W, length]
+        causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
+        real = steps[None, None, :] < torch.tensor(counts, device=self.device)[:, None, None]  # [batch, 1, W]
+        new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    # ---- batch membership ------------------------------------------------------------------------
+    def join(
+        self, request_ids: list[str], inputs: Inputs, *, hidden: bool = False, chunk: int = 512
+    ) -> list[torch.Tensor] | None:
+        """Prefill new rows on their own (in chunks of `chunk` positions, so the mask and activations of
+        a long prompt stay bounded) and add them to the batch. Returns, when `hidden`, each row's
+        hidden states [len(inputs[b]), hidden] (after the final norm), else None."""
+        fresh = ModelRunner.__new__(ModelRunner)
+        fresh.model, fresh.device, fresh.kv = self.model, self.device, self.kv.new_rows(request_ids)
+        states: list[list[torch.Tensor]] = [[] for _ in request_ids]
+        longest = max((len(x) for x in inputs), default=0)
+        for start in range(0, longest, chunk):
+            part = [x[start : start + chunk] for x in inputs]
+            out = fresh.forward(part, logits=False, hidden=hidden)
+            if hidden:
+                for b, x in enumerate(part):
+                    states[b].append(out.hidden[b, : len(x)])
+        self.kv.add_rows(fresh.kv)
+        if not hidden:
+            return None
+        empty = torch.zeros(0, self.model.config.hidden_size, device=self.device)
+        return [torch.cat(s) if s else empty for s in states]
+
+    def leave(self, request_ids: set[str]) -> None:
+        self.kv.remove_rows(request_ids)
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Forget row `row`'s last `num_tokens` tokens (see `BatchKV.rollback`)."""
+        self.kv.rollback(row, num_tokens)

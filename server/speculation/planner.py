@@ -1,0 +1,258 @@
+"""The per-step plan: for every row of the batch, which proposer drafts, how many tokens, and q.
+
+The engine hands the planner its running sequences and gets back one `StepPlan`; after the target's
+verify pass it hands back the verdict (`commit`). Everything about proposers lives here: building
+them from the registry, telling them who joins and leaves, asking lookahead proposers first (so
+`auto` knows what they offer), the `auto` choice per row, one verify width for a batch, dropping a
+model proposer that a whole batch would pay for but not gain from, and timing proposers whose cost
+is not declared. The engine never names a proposer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
+from server.speculation.proposer import BuildContext, Proposer, SequenceView
+from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
+
+
+class PlannedSequence(SequenceView, Protocol):
+    """What the planner reads of a sequence besides what proposers read."""
+
+    @property
+    def mode(self) -> str: ...  # the request's method: "none", a proposer's name, or "auto"
+    @property
+    def sampled(self) -> bool: ...  # temperature > 0
+    @property
+    def reproducible(self) -> bool: ...  # seeded sampling
+    def num_drafts(self) -> int: ...  # the most drafts this step may carry
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One row's part of a step: its proposer (None: plain decoding), drafts and their q."""
+
+    proposer: str | None
+    drafts: list[int]
+    q: torch.Tensor | None = None  # [len(drafts), vocab] from a model proposer; None: one-hot (or no drafts)
+    level: int = 0  # the drafts' confidence level (proposer.Traits.confidence_priors)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: list[RowPlan]
+
+    @property
+    def drafts(self) -> list[list[int]]:
+        return [r.drafts for r in self.rows]
+
+    @property
+    def q(self) -> list[torch.Tensor | None]:
+        return [r.q for r in self.rows]
+
+
+class Planner:
+    """Owns the proposers and the `auto` policy. Single-threaded, like the engine."""
+
+    def __init__(self, ctx: BuildContext, registry: Registry = BUILTIN, cost: CostModel | None = None) -> None:
+        built = {e.name: e.build(ctx) for e in registry.entries}
+        self.proposers: dict[str, Proposer] = {name: p for name, p in built.items() if p is not None}
+        self.policy = AdaptivePolicy({name: p.traits for name, p in self.proposers.items()}, cost)
+        self.device = ctx.target.device
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this server can run (proposers that could not be built here are left out)."""
+        return (PLAIN, *self.proposers, AUTO)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(p.traits.needs_hidden for p in self.proposers.values())
+
+    # ---- membership --------------------------------------------------------------------------
+    def join(self, seqs: list[PlannedSequence], prompt_hidden: list[torch.Tensor] | None) -> None:
+        """New sequences join the proposers their method uses (`auto`: all of them)."""
+        for name, proposer in self.proposers.items():
+            users = [i for i, s in enumerate(seqs) if _uses(s, name)]
+            if users:
+                hidden = [prompt_hidden[i] for i in users] if proposer.traits.needs_hidden and prompt_hidden else None
+                proposer.join([seqs[i] for i in users], hidden)
+
+    def leave(self, seqs: list[PlannedSequence]) -> None:
+        for name, proposer in self.proposers.items():
+            gone = {s.request_id for s in seqs if _uses(s, name)}
+            if gone:
+                proposer.leave(gone)
+        for s in seqs:
+            self.policy.forget(s.request_id)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def plan(self, seqs: list[PlannedSequence]) -> StepPlan:
+        """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
+        drafts of the model proposers chosen."""
+        offers = self._lookahead(seqs)
+        choices = [self._choose(b, s, offers.get(b, {}), len(seqs)) for b, s in enumerate(seqs)]
+        auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO}
+        if len(seqs) > 1 and auto_rows:
+            self._widen(seqs, choices, auto_rows, offers)
+        rows: list[RowPlan] = []
+        for b, (name, k) in enumerate(choices):
+            offer = offers.get(b, {}).get(name) if name else None
+            rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
+        return StepPlan(self._draft_with_models(seqs, choices, rows))
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`."""
+        self.policy.cost.observe_verify(tokens, seconds)
+
+    def commit(
+        self,
+        seq: PlannedSequence,
+        row: RowPlan,
+        emitted: list[int],
+        hidden: torch.Tensor | None,
+    ) -> None:
+        """Tell the sequence's proposers what the target kept, and `auto` how the drafts fared."""
+        for name, proposer in self.proposers.items():
+            if _uses(seq, name):
+                proposer.commit(seq, row.drafts if row.proposer == name else [], emitted, hidden)
+        self.policy.observe(seq.request_id, row.proposer, len(row.drafts), len(emitted) - 1, row.level, seq.sampled)
+
+    # ---- planning steps ------------------------------------------------------------------------
+    def _lookahead(self, seqs: list[PlannedSequence]) -> dict[int, dict[str, tuple[list[int], int]]]:
+        """Row -> lookahead proposer -> (its drafts for the row's most drafts, their confidence level)."""
+        offers: dict[int, dict[str, tuple[list[int], int]]] = {}
+        for name, proposer in self.proposers.items():
+            if not proposer.traits.lookahead:
+                continue
+            rows = [b for b, s in enumerate(seqs) if _uses(s, name)]
+            if not rows:
+                continue
+            found = proposer.propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
+            levels = found.confidence or [0] * len(rows)
+            for i, b in enumerate(rows):
+                if found.drafts[i]:
+                    offers.setdefault(b, {})[name] = (found.drafts[i], levels[i])
+        return offers
+
+    def _choose(
+        self, b: int, seq: PlannedSequence, offers: dict[str, tuple[list[int], int]], batch: int
+    ) -> tuple[str | None, int]:
+        """(proposer, K) for one row: the request's own method, or the policy's choice for `auto`."""
+        k_max = seq.num_drafts()
+        if seq.mode == PLAIN or k_max == 0:
+            return None, 0
+        if seq.mode != AUTO:
+            return seq.mode, k_max
+        choice: Choice = self.policy.choose(
+            seq.request_id,
+            k_max,
+            rows=batch,
+            offers={name: Offer(len(d), level) for name, (d, level) in offers.items()},
+            reproducible=seq.reproducible,
+            sampled=seq.sampled,
+        )
+        return choice.proposer, choice.k
+
+    def _widen(
+        self,
+        seqs: list[PlannedSequence],
+        choices: list[tuple[str | None, int]],
+        auto_rows: set[int],
+        offers: dict[int, dict[str, tuple[list[int], int]]],
+    ) -> None:
+        """In a batch the verify pass is as wide as its widest row for every row: let the policy pick
+        that width for the whole batch, and give each flexible row (auto, with a lookahead offer, not
+        drafting with a model this step) as many of its lookahead drafts as fit. Auto rows that chose a
+        model proposer keep it only if the batch as a whole gains from it (each row chose alone, but
+        the model's forwards and the wider pass are paid by every row)."""
+        policy = self.policy
+
+        def lookahead(name: str | None) -> bool:
+            return name is not None and self.proposers[name].traits.lookahead
+
+        def flexible_offer(b: int) -> tuple[str, int, int] | None:
+            """(proposer, drafts, level) of the row's usable lookahead offer: its chosen one, else the first."""
+            usable = {
+                n: o for n, o in offers.get(b, {}).items()
+                if policy.usable(n, {n: Offer(len(o[0]))}, seqs[b].reproducible)
+            }
+            name = choices[b][0] if choices[b][0] in usable else next(iter(usable), None)
+            if name is None:
+                return None
+            return name, min(len(usable[name][0]), seqs[b].num_drafts()), usable[name][1]
+
+        def rows_for(demote: bool) -> list[BatchRow]:
+            rows = []
+            for b, seq in enumerate(seqs):
+                name, k = choices[b]
+                free = b in auto_rows
+                if free and demote and name is not None and not lookahead(name):
+                    name, k = None, 0
+                flex = flexible_offer(b) if free and (name is None or lookahead(name)) else None
+                if flex is not None:
+                    rows.append(BatchRow(seq.request_id, flex[0], level=flex[2], flexible=flex[1], sampled=seq.sampled))
+                elif lookahead(name):
+                    drafts, level = offers.get(b, {}).get(name, ([], 0))
+                    rows.append(BatchRow(seq.request_id, name, min(k, len(drafts)), level, sampled=seq.sampled))
+                else:
+                    rows.append(BatchRow(seq.request_id, name, k if name else 0, sampled=seq.sampled))
+            return rows
+
+        rows = rows_for(demote=False)
+        best = policy.batch_width(rows)
+        if best is None:
+            return
+        if any(not lookahead(choices[b][0]) and choices[b][0] is not None for b in auto_rows):
+            without = rows_for(demote=True)
+            other = policy.batch_width(without)
+            if other is not None and other[1] >= best[1]:
+                rows, best = without, other
+                for b in auto_rows:
+                    if choices[b][0] is not None and not lookahead(choices[b][0]):
+                        choices[b] = (None, 0)
+        width = best[0]
+        for b, row in enumerate(rows):
+            if row.flexible:
+                k = min(width, row.flexible)
+                choices[b] = (row.proposer, k) if k else (None, 0)
+
+    def _draft_with_models(
+        self, seqs: list[PlannedSequence], choices: list[tuple[str | None, int]], rows: list[RowPlan]
+    ) -> list[RowPlan]:
+        """Ask each non-lookahead proposer for its chosen rows' drafts (every row it holds is asked,
+        with K = 0 where it does not draft, so its batch stays aligned), timing it when its cost is
+        not declared."""
+        for name, proposer in self.proposers.items():
+            if proposer.traits.lookahead:
+                continue
+            members = [b for b, s in enumerate(seqs) if _uses(s, name)]
+            if not members:
+                continue
+            ks = [choices[b][1] if choices[b][0] == name else 0 for b in members]
+            started = time.perf_counter()
+            proposal = proposer.propose([seqs[b] for b in members], ks)
+            if max(ks) and proposer.traits.draft_token_cost is None:
+                self.policy.cost.observe_draft(name, max(ks), elapsed_since(started, self.device))
+            qs = proposal.q or [None] * len(members)
+            for i, b in enumerate(members):
+                if ks[i] and proposal.drafts[i]:
+                    rows[b] = RowPlan(name, proposal.drafts[i], qs[i])
+        return rows
+
+
+def _uses(seq: PlannedSequence, proposer: str) -> bool:
+    """Whether a sequence joins `proposer` (auto sequences join every proposer)."""
+    return seq.mode in (proposer, AUTO)
+
+
+def elapsed_since(started: float, device: torch.device) -> float:
+    """Seconds since `started` (perf_counter), counting the kernels on a GPU, not just their launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
