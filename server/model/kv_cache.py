@@ -3,7 +3,7 @@
 This module is bookkeeping only (columns, keep mask, positions, membership, compaction); running
 the model over it (masks, position ids, the forward) is `runner.py`'s job.
 
-Layout (docs/design.md, "the life of a request"): all rows share one column space. Each forward appends W columns to every
+Layout: all rows share one column space. Each forward appends W columns to every
 row; row b's new tokens occupy the first n_b of them and the rest are holes. A per-row boolean
 `keep` mask says which columns hold that row's live tokens, and each row carries its own logical
 position (the number of live tokens), so RoPE positions stay exact whatever the holes. Rolling back
