@@ -27,6 +27,7 @@ from server.engine.types import (
     SeqStepStats,
     StepResult,
     TokenLogprob,
+    TokenSource,
 )
 from server.spec.adaptive import AdaptivePolicy, BatchRow
 from server.spec.draft import DraftModelProposer
@@ -205,7 +206,10 @@ class Engine:
             stats.append(SeqStepStats(seq.request_id, seq.method, k, accepted, len(emitted), k > 0 and accepted == k))
             logprobs = self._logprobs(logits[b], emitted, seq.request.sampling.logprobs)
             kept = self._append(seq, emitted)
-            outputs.append(self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None))
+            sources = _sources(methods[b], k, accepted, seq.stats.decode_steps - 1)[:kept]
+            outputs.append(
+                self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None, sources)
+            )
         return stats
 
     def _plan(
@@ -382,7 +386,13 @@ class Engine:
             for j, token in enumerate(emitted)
         ]
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        sources: list[TokenSource] | None = None,
+    ) -> RequestOutput:
         seq.stats.completion_tokens = len(seq.output_ids)
         stats = copy.copy(seq.stats)
         stats.accepted_per_position = list(seq.stats.accepted_per_position)
@@ -394,7 +404,17 @@ class Engine:
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stats=stats,
+            sources=sources or [],
         )
+
+
+def _sources(proposer: str, k: int, accepted: int, step: int) -> list[TokenSource]:
+    """Origins of the accepted + 1 tokens one verify pass emitted for a row that drafted k tokens
+    with `proposer` (k == 0: a plain step). Example: k=4, accepted=2 -> accepted, accepted, recovered."""
+    if k == 0:
+        return [TokenSource("plain", None, step)]
+    last = "bonus" if accepted == k else "recovered"
+    return [TokenSource("accepted", proposer, step)] * accepted + [TokenSource(last, proposer, step)]
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

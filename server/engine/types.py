@@ -10,6 +10,7 @@ from typing import Literal
 
 SpecMethod = Literal["none", "ngram", "draft", "auto"]
 FinishReason = Literal["stop", "length", "abort"]
+TokenOrigin = Literal["accepted", "recovered", "bonus", "plain"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,22 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
+@dataclass(frozen=True)
+class TokenSource:
+    """Where one generated token came from.
+
+    `origin`: an `accepted` draft token, the `recovered` token sampled at the first rejection, the
+    `bonus` token sampled after every draft was accepted, or a `plain` step's token (nothing drafted).
+    `proposer`: the proposer whose draft was accepted, or that drafted in that step (recovered/bonus);
+    None for plain. `step`: the request's decode step (target pass) index, 0-based: tokens of one
+    target pass share it.
+    """
+
+    origin: TokenOrigin
+    proposer: str | None
+    step: int
+
+
 @dataclass
 class RequestOutput:
     """What one `Engine.step()` produced for one request.
@@ -140,6 +157,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     stats: RequestStats
+    sources: list[TokenSource] = field(default_factory=list)  # one per token in `token_ids`, in order
 
 
 @dataclass
