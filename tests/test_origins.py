@@ -129,6 +129,8 @@ async def test_stream_chunks_carry_origins_only_when_asked(cycling_factory):
                 if "speculation" in c:
                     entries += c["speculation"]["tokens"]
                     last_spec = c["speculation"]
+                    # no stop strings: each chunk's entries join to exactly its content
+                    assert "".join(e["text"] for e in c["speculation"]["tokens"]) == c["delta"]["content"]
         usage = chunks[-1]["usage"]
         plain_text = "".join(c["delta"].get("content") or "" for ch in plain for c in ch["choices"])
         assert content == plain_text  # greedy: asking for origins changes nothing else

@@ -15,6 +15,11 @@ const ui = {
 };
 const ORIGIN_COLOURS = { recovered: "--recovered", bonus: "--bonus" };
 const KNOWN_PROPOSERS = ["ngram", "draft", "eagle", "suffix"];
+const FIGURE_HELP = {
+  tps: "tokens / seconds since the request was sent (prefill included)",
+  acceptance: "accepted draft tokens / draft tokens",
+  "per-pass": "tokens / target passes",
+};
 let history = [];  // [{role, content}] of the conversation so far
 let busy = false;
 
@@ -88,7 +93,7 @@ function renderLegend(methods) {
 function legendItem(origin, proposer, label) {
   const li = document.createElement("li");
   const swatch = document.createElement("span");
-  swatch.className = "tok swatch";
+  swatch.className = "swatch";  // styled like a token, but not one (tools read .tok)
   swatch.dataset.origin = origin;
   swatch.dataset.proposer = proposer;
   swatch.textContent = label;
@@ -122,6 +127,7 @@ async function* sseEvents(response) {
 // ---- one streamed reply ---------------------------------------------------------------------------
 
 class Reply {
+  // `k`: the most drafts per pass, which sets the bar chart's scale (K + 1 tokens at most per pass)
   constructor(parent, label, k) {
     this.k = k;
     this.el = document.createElement("div");
@@ -226,6 +232,7 @@ class Reply {
 function figure(label, value, name) {
   const span = document.createElement("span");
   span.dataset.figure = name;
+  if (FIGURE_HELP[name]) span.title = FIGURE_HELP[name];
   const b = document.createElement("b");
   b.textContent = value;
   span.append(b, ` ${label}`);
@@ -325,7 +332,7 @@ async function send() {
   } else {
     replies.classList.add("race");
     turn.dataset.race = race;
-    const plain = new Reply(replies, "none", 0);
+    const plain = new Reply(replies, "none", k);  // same chart scale as its rival
     const spec = new Reply(replies, method, k);
     if (race === "together") {
       await Promise.all([plain.run(requestBody(messages, "none")), spec.run(requestBody(messages, method))]);
