@@ -77,6 +77,7 @@ async function loadModels() {
   ui.method.dataset.default = spec.default_method;
   ui.k.value = spec.default_num_tokens;
   renderLegend(spec.methods);
+  ui.k.disabled = ui.method.value === "none";
   setStatus("ready", `${models[0].id} · default method ${spec.default_method}`);
   document.body.dataset.ready = "true";
 }
@@ -307,7 +308,11 @@ function showSpeedup(turn, plain, spec, how) {
 
 async function send() {
   const prompt = ui.prompt.value;
-  if (busy || !prompt.trim() || document.body.dataset.ready !== "true") return;
+  if (busy || !prompt.trim()) return;
+  if (document.body.dataset.ready !== "true") {
+    ui.status.animate([{ opacity: 0.2 }, { opacity: 1 }], 600);  // the status line says what is missing
+    return;
+  }
   busy = true;
   ui.send.disabled = true;
   ui.prompt.value = "";
