@@ -11,7 +11,7 @@ import pytest
 from server.config import Settings
 from server.model.loading import LoadedModel, load_default_tokenizer
 from tests.engine_helpers import PROMPTS, request, run
-from tests.models import as_loaded, perturbed, tiny_llama
+from tests.models import as_loaded, cycling_llama, perturbed, tiny_llama
 
 CACHE_DIR = Path(os.environ.get("SPECULA_CACHE_DIR", Path.home() / ".cache" / "specula"))
 
@@ -30,6 +30,13 @@ def tiny_target(tokenizer) -> LoadedModel:
 def tiny_draft(tiny_target, tokenizer) -> LoadedModel:
     """A draft close to the target (weights + noise): it agrees on some tokens, not all."""
     return as_loaded(perturbed(tiny_target.model, 0.05), tokenizer, "tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def cycling_target(tokenizer) -> LoadedModel:
+    """A tiny model that repeats one sentence forever (see `cycling_llama`): n-gram drafts land on it."""
+    cycle = tokenizer.encode(" Speculative decoding checks several guessed tokens in one pass of the model.")
+    return as_loaded(cycling_llama(len(tokenizer), cycle), tokenizer, "tiny-cycling")
 
 
 @pytest.fixture

@@ -12,7 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from server.types import GenerationRequest, RequestOutput, RequestStats, SeqStepStats, ServingLimits, StepResult
+from server.types import (
+    GenerationRequest,
+    RequestOutput,
+    RequestStats,
+    SeqStepStats,
+    ServingLimits,
+    StepResult,
+    TokenSource,
+)
 
 
 @dataclass
@@ -76,6 +84,7 @@ class FakeEngine:
             done = len(run.tokens) >= run.req.sampling.max_tokens
             if done:
                 del self.running[rid]
-            outputs.append(RequestOutput(rid, [tok], text, None, done, "length" if done else None, run.stats))
+            source = TokenSource("plain", None, run.stats.decode_steps - 1)
+            outputs.append(RequestOutput(rid, [tok], text, None, done, "length" if done else None, run.stats, [source]))
             seq_stats.append(SeqStepStats(rid, run.stats.method, "none", 0, 0, 1, False))
         return StepResult(outputs, seq_stats)

@@ -43,3 +43,26 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForC
 
 def as_loaded(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def cycling_llama(vocab_size: int, cycle: list[int], *, hidden: int = 64) -> LlamaForCausalLM:
+    """A 1-layer Llama whose greedy output repeats `cycle` forever: text that copies itself, so n-gram
+    drafts get accepted (a random model never repeats). Its layers add nothing (zero output
+    projections), so the next token depends on the current one only: `cycle[i]` -> `cycle[i + 1]`
+    (wrapping), any other token -> `cycle[0]`. Never EOS. Token ids in `cycle` must be distinct."""
+    assert len(set(cycle)) == len(cycle) and len(cycle) < hidden, "distinct tokens, fewer than hidden"
+    model = tiny_llama(vocab_size, layers=1, hidden=hidden)
+    with torch.no_grad():
+        for name, param in model.model.layers.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed = model.model.embed_tokens.weight  # [vocab, hidden]: dim 0 is on for every token
+        embed.zero_()
+        embed[:, 0] = 1.0
+        head = model.lm_head.weight  # [vocab, hidden]
+        head.zero_()
+        head[cycle[0], 0] = 1.0  # the fallback: scores 1 for any token outside the cycle
+        for i, token in enumerate(cycle):
+            embed[token, i + 1] = 4.0  # cycle token i also lights dim i + 1 ...
+            head[cycle[(i + 1) % len(cycle)], i + 1] = 10.0  # ... which makes its successor win
+    return model

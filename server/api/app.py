@@ -7,6 +7,7 @@ Routes (all errors in OpenAI's shape, see `errors.py`):
 * `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
 * `GET /metrics`: Prometheus exposition.
 * `GET /docs`, `GET /openapi.json`: OpenAPI docs.
+* `GET /`: the playground page (`playground.py`), its files under `/static/`.
 
 With `settings.api_key` set, `/v1/*` needs `Authorization: Bearer <key>` (else 401). CORS origins come
 from `settings.cors_origins`. The model loads in a background thread at start-up.
@@ -25,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server.api.errors import APIError, install_error_handlers
+from server.api.playground import install_playground
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.state import EngineFactory, ServerState
 from server.config import Settings
@@ -69,8 +71,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    serving = state.require_serving()
-    return {"id": serving.info.name, "object": "model", "created": state.created, "owned_by": "specula"}
+    info = state.require_serving().info
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "specula",
+        "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
+            "methods": info.methods,
+            "default_method": info.default_method,
+            "default_num_tokens": info.default_num_tokens,
+        },
+    }
 
 
 @v1.get("/models", summary="The served model")
@@ -138,4 +150,5 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
         )
     app.include_router(v1)
     app.include_router(ops)
+    install_playground(app)
     return app

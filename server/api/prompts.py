@@ -28,6 +28,11 @@ class ModelInfo:
     default_num_tokens: int
     default_max_tokens: int
 
+    @property
+    def methods(self) -> list[str]:
+        """The speculation methods a request may ask for on this server."""
+        return list(self.limits.methods)
+
 
 def check_model(info: ModelInfo, model: str) -> None:
     if model != info.name:

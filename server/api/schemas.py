@@ -58,10 +58,18 @@ class SpeculationOptions(_Body):
     num_tokens: int | None = Field(
         default=None, ge=1, le=32, description="draft tokens per step (K); the most auto may use"
     )
+    include_tokens: bool | None = Field(
+        default=None,
+        description="add `speculation` to each choice: every token's origin (accepted/recovered/bonus/plain), "
+        "proposer and step (in a stream, per chunk)",
+    )
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = Field(default=None, description="send a final chunk with `usage`")
+    include_speculation: bool | None = Field(
+        default=None, description="extension: each content chunk's choice carries its tokens' origins (`speculation`)"
+    )
 
 
 class _GenerationBody(_Body):

@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 
 from server.api import responses as R
 from server.api.errors import APIError
+from server.api.origins import OriginTracker, attach, origin_trackers
 from server.api.prompts import (
     ModelInfo,
     chat_prompt_ids,
@@ -101,8 +102,15 @@ class OpenAIServing:
         except (RequestRejected, EngineError, ShuttingDown) as exc:
             raise scheduler_error(exc) from exc
 
-    async def _collect(self, request: Request, stream: RequestStream, choices: list[R.Choice]) -> float | None:
-        """Gather every choice's output; returns when (monotonic) the first output arrived."""
+    async def _collect(
+        self,
+        request: Request,
+        stream: RequestStream,
+        choices: list[R.Choice],
+        trackers: list[OriginTracker] | None = None,
+    ) -> float | None:
+        """Gather every choice's output (and its token origins, with `trackers`); returns when
+        (monotonic) the first output arrived."""
         first: list[float] = []
 
         async def run() -> None:
@@ -110,6 +118,8 @@ class OpenAIServing:
                 if not first:
                     first.append(time.monotonic())
                 choices[index].add(out)
+                if trackers:
+                    trackers[index].feed(out)
 
         await self._await(request, stream, run())
         return first[0] if first else None
@@ -176,15 +186,18 @@ class OpenAIServing:
         requests = generation_requests(self.info, body, response_id, [prompt], max_tokens, logprobs, "messages")
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
+        trackers = origin_trackers(self.info.tokenizer, body, [r.prompt_token_ids for r in requests])
         created = int(time.time())
         fmt = self.logprobs if logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect(request, stream, choices)
+            first = await self._collect(request, stream, choices, trackers)
             self._log(response_id, body.user, choices, method, started, first and first - started)
-            return R.chat_completion(
+            response = R.chat_completion(
                 response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
             )
+            attach(response["choices"], trackers)
+            return response
 
         events = await self._started(request, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -200,10 +213,12 @@ class OpenAIServing:
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
             async for index, out in events:
                 choices[index].add(out)
-                if out.text or out.logprobs:
+                spec = trackers[index].feed(out) if trackers else None
+                if out.text or out.logprobs or (spec and spec["tokens"]):
                     lp = fmt.chat(out.logprobs or []) if fmt else None
                     delta = {"content": out.text}
-                    yield chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
+                    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
+                    yield chunk([choice if spec is None else {**choice, "speculation": spec}])
                 if out.finished:
                     yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
             self._log(response_id, body.user, choices, method, started, ttft)
@@ -223,13 +238,14 @@ class OpenAIServing:
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]
+        trackers = origin_trackers(self.info.tokenizer, body, [r.prompt_token_ids for r in requests])
         created = int(time.time())
         fmt = self.logprobs if body.logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect(request, stream, choices)
+            first = await self._collect(request, stream, choices, trackers)
             self._log(response_id, body.user, choices, method, started, first and first - started)
-            return R.text_completion(
+            response = R.text_completion(
                 response_id,
                 created,
                 self.info.name,
@@ -244,6 +260,8 @@ class OpenAIServing:
                 ],
                 R.usage(prompt_tokens, choices, method),
             )
+            attach(response["choices"], trackers)
+            return response
 
         events = await self._started(request, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -257,11 +275,13 @@ class OpenAIServing:
             offsets = [0] * len(choices)
             async for index, out in events:
                 choices[index].add(out)
-                if out.text or out.logprobs or out.finished:
+                spec = trackers[index].feed(out) if trackers else None
+                if out.text or out.logprobs or out.finished or (spec and spec["tokens"]):
                     lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
                     offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
                     reason = out.finish_reason if out.finished else None
-                    yield chunk([{"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}])
+                    choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                    yield chunk([choice if spec is None else {**choice, "speculation": spec}])
             self._log(response_id, body.user, choices, method, started, ttft)
             if include_usage:
                 yield chunk([], R.usage(prompt_tokens, choices, method))

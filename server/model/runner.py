@@ -31,11 +31,16 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Runs one model over the rows of its batch cache. Single-threaded, like the engine."""
+    """Runs one model over the rows of its batch cache. Single-threaded, like the engine.
+
+    `model` is a causal LM (logits and hidden states), or a base model without an LM head (a draft
+    head's decoder: hidden states only, its final output as `hidden`).
+    """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.device = model.device
+        self.has_lm_head = model.get_output_embeddings() is not None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device)
 
     @property
@@ -62,21 +67,25 @@ class ModelRunner:
         feed = self._feed(inputs, width)
         steps = torch.arange(width, device=self.device)
         position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
-        want_states = hidden or bool(layers)
+        want_states = bool(layers) or (hidden and self.has_lm_head)
+        extra = {"logits_to_keep": 0 if logits else 1} if self.has_lm_head else {}
+        if not self.has_lm_head and logits:
+            raise ValueError("this model has no LM head: ask for hidden states, not logits")
         out = self.model(
             **feed,
             attention_mask=self._attention_mask(counts, width),
             position_ids=position_ids,
             cache=kv.cache,
             use_cache=True,
-            logits_to_keep=0 if logits else 1,
             output_hidden_states=want_states,
+            **extra,
         )
         kv.advance(counts, width)
         states = out.hidden_states if want_states else None
+        final = (states[-1] if self.has_lm_head else out.last_hidden_state) if hidden else None
         return ForwardOutput(
             logits=out.logits.float() if logits else None,
-            hidden=states[-1] if hidden else None,
+            hidden=final,
             layers={i: states[i] for i in layers} if states is not None else {},
         )
 
