@@ -56,11 +56,14 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
 class LogprobFormatter:
     """Turns `TokenLogprob`s into OpenAI's chat and completions logprob shapes."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
+        """`as_ids` (vLLM's `return_tokens_as_token_ids`): name each token `token_id:<id>` instead of its
+        text, so tokens whose text is not valid UTF-8 on their own can still be told apart."""
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
 
     def token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self._as_ids else self._tokenizer.decode([token_id])
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)

@@ -20,7 +20,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
-    "logit_bias": ({},),
     "store": (False,),
     "metadata": ({},),
     "service_tier": ("auto", "default"),
@@ -58,6 +57,9 @@ class SpeculationOptions(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = Field(default=None, description="send a final chunk with `usage`")
+    continuous_usage_stats: bool | None = Field(
+        default=None, description="extension (vLLM): every chunk carries `usage` so far"
+    )
 
 
 class _GenerationBody(_Body):
@@ -66,9 +68,14 @@ class _GenerationBody(_Body):
     model: str = Field(description="the served model id (see GET /v1/models)")
     max_tokens: int | None = Field(default=None, ge=1, description="most tokens to generate per choice")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1")
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1, description="nucleus; 0 = greedy")
     top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
-    seed: int | None = Field(default=None, description="reproducible sampling; choice i uses seed + i")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="extension: 0 disables")
+    repetition_penalty: float | None = Field(default=None, gt=0, description="extension: 1 disables")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
+    seed: int | None = Field(
+        default=None, description="reproducible sampling; choice i uses seed + i; a negative seed means unseeded"
+    )
     stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings")
     n: int | None = Field(default=None, ge=1, le=16, description="choices to generate")
     stream: bool | None = False
@@ -77,6 +84,16 @@ class _GenerationBody(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = Field(default=None, description="end-user id; recorded in the request log")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
+    # vLLM's extensions (load tools and many clients send them).
+    ignore_eos: bool | None = Field(default=None, description="extension: keep generating past EOS")
+    min_tokens: int | None = Field(default=None, ge=0, description="extension: no EOS/stop token before this many")
+    stop_token_ids: list[int] | None = Field(default=None, description="extension: token ids that end the choice")
+    include_stop_str_in_output: bool | None = Field(default=None, description="extension: keep the stop text")
+    skip_special_tokens: bool | None = Field(default=None, description="extension: default true")
+    spaces_between_special_tokens: bool | None = Field(default=None, description="extension: default true")
+    return_tokens_as_token_ids: bool | None = Field(
+        default=None, description="extension: logprobs name tokens 'token_id:<id>'"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -87,6 +104,16 @@ class _GenerationBody(_Body):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return v
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationBody:

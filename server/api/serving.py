@@ -75,15 +75,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
+def _usage_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk) as `stream_options` asks."""
+    opts = body.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
 class OpenAIServing:
     """Chat and text completions over one scheduler and one model."""
 
     def __init__(self, info: ModelInfo, scheduler: Scheduler) -> None:
         self.info = info
         self.scheduler = scheduler
-        self.logprobs = R.LogprobFormatter(info.tokenizer)
 
     # ---- shared plumbing -------------------------------------------------------------------
+
+    def _formatter(self, body: ChatCompletionRequest | CompletionRequest) -> R.LogprobFormatter:
+        return R.LogprobFormatter(self.info.tokenizer, as_ids=bool(body.return_tokens_as_token_ids))
 
     def _submit(self, requests: list[GenerationRequest]) -> RequestStream:
         try:
@@ -177,7 +185,7 @@ class OpenAIServing:
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
         created = int(time.time())
-        fmt = self.logprobs if logprobs is not None else None
+        fmt = self._formatter(body) if logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
             first = await self._collect(request, stream, choices)
@@ -187,11 +195,13 @@ class OpenAIServing:
             )
 
         events = await self._started(request, stream)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_options(body)
         ttft = time.monotonic() - started
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
-            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage, usage_)
+            if continuous and usage_ is None:
+                usage_ = R.usage(len(prompt), choices, method)
+            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage or continuous, usage_)
             return {"data": json.dumps(obj)}
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
@@ -224,7 +234,7 @@ class OpenAIServing:
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]
         created = int(time.time())
-        fmt = self.logprobs if body.logprobs is not None else None
+        fmt = self._formatter(body) if body.logprobs is not None else None
         stream = self._submit(requests)
         if not body.stream:
             first = await self._collect(request, stream, choices)
@@ -246,11 +256,15 @@ class OpenAIServing:
             )
 
         events = await self._started(request, stream)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_options(body)
         ttft = time.monotonic() - started
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
-            obj = R.text_completion(response_id, created, self.info.name, choice_list, usage_, include_usage)
+            if continuous and usage_ is None:
+                usage_ = R.usage(prompt_tokens, choices, method)
+            obj = R.text_completion(
+                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous
+            )
             return {"data": json.dumps(obj)}
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
