@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from server.api.chat_template import render_messages
 from server.api.errors import APIError, bad_request
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
+from server.api.tool_calls import CLOSE
 from server.engine.types import GenerationRequest, SamplingParams, SpeculationParams
 
 
@@ -40,16 +42,22 @@ def check_model(info: ModelInfo, model: str) -> None:
 
 
 def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """Render `messages` with the tokenizer's chat template (plus the assistant prefix) and tokenize."""
+    """Render `messages` (and `tools`, see chat_template.py) with the tokenizer's chat template, plus
+    the assistant prefix, and tokenize."""
     tok = info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
+    messages, tools = render_messages(tok, body.messages, body.active_tools, body.parallel_tool_calls is not False)
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
+    """Stop strings the server adds: with `parallel_tool_calls: false`, the end of the first call."""
+    return (CLOSE,) if body.active_tools and body.parallel_tool_calls is False else ()
 
 
 def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
@@ -118,8 +126,11 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
-def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
-    """The engine's sampling parameters for one choice (`max_tokens` already resolved)."""
+def sampling_params(
+    body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None, extra_stop: tuple[str, ...] = ()
+) -> SamplingParams:
+    """The engine's sampling parameters for one choice (`max_tokens` already resolved); `extra_stop`:
+    stop strings the server adds to the client's."""
     top_k = body.top_k or 0
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
@@ -137,7 +148,7 @@ def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
         seed=seed,
-        stop=tuple(body.stop or ()),
+        stop=(*(body.stop or ()), *extra_stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         presence_penalty=body.presence_penalty or 0.0,
@@ -158,6 +169,7 @@ def generation_requests(
     max_tokens: int | None,
     logprobs: int | None,
     param: str,
+    extra_stop: tuple[str, ...] = (),
 ) -> list[GenerationRequest]:
     """n requests per prompt, prompt-major (choice index = prompt index * n + j); choice j seeds seed + j."""
     n = body.n or 1
@@ -168,6 +180,6 @@ def generation_requests(
         limit = resolve_max_tokens(info, max_tokens, len(ids), param)
         for j in range(n):
             seed = None if body.seed is None or body.seed < 0 else body.seed + j  # < 0: unseeded (UIs send -1)
-            sampling = sampling_params(body, limit, logprobs, seed)
+            sampling = sampling_params(body, limit, logprobs, seed, extra_stop)
             out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec))
     return out

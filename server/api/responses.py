@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.api.tool_calls import ToolCall, parse_whole
 from server.engine.types import RequestOutput, RequestStats, TokenLogprob
 
 
@@ -23,6 +24,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -31,6 +33,24 @@ class Choice:
         self.stats = out.stats
         if out.finished:
             self.finish_reason = out.finish_reason
+
+    def take_tool_calls(self, names: set[str]) -> None:
+        """Move the tool calls in `text` (of functions in `names`) to `tool_calls`; a choice that stopped
+        by itself after calling finishes with "tool_calls"."""
+        content, self.tool_calls = parse_whole(self.text, names)
+        self.text = content or ""
+        if self.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+
+    def message(self) -> dict[str, Any]:
+        """The chat `message` object (content null when the reply is only tool calls)."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.tool_calls
+        ]
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
 
 
 def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, Any]:
@@ -113,7 +133,7 @@ def chat_completion(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": c.message(),
                 "logprobs": fmt.chat(c.logprobs) if fmt else None,
                 "finish_reason": c.finish_reason,
             }
