@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-peer clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# guidellm (pinned, in its own venv under ~/.cache/specula) against a started server: bench/results/guidellm.*
+bench-peer: $(STAMP)
+	$(BIN)/python -m bench.guidellm_peer $(BENCH_PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,11 +1,22 @@
-"""Turn logits into the distribution a request samples from: penalties, temperature, top-k, top-p.
+"""Turn logits into the distribution a request samples from: penalties, logit bias, the min_tokens
+mask, temperature, min-p, top-k, top-p.
 
 docs/design.md calls the result p (target) or q (draft); both go through this same function, so the
 acceptance rule compares like with like. Greedy rows (temperature 0) become one-hot at the argmax.
+
+Every transform is applied per verify position: position j of a row scores the token that follows
+the row's output plus its first j drafts, so what depends on the history (penalties, min_tokens) is
+computed for that history. p at every position is then exactly what plain decoding would use there,
+which keeps speculation lossless whatever the request asks for.
+
+Order (vLLM's): repetition, frequency and presence penalties on the raw logits -> logit_bias ->
+EOS/stop tokens masked while fewer than min_tokens tokens precede the position -> (greedy: argmax) ->
+temperature -> min_p -> top_k and top_p -> softmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -20,28 +31,75 @@ class BatchSampling:
     temperature: torch.Tensor  # [batch] float; 0 marks greedy rows (treated as 1 before the argmax)
     top_k: torch.Tensor  # [batch] long; 0 = off
     top_p: torch.Tensor  # [batch] float; 1 = off
+    min_p: torch.Tensor  # [batch] float; 0 = off
     presence: torch.Tensor  # [batch] float
     frequency: torch.Tensor  # [batch] float
+    repetition: torch.Tensor  # [batch] float; 1 = off
     greedy: torch.Tensor  # [batch] bool
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases) [n] each
+    # min_tokens: (rows, token ids) [n] each of the tokens to mask, and per row how many tokens are
+    # generated before position 0 and the minimum; None when no row needs the mask this step.
+    banned: tuple[torch.Tensor, torch.Tensor] | None
+    generated: torch.Tensor  # [batch] long
+    min_tokens: torch.Tensor  # [batch] long
+    prompts: tuple[torch.Tensor, ...] | None  # per row its prompt ids (repetition penalty only)
     any_top_k: bool
     any_top_p: bool
-    any_penalty: bool
+    any_min_p: bool
+    any_penalty: bool  # presence, frequency or repetition: `probabilities` needs token counts
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        device: torch.device,
+        *,
+        generated: list[int] | None = None,
+        eos_ids: Collection[int] = (),
+        prompts: list[tuple[int, ...]] | None = None,
+    ) -> BatchSampling:
+        """`generated[b]`: tokens row b has output before this step (needed for `min_tokens`; None
+        means the caller does not apply it, e.g. a draft model's q). `eos_ids`: the tokens `min_tokens`
+        masks besides each row's stop_token_ids (unless the row has ignore_eos). `prompts`: each row's
+        prompt (needed when a row has a repetition penalty)."""
+
         def t(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        bias_rows, bias_ids, bias_values = [], [], []
+        for b, p in enumerate(params):
+            for token, value in p.logit_bias:
+                bias_rows.append(b)
+                bias_ids.append(token)
+                bias_values.append(value)
+        gen = generated if generated is not None else [0] * len(params)
+        ban_rows, ban_ids = [], []
+        for b, p in enumerate(params):
+            if generated is not None and gen[b] < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                ban_rows += [b] * len(stops)
+                ban_ids += sorted(stops)
+        any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if any_repetition and prompts is None:
+            raise ValueError("a repetition penalty needs the rows' prompts")
         return cls(
             temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
             top_k=t([p.top_k for p in params], torch.long),
             top_p=t([p.top_p for p in params]),
+            min_p=t([p.min_p for p in params]),
             presence=t([p.presence_penalty for p in params]),
             frequency=t([p.frequency_penalty for p in params]),
+            repetition=t([p.repetition_penalty for p in params]),
             greedy=t([p.greedy for p in params], torch.bool),
+            bias=(t(bias_rows, torch.long), t(bias_ids, torch.long), t(bias_values)) if bias_rows else None,
+            banned=(t(ban_rows, torch.long), t(ban_ids, torch.long)) if ban_rows else None,
+            generated=t(gen, torch.long),
+            min_tokens=t([p.min_tokens for p in params], torch.long),
+            prompts=tuple(t(list(pr), torch.long) for pr in prompts) if any_repetition and prompts else None,
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
-            any_penalty=any(p.presence_penalty or p.frequency_penalty for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalty=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
         )
 
 
@@ -51,26 +109,66 @@ def probabilities(
     """logits [batch, W, vocab] -> probabilities [batch, W, vocab] after the request's processing.
 
     `token_counts` [batch, W, vocab] counts, for each position, the tokens generated before it
-    (drafted ones included); needed only when some row has a presence or frequency penalty.
+    (drafted ones included); needed only when some row has a presence, frequency or repetition penalty.
     """
     logits = logits.float()
     if sampling.any_penalty:
         assert token_counts is not None, "penalties need token counts"
-        logits = (
-            logits
-            - sampling.frequency[:, None, None] * token_counts
-            - sampling.presence[:, None, None] * (token_counts > 0)
-        )
+        logits = _penalised(logits, sampling, token_counts)
+    if sampling.bias is not None:
+        rows, ids, values = sampling.bias
+        logits = logits.clone() if not sampling.any_penalty else logits
+        logits[rows, :, ids] += values[:, None]  # (row, token) pairs are unique: no accumulation needed
+    if sampling.banned is not None:
+        logits = _mask_early_stops(logits, sampling)
     if bool(sampling.greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    greedy_ids = logits.argmax(dim=-1, keepdim=True) if bool(sampling.greedy.any()) else None
     logits = logits / sampling.temperature[:, None, None]
+    if sampling.any_min_p:
+        logits = _min_p(logits, sampling)
     if sampling.any_top_k or sampling.any_top_p:
         logits = _top_k_top_p(logits, sampling)
     probs = torch.softmax(logits, dim=-1)
-    if bool(sampling.greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if greedy_ids is not None:
+        one_hot = torch.zeros_like(probs).scatter_(-1, greedy_ids, 1.0)
         probs = torch.where(sampling.greedy[:, None, None], one_hot, probs)
     return probs
+
+
+def _penalised(logits: torch.Tensor, sampling: BatchSampling, counts: torch.Tensor) -> torch.Tensor:
+    """Repetition (HF/vLLM: divide a positive logit, multiply a negative one, for every token seen in
+    the prompt or output), then OpenAI's frequency and presence penalties (output tokens only)."""
+    if sampling.prompts is not None:
+        seen = counts > 0  # [batch, W, vocab]
+        for b, prompt in enumerate(sampling.prompts):
+            if len(prompt):
+                seen[b, :, prompt] = True
+        rep = sampling.repetition[:, None, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - sampling.frequency[:, None, None] * counts - sampling.presence[:, None, None] * (counts > 0)
+
+
+def _mask_early_stops(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """-inf for EOS/stop tokens at each position preceded by fewer than min_tokens output tokens.
+
+    Position j of row b follows generated[b] + j tokens (its output plus the drafts before j)."""
+    assert sampling.banned is not None
+    rows, ids = sampling.banned
+    width = logits.shape[1]
+    before = sampling.generated[:, None] + torch.arange(width, device=logits.device)  # [batch, W]
+    early = before < sampling.min_tokens[:, None]  # [batch, W]
+    logits = logits.clone()
+    current = logits[rows, :, ids]  # [n, W]
+    logits[rows, :, ids] = current.masked_fill(early[rows], float("-inf"))
+    return logits
+
+
+def _min_p(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's (it always stays)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * sampling.min_p[:, None, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:

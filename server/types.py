@@ -18,7 +18,8 @@ DEFAULT_NUM_TOKENS = 8  # K: the most draft tokens per step (`Settings.num_specu
 class SamplingParams:
     """How one sequence samples. temperature == 0 means greedy.
 
-    `p` in docs/design.md is the target distribution after `temperature`, penalties, `top_k` and `top_p`.
+    `p` in docs/design.md is the target distribution after penalties, `logit_bias`, the `min_tokens` mask,
+    `temperature`, `min_p`, `top_k` and `top_p` (see server/sampling.py for the order).
     """
 
     max_tokens: int = 16
@@ -31,7 +32,15 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (1 = off)
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top token's (0 = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     logprobs: int | None = None  # None: off; N >= 0: the chosen token's logprob plus the top N
+    # Detokenization (what text the tokens become); they never change which tokens are sampled.
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text in the output
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # with skip_special_tokens=False: " " around them
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,6 +53,12 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("top_logprobs must be in [0, 20]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:

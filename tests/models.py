@@ -10,7 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from server.model.loading import LoadedModel
 
 
-def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 1024
+) -> LlamaForCausalLM:
     """A 2-layer Llama whose random logits are peaked enough that greedy argmax has no near-ties."""
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -19,7 +21,7 @@ def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int =
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         initializer_range=0.3,
         tie_word_embeddings=False,
         bos_token_id=1,

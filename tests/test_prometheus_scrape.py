@@ -56,7 +56,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Metrics,
 
 def test_promql_acceptance_rate_equals_fed_data(scraped: tuple[Metrics, Prometheus]) -> None:
     metrics, prom = scraped
-    draft = 'specula_spec_decode_draft_tokens_total{method="ngram"}'
+    draft = 'sum(specula_spec_decode_draft_tokens_total{method="ngram"})'
     # First a scrape of the all-zero counters, so rate() over the window sees the whole growth.
     prom.wait_for("a zero sample", lambda: prom.scalar(draft) == 0.0)
     steps, stats = synthetic_steps(10, seed=3)

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,6 +55,10 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready (its sequences are already aborted)."""
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -116,6 +120,12 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
         return respond(APIError(exc.status_code, message))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, _: ClientDisconnected) -> Response:
+        # Nobody reads this answer; not an error of the server, so not counted as one.
+        log.info("client disconnected before its answer was ready: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from server.api.chat_template import render_messages
 from server.api.errors import APIError, bad_request
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
+from server.api.tool_calls import CLOSE
 from server.types import GenerationRequest, SamplingParams, ServingLimits, SpeculationParams
 
 
@@ -45,16 +47,22 @@ def check_model(info: ModelInfo, model: str) -> None:
 
 
 def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """Render `messages` with the tokenizer's chat template (plus the assistant prefix) and tokenize."""
+    """Render `messages` (and `tools`, see chat_template.py) with the tokenizer's chat template, plus
+    the assistant prefix, and tokenize."""
     tok = info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
+    messages, tools = render_messages(tok, body.messages, body.active_tools, body.parallel_tool_calls is not False)
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
+    """Stop strings the server adds: with `parallel_tool_calls: false`, the end of the first call."""
+    return (CLOSE,) if body.active_tools and body.parallel_tool_calls is False else ()
 
 
 def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
@@ -106,18 +114,57 @@ def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationPar
     return SpeculationParams(method=method, num_tokens=num_tokens)
 
 
-def sampling_params(body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def check_token_ids(info: ModelInfo, body: _GenerationBody) -> None:
+    """400 for token ids (stop_token_ids) outside the vocabulary."""
+    vocab = len(info.tokenizer)
+    for t in body.stop_token_ids or ():
+        if not 0 <= t < vocab:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    for key in body.logit_bias or {}:
+        if not 0 <= int(key) < vocab:
+            raise bad_request(f"logit_bias: token id {key} is outside the vocabulary [0, {vocab})", "logit_bias")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs; keys that name the same id ("7", " 7") add up."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        out[int(key)] = out.get(int(key), 0.0) + float(value)
+    return tuple(out.items())
+
+
+def sampling_params(
+    body: _GenerationBody, max_tokens: int, logprobs: int | None, seed: int | None, extra_stop: tuple[str, ...] = ()
+) -> SamplingParams:
+    """The engine's sampling parameters for one choice (`max_tokens` already resolved); `extra_stop`:
+    stop strings the server adds to the client's."""
     top_k = body.top_k or 0
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0:  # OpenAI allows it: a nucleus of the single most likely token, i.e. greedy
+        temperature, top_p = 0.0, 1.0
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=temperature,
+        top_p=top_p,
         top_k=max(top_k, 0),
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
         seed=seed,
-        stop=tuple(body.stop or ()),
+        stop=(*(body.stop or ()), *extra_stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        min_tokens=min_tokens,
         logprobs=logprobs,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
+        spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
     )
 
 
@@ -129,15 +176,17 @@ def generation_requests(
     max_tokens: int | None,
     logprobs: int | None,
     param: str,
+    extra_stop: tuple[str, ...] = (),
 ) -> list[GenerationRequest]:
     """n requests per prompt, prompt-major (choice index = prompt index * n + j); choice j seeds seed + j."""
     n = body.n or 1
     spec = speculation_params(info, body)
+    check_token_ids(info, body)
     out: list[GenerationRequest] = []
     for ids in prompts:
         limit = resolve_max_tokens(info, max_tokens, len(ids), param)
         for j in range(n):
-            seed = None if body.seed is None else body.seed + j
-            sampling = sampling_params(body, limit, logprobs, seed)
+            seed = None if body.seed is None or body.seed < 0 else body.seed + j  # < 0: unseeded (UIs send -1)
+            sampling = sampling_params(body, limit, logprobs, seed, extra_stop)
             out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec))
     return out

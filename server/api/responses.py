@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.api.tool_calls import ToolCall, parse_whole
 from server.types import RequestOutput, RequestStats, TokenLogprob
 
 
@@ -23,6 +24,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -31,6 +33,24 @@ class Choice:
         self.stats = out.stats
         if out.finished:
             self.finish_reason = out.finish_reason
+
+    def take_tool_calls(self, names: set[str]) -> None:
+        """Move the tool calls in `text` (of functions in `names`) to `tool_calls`; a choice that stopped
+        by itself after calling finishes with "tool_calls"."""
+        content, self.tool_calls = parse_whole(self.text, names)
+        self.text = content or ""
+        if self.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+
+    def message(self) -> dict[str, Any]:
+        """The chat `message` object (content null when the reply is only tool calls)."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.tool_calls
+        ]
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
 
 
 def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, Any]:
@@ -56,11 +76,14 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
 class LogprobFormatter:
     """Turns `TokenLogprob`s into OpenAI's chat and completions logprob shapes."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
+        """`as_ids` (vLLM's `return_tokens_as_token_ids`): name each token `token_id:<id>` instead of its
+        text, so tokens whose text is not valid UTF-8 on their own can still be told apart."""
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
 
     def token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self._as_ids else self._tokenizer.decode([token_id])
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
@@ -110,7 +133,7 @@ def chat_completion(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": c.message(),
                 "logprobs": fmt.chat(c.logprobs) if fmt else None,
                 "finish_reason": c.finish_reason,
             }

@@ -1,47 +1,40 @@
 """Request bodies of the OpenAI API, as pydantic models that refuse what they don't implement.
 
-Every field declared here is honoured. Fields OpenAI defines but this server does not implement
-(tools, response_format, logit_bias, ...) are accepted only when they carry their neutral value
-(null, empty, the default); any other value, and any unknown field, is refused with a 400 that names
-it (`extra="forbid"`). Nullable fields: a JSON `null` means "use the default".
+Field policy (docs/api.md lists every field):
+* declared fields are honoured;
+* `_inert` fields cannot change this server's output (`store`, `metadata`, `service_tier`,
+  `prompt_cache_key`, `safety_identifier`, ...): accepted with any value and dropped;
+* `_neutral` fields would change the output but are not implemented (`audio`, `prediction`,
+  `response_format` other than text, ...): accepted only with their neutral value (null or the
+  listed ones), otherwise refused with a 400 that names them, as is any unknown field (`extra="forbid"`).
+Nullable fields: a JSON `null` means "use the default".
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.speculation.registry import BUILTIN
 
-# OpenAI fields without an implementation here, and the values that mean "not used" (besides null).
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "logit_bias": ({},),
-    "store": (False,),
-    "metadata": ({},),
-    "service_tier": ("auto", "default"),
-    "modalities": (["text"],),
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-}
-
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {}  # field -> values (besides null) that change nothing
+    _inert: ClassVar[frozenset[str]] = frozenset()  # fields accepted with any value: they cannot change output
+
     @model_validator(mode="before")
     @classmethod
     def _drop_neutral(cls, data: Any) -> Any:
-        """Drop unimplemented fields that carry a neutral value; others stay and are refused."""
+        """Drop inert fields, and unimplemented ones that carry a neutral value; others stay and are refused."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (k in _NEUTRAL and (v is None or v in _NEUTRAL[k]))}
+            return {
+                k: v
+                for k, v in data.items()
+                if k not in cls._inert and not (k in cls._neutral and (v is None or v in cls._neutral[k]))
+            }
         return data
 
 
@@ -66,9 +59,14 @@ class SpeculationOptions(_Body):
 
 
 class StreamOptions(_Body):
+    _inert: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})  # OpenAI's chunk padding: never sent
+
     include_usage: bool | None = Field(default=None, description="send a final chunk with `usage`")
     include_speculation: bool | None = Field(
         default=None, description="extension: each content chunk's choice carries its tokens' origins (`speculation`)"
+    )
+    continuous_usage_stats: bool | None = Field(
+        default=None, description="extension (vLLM): every chunk carries `usage` so far"
     )
 
 
@@ -78,9 +76,14 @@ class _GenerationBody(_Body):
     model: str = Field(description="the served model id (see GET /v1/models)")
     max_tokens: int | None = Field(default=None, ge=1, description="most tokens to generate per choice")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1")
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1, description="nucleus; 0 = greedy")
     top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
-    seed: int | None = Field(default=None, description="reproducible sampling; choice i uses seed + i")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="extension: 0 disables")
+    repetition_penalty: float | None = Field(default=None, gt=0, description="extension: 1 disables")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
+    seed: int | None = Field(
+        default=None, description="reproducible sampling; choice i uses seed + i; a negative seed means unseeded"
+    )
     stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings")
     n: int | None = Field(default=None, ge=1, le=16, description="choices to generate")
     stream: bool | None = False
@@ -89,6 +92,16 @@ class _GenerationBody(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = Field(default=None, description="end-user id; recorded in the request log")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
+    # vLLM's extensions (load tools and many clients send them).
+    ignore_eos: bool | None = Field(default=None, description="extension: keep generating past EOS")
+    min_tokens: int | None = Field(default=None, ge=0, description="extension: no EOS/stop token before this many")
+    stop_token_ids: list[int] | None = Field(default=None, description="extension: token ids that end the choice")
+    include_stop_str_in_output: bool | None = Field(default=None, description="extension: keep the stop text")
+    skip_special_tokens: bool | None = Field(default=None, description="extension: default true")
+    spaces_between_special_tokens: bool | None = Field(default=None, description="extension: default true")
+    return_tokens_as_token_ids: bool | None = Field(
+        default=None, description="extension: logprobs name tokens 'token_id:<id>'"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -100,6 +113,16 @@ class _GenerationBody(_Body):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return v
+
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationBody:
         if self.stream_options is not None and not self.stream:
@@ -107,34 +130,147 @@ class _GenerationBody(_Body):
         return self
 
 
-class ChatMessage(_Body):
-    """One chat turn. `content`: a string or a list of `{"type": "text", "text": ...}` parts."""
+def _text(v: str | list[dict[str, Any]] | None) -> str | None:
+    """Message content as one string: a string, or the concatenated `{"type": "text"}` parts."""
+    if v is None or isinstance(v, str):
+        return v
+    texts = []
+    for i, part in enumerate(v):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
+        if set(part) - {"type", "text"}:
+            raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
+        texts.append(part["text"])
+    return "".join(texts)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class MessageToolCall(_Body):
+    """An assistant's earlier tool call, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    """One chat turn. `content`: a string or a list of `{"type": "text", "text": ...}` parts.
+
+    Roles: system, developer (= system), user, assistant (content may be null when it has
+    `tool_calls`), tool (`tool_call_id` names the call it answers), function (legacy: `name`).
+    `name` is passed to the chat template (most templates ignore it). `refusal`, `audio`,
+    `function_call` and `annotations` are accepted as null/empty, as `model_dump()` of an SDK
+    message sends them."""
+
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "refusal": (),
+        "audio": (),
+        "function_call": (),
+        "annotations": ([],),
+    }
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: str | list[dict[str, Any]]) -> str:
-        if isinstance(v, str):
-            return v
-        texts = []
-        for i, part in enumerate(v):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
-            if set(part) - {"type", "text"}:
-                raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
-            texts.append(part["text"])
-        return "".join(texts)
+    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> str | None:
+        return _text(v)
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (null only for an assistant's tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs name")
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(default=None, description="true needs constrained decoding: not implemented (400)")
+
+    @field_validator("strict")
+    @classmethod
+    def _no_strict(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError(
+                "strict function schemas need constrained decoding, which this server does not implement; "
+                "omit strict or set it to false"
+            )
+        return v
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+_NOT_IMPLEMENTED_TOOL_CHOICE = (
+    "needs constrained decoding (the arguments must be valid JSON for the schema), which this server does not "
+    "implement yet; use tool_choice 'auto' (the model decides, and its calls are parsed) or 'none'"
+)
 
 
 class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions."""
 
+    _inert: ClassVar[frozenset[str]] = frozenset(
+        {"store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
+    )
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "response_format": ({"type": "text"},),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "modalities": (["text"],),
+        "audio": (),
+        "prediction": (),
+        "reasoning_effort": (),
+        "verbosity": (),
+        "web_search_options": (),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, description="same as max_tokens")
     logprobs: bool | None = Field(default=None, description="return the chosen tokens' logprobs")
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
+    tools: list[ToolDefinition] | None = Field(default=None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="none, or auto (default with tools); required / a named function: 400"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per reply")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, v: Any) -> Any:
+        if v == "required":
+            raise ValueError(f"tool_choice 'required' {_NOT_IMPLEMENTED_TOOL_CHOICE}")
+        if isinstance(v, NamedToolChoice):
+            raise ValueError(f"a named tool_choice {_NOT_IMPLEMENTED_TOOL_CHOICE}")
+        return v
+
+    @property
+    def active_tools(self) -> list[ToolDefinition]:
+        """The tools shown to the model and parsed from its output (none with tool_choice 'none')."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -148,6 +284,8 @@ class ChatCompletionRequest(_GenerationBody):
 
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions. Each prompt (string or token ids) gets `n` choices."""
+
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
     prompt: Any = Field(description="a string, a list of strings, token ids, or a list of token id lists")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="logprobs of the top N alternatives")

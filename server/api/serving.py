@@ -11,14 +11,14 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from sse_starlette import EventSourceResponse
 
 from server.api import responses as R
-from server.api.errors import APIError
+from server.api.errors import APIError, ClientDisconnected
 from server.api.origins import OriginTracker, attach, origin_trackers
 from server.api.prompts import (
     ModelInfo,
@@ -26,8 +26,10 @@ from server.api.prompts import (
     check_model,
     completion_prompt_ids,
     generation_requests,
+    tool_stops,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.tool_calls import ToolCallParser
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
 from server.types import GenerationRequest, RequestOutput, RequestStats
@@ -37,8 +39,6 @@ T = TypeVar("T")
 Events = AsyncIterator[tuple[int, RequestOutput]]
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its answer was ready."""
 
 
 def scheduler_error(exc: BaseException) -> APIError:
@@ -76,15 +76,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
+def _usage_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk) as `stream_options` asks."""
+    opts = body.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
 class OpenAIServing:
     """Chat and text completions over one scheduler and one model."""
 
     def __init__(self, info: ModelInfo, scheduler: Scheduler) -> None:
         self.info = info
         self.scheduler = scheduler
-        self.logprobs = R.LogprobFormatter(info.tokenizer)
 
     # ---- shared plumbing -------------------------------------------------------------------
+
+    def _formatter(self, body: ChatCompletionRequest | CompletionRequest) -> R.LogprobFormatter:
+        return R.LogprobFormatter(self.info.tokenizer, as_ids=bool(body.return_tokens_as_token_ids))
 
     def _submit(self, requests: list[GenerationRequest]) -> RequestStream:
         try:
@@ -156,23 +164,39 @@ class OpenAIServing:
         user: str | None,
         choices: list[R.Choice],
         method: str,
+        prompt_tokens: int,
         started: float,
         ttft: float | None,
+        finish_reason: str | None = None,
     ) -> None:
-        """One request-log line for the whole API request (its choices summed), with its `user`."""
+        """One request-log line for the whole API request (its choices summed, every prompt counted),
+        with its `user`; `finish_reason` overrides the first choice's (an abort before any output)."""
         stats = [c.stats for c in choices if c.stats is not None]
-        if not stats:
-            return
         total = RequestStats(
             method=method,
-            prompt_tokens=stats[0].prompt_tokens,
+            prompt_tokens=prompt_tokens,
             completion_tokens=sum(len(c.token_ids) for c in choices),
             draft_tokens=sum(s.draft_tokens for s in stats),
             accepted_tokens=sum(s.accepted_tokens for s in stats),
             decode_steps=sum(s.decode_steps for s in stats),
         )
-        now = time.monotonic()
-        log_request(response_id, self.info.name, total, choices[0].finish_reason, ttft, now - started, user)
+        reason = finish_reason or choices[0].finish_reason
+        log_request(response_id, self.info.name, total, reason, ttft, time.monotonic() - started, user)
+
+    async def _collect_or_log_abort(
+        self,
+        request: Request,
+        stream: RequestStream,
+        choices: list[R.Choice],
+        log: Callable[..., None],
+        trackers: list[OriginTracker] | None = None,
+    ) -> float | None:
+        """`_collect`, writing the request's log line (finish_reason "abort") if the client goes away."""
+        try:
+            return await self._collect(request, stream, choices, trackers)
+        except ClientDisconnected:
+            log(None, "abort")
+            raise
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -183,47 +207,85 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        requests = generation_requests(self.info, body, response_id, [prompt], max_tokens, logprobs, "messages")
+        requests = generation_requests(
+            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body)
+        )
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
         trackers = origin_trackers(self.info.tokenizer, body, [r.prompt_token_ids for r in requests])
         created = int(time.time())
-        fmt = self.logprobs if logprobs is not None else None
+        fmt = self._formatter(body) if logprobs is not None else None
+        tool_names = {t.function.name for t in body.active_tools}
+
+        def log(ttft: float | None, finish_reason: str | None = None) -> None:
+            self._log(response_id, body.user, choices, method, len(prompt), started, ttft, finish_reason)
+
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect(request, stream, choices, trackers)
-            self._log(response_id, body.user, choices, method, started, first and first - started)
+            first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
+            if tool_names:
+                for c in choices:
+                    c.take_tool_calls(tool_names)
+            log(first and first - started)
             response = R.chat_completion(
                 response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
             )
             attach(response["choices"], trackers)
             return response
 
-        events = await self._started(request, stream)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        try:
+            events = await self._started(request, stream)
+        except ClientDisconnected:
+            log(None, "abort")
+            raise
+        include_usage, continuous = _usage_options(body)
         ttft = time.monotonic() - started
+        parsers = [ToolCallParser(tool_names) if tool_names else None for _ in choices]
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
-            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage, usage_)
+            if continuous and usage_ is None:
+                usage_ = R.usage(len(prompt), choices, method)
+            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage or continuous, usage_)
             return {"data": json.dumps(obj)}
 
+        def deltas(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+            """The chunk deltas of one output: its text, or what the tool-call parser makes of it."""
+            parser = parsers[index]
+            if parser is None:
+                return [{"content": out.text}] if out.text else []
+            pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
+            text = "".join(d.content for d in pieces if d.content is not None)
+            calls = [d.to_openai() for d in pieces if d.index is not None]
+            return ([{"content": text}] if text else []) + ([{"tool_calls": calls}] if calls else [])
+
         async def gen() -> AsyncIterator[dict[str, Any]]:
-            for c in choices:
-                delta = {"role": "assistant", "content": ""}
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-            async for index, out in events:
-                choices[index].add(out)
-                spec = trackers[index].feed(out) if trackers else None
-                if out.text or out.logprobs or (spec and spec["tokens"]):
-                    lp = fmt.chat(out.logprobs or []) if fmt else None
-                    delta = {"content": out.text}
-                    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
-                    yield chunk([choice if spec is None else {**choice, "speculation": spec}])
-                if out.finished:
-                    yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
-            self._log(response_id, body.user, choices, method, started, ttft)
-            if include_usage:
-                yield chunk([], R.usage(len(prompt), choices, method))
+            logged = False
+            try:
+                for c in choices:
+                    delta = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                async for index, out in events:
+                    choices[index].add(out)
+                    spec = trackers[index].feed(out) if trackers else None
+                    lp = fmt.chat(out.logprobs) if fmt and out.logprobs else None
+                    parts = deltas(index, out) or ([{"content": ""}] if lp or (spec and spec["tokens"]) else [])
+                    for part in parts:
+                        choice = {"index": index, "delta": part, "logprobs": lp, "finish_reason": None}
+                        yield chunk([choice if spec is None else {**choice, "speculation": spec}])
+                        lp, spec = None, None
+                    if out.finished:
+                        parser = parsers[index]
+                        if parser is not None and parser.calls and out.finish_reason == "stop":
+                            choices[index].finish_reason = "tool_calls"
+                        reason = choices[index].finish_reason
+                        yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                log(ttft)
+                logged = True
+                if include_usage:
+                    yield chunk([], R.usage(len(prompt), choices, method))
+            finally:
+                if not logged:  # the client went away mid-stream (or the engine failed)
+                    log(ttft, "abort")
 
         return self._sse(stream, gen())
 
@@ -240,11 +302,15 @@ class OpenAIServing:
         choices = [R.Choice(i) for i in range(len(requests))]
         trackers = origin_trackers(self.info.tokenizer, body, [r.prompt_token_ids for r in requests])
         created = int(time.time())
-        fmt = self.logprobs if body.logprobs is not None else None
+        fmt = self._formatter(body) if body.logprobs is not None else None
+
+        def log(ttft: float | None, finish_reason: str | None = None) -> None:
+            self._log(response_id, body.user, choices, method, prompt_tokens, started, ttft, finish_reason)
+
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect(request, stream, choices, trackers)
-            self._log(response_id, body.user, choices, method, started, first and first - started)
+            first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
+            log(first and first - started)
             response = R.text_completion(
                 response_id,
                 created,
@@ -263,27 +329,41 @@ class OpenAIServing:
             attach(response["choices"], trackers)
             return response
 
-        events = await self._started(request, stream)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        try:
+            events = await self._started(request, stream)
+        except ClientDisconnected:
+            log(None, "abort")
+            raise
+        include_usage, continuous = _usage_options(body)
         ttft = time.monotonic() - started
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
-            obj = R.text_completion(response_id, created, self.info.name, choice_list, usage_, include_usage)
+            if continuous and usage_ is None:
+                usage_ = R.usage(prompt_tokens, choices, method)
+            obj = R.text_completion(
+                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous
+            )
             return {"data": json.dumps(obj)}
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
             offsets = [0] * len(choices)
-            async for index, out in events:
-                choices[index].add(out)
-                spec = trackers[index].feed(out) if trackers else None
-                if out.text or out.logprobs or out.finished or (spec and spec["tokens"]):
-                    lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
-                    offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
-                    reason = out.finish_reason if out.finished else None
-                    choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
-                    yield chunk([choice if spec is None else {**choice, "speculation": spec}])
-            self._log(response_id, body.user, choices, method, started, ttft)
-            if include_usage:
-                yield chunk([], R.usage(prompt_tokens, choices, method))
+            logged = False
+            try:
+                async for index, out in events:
+                    choices[index].add(out)
+                    spec = trackers[index].feed(out) if trackers else None
+                    if out.text or out.logprobs or out.finished or (spec and spec["tokens"]):
+                        lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
+                        offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
+                        reason = out.finish_reason if out.finished else None
+                        choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                        yield chunk([choice if spec is None else {**choice, "speculation": spec}])
+                log(ttft)
+                logged = True
+                if include_usage:
+                    yield chunk([], R.usage(prompt_tokens, choices, method))
+            finally:
+                if not logged:
+                    log(ttft, "abort")
 
         return self._sse(stream, gen())

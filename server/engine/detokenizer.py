@@ -2,20 +2,44 @@
 
 Text is produced token by token without ever emitting half of a multi-byte character (a decode that
 ends in U+FFFD waits for the next token), and text that could still turn into a stop string is held
-back until it either does (then it is cut, and no part of the stop string is ever emitted) or cannot.
+back until it either does (then it is cut, and no part of the stop string is emitted unless
+`include_stop`) or cannot.
+
+Per-request options (vLLM's): `skip_special_tokens` (default on: special tokens have no text),
+`spaces_between_special_tokens` (with special tokens kept: a space between a special token and its
+neighbours, as slow tokenizers write them), `min_tokens` (stop strings are looked for only once that
+many tokens were generated: a stop string completed earlier does not end the sequence).
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from server.types import SamplingParams
+
 _CONTEXT = 6  # prompt tokens decoded alongside, so leading-space and merge rules see their left side
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int],
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        spaced = not skip_special_tokens and spaces_between_special_tokens
+        self._special = set(tokenizer.all_special_ids) if spaced else None  # None: decode in one call
+        self.min_tokens = min_tokens
+        self._added = 0  # generated tokens seen
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0  # start of the window decoded for context
         self._read = len(self._ids)  # first token whose text is not yet in `text`
@@ -23,31 +47,66 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters of `text` already handed out
         self.stopped = False  # a stop string was found
 
+    @classmethod
+    def for_request(
+        cls, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], sampling: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """The detokenizer a request's sampling parameters ask for."""
+        return cls(
+            tokenizer,
+            prompt_ids,
+            sampling.stop,
+            include_stop=sampling.include_stop_str_in_output,
+            skip_special_tokens=sampling.skip_special_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+            min_tokens=sampling.min_tokens,
+        )
+
     def add(self, token_id: int) -> None:
         """Append one generated token; sets `stopped` when a stop string completes."""
         if self.stopped:
             return
         self._ids.append(token_id)
+        self._added += 1
         self._decode_new(complete_only=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._special is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Fast tokenizers ignore `spaces_between_special_tokens`: join the runs of ordinary tokens and
+        # each special token with a space, as slow tokenizers (and vLLM) do.
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in self._special:
+                if run:
+                    parts.append(self.tokenizer.decode(run))
+                    run = []
+                parts.append(self.tokenizer.decode([t]))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.tokenizer.decode(run))
+        return " ".join(parts)
 
     def _decode_new(self, complete_only: bool) -> None:
         """Move the text of tokens not yet read into `text`. With `complete_only`, wait while the
         text would end in a broken character (U+FFFD) or the new tokens have no text yet."""
-        decode = self.tokenizer.decode
-        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or (complete_only and after.endswith("\ufffd")):
             return
         start = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        self._check_stop(start)
+        if self._added >= self.min_tokens:
+            self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
         for stop in self.stop:
             at = self.text.find(stop, max(0, new_from - len(stop) + 1))
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(stop) if self.include_stop else at]
                 self.stopped = True
                 return
 

@@ -139,7 +139,7 @@ class Engine:
             prompt_tokens=len(request.prompt_token_ids),
             accepted_per_position=[0] * request.speculation.k,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), sampling.stop)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, list(request.prompt_token_ids), sampling)
         return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats)
 
     def _leave(self, request_ids: set[str]) -> None:
@@ -161,7 +161,10 @@ class Engine:
         started = time.perf_counter()
         out = self.runner.forward(fed, hidden=self.planner.needs_hidden)
         logits = out.logits  # [batch, K+1, vocab]
-        sampling = BatchSampling.from_params([s.sampling for s in seqs], self.device)
+        sampling = BatchSampling.from_params(
+            [s.sampling for s in seqs], self.device, generated=[len(s.output_ids) for s in seqs],
+            eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in seqs],
+        )  # min_tokens and repetition_penalty need each row's history
         counts = self._token_counts(seqs, plan.drafts, logits.shape[1]) if sampling.any_penalty else None
         p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
         verdict = rejection_sample(plan.drafts, p, plan.q, [s.generator for s in seqs], sampling.greedy.tolist())
@@ -219,6 +222,8 @@ class Engine:
         for i, token in enumerate(emitted):
             seq.output_ids.append(token)
             if token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos):
+                if sp.include_stop_str_in_output:
+                    seq.detokenizer.add(token)  # the stop token's text (none if skip_special_tokens)
                 seq.finish_reason = "stop"
                 return i + 1
             seq.detokenizer.add(token)

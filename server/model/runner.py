@@ -10,6 +10,7 @@ features (EAGLE-style heads) get them from here through the engine.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -127,8 +128,8 @@ class ModelRunner:
         """Prefill new rows on their own (in chunks of `chunk` positions, so the mask and activations of
         a long prompt stay bounded) and add them to the batch. Returns, when `hidden`, each row's
         hidden states [len(inputs[b]), hidden] (after the final norm), else None."""
-        fresh = ModelRunner.__new__(ModelRunner)
-        fresh.model, fresh.device, fresh.kv = self.model, self.device, self.kv.new_rows(request_ids)
+        fresh = copy.copy(self)  # the same model over an empty cache of the new rows
+        fresh.kv = self.kv.new_rows(request_ids)
         states: list[list[torch.Tensor]] = [[] for _ in request_ids]
         longest = max((len(x) for x in inputs), default=0)
         for start in range(0, longest, chunk):

@@ -69,8 +69,8 @@ class DraftModelProposer(Proposer):
         q = torch.zeros(len(rows), max(k_max, 1), vocab, device=device)  # [rows, K, vocab]
         if k_max == 0:
             return self._in_order(seqs, drafts, q[:, :0])
-        params = [dataclasses.replace(by_id[rid][0].sampling, presence_penalty=0.0, frequency_penalty=0.0)
-                  for rid in rows]
+        params = [dataclasses.replace(by_id[rid][0].sampling, presence_penalty=0.0, frequency_penalty=0.0,
+                                      repetition_penalty=1.0) for rid in rows]
         sampling = BatchSampling.from_params(params, device)
         gens = [by_id[rid][0].generator for rid in rows]
         greedy = [p.greedy for p in params]

@@ -1,0 +1,213 @@
+"""Tool calling: the output parser (whole and in any split), tools through the chat template (native
+and the fallback), and the API end to end with the openai SDK on a scripted model reply."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import openai
+import pytest
+
+from server.api.app import create_app
+from server.api.chat_template import render_messages, supports_tools
+from server.api.schemas import ChatMessage, ToolDefinition
+from server.api.tool_calls import ToolCallParser, parse_whole
+from server.config import Settings
+from tests.live_server import serve_app
+from tests.scripted_engine import ScriptedEngine
+
+NAMES = {"get_weather", "f"}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+# (model output, expected content, expected [(name, arguments)])
+CASES = [
+    ("Just text, with a < sign and <tool", "Just text, with a < sign and <tool", []),
+    (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": {"a": 1}}}'
+        "\n</tool_call>",
+        "Let me check.",
+        [("get_weather", '{"city": "Paris", "x": {"a": 1}}')],
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"arguments": {"y": 2}, "name": "f"}'
+        "</tool_call>",
+        None,
+        [("f", '{"x": 1}'), ("f", '{"y": 2}')],
+    ),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", '{"city": "Oslo"}')]),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    (
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> ok',  # not an offered function: text
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> ok',
+        [],
+    ),
+    ('<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}', None, [("f", '{"x": [1, 2]}')]),  # cut by a stop
+    ("  \n", "  \n", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_parse_whole(text, content, calls):
+    got_content, got_calls = parse_whole(text, NAMES)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_any_split_gives_the_same_result_and_arguments_stream_in_pieces(text, content, calls):
+    rng = random.Random(0)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+        parser = ToolCallParser(NAMES)
+        deltas = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            deltas += parser.feed(text[a:b])
+        deltas += parser.finish()
+        got = "".join(d.content for d in deltas if d.content is not None)
+        assert ((got.strip() or None) if parser.calls else got) == content
+        args: dict[int, str] = {}
+        for d in deltas:
+            if d.index is not None:
+                args[d.index] = args.get(d.index, "") + (d.arguments or "")
+        assert [(c.name, args[i]) for i, c in enumerate(parser.calls)] == calls
+        heads = [d for d in deltas if d.id is not None]
+        assert [d.name for d in heads] == [name for name, _ in calls]  # id and name come once per call
+
+
+def test_arguments_are_streamed_before_the_block_ends():
+    parser = ToolCallParser(NAMES)
+    assert parser.feed("<tool_call>\n") == []
+    head = parser.feed('{"name": "get_weather", "arguments": ')
+    assert [(d.index, d.name, d.arguments) for d in head] == [(0, "get_weather", "")]
+    part = parser.feed('{"city": "Par')
+    assert [d.arguments for d in part] == ['{"city": "Par']
+    rest = parser.feed('is"}}\n</tool_call>')
+    assert [d.arguments for d in rest] == ['is"}']
+
+
+def msgs(*raw: dict) -> list[ChatMessage]:
+    return [ChatMessage.model_validate(m) for m in raw]
+
+
+HISTORY = (
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+)
+
+
+def test_fallback_rendering_for_a_template_without_tools(tokenizer):
+    assert not supports_tools(tokenizer)
+    tools = [ToolDefinition.model_validate(WEATHER)]
+    messages, specs = render_messages(tokenizer, msgs(*HISTORY), tools, parallel_tool_calls=True)
+    assert specs is None
+    assert messages[0]["role"] == "system" and '"name": "get_weather"' in messages[0]["content"]
+    assert "<tool_call>" in messages[0]["content"] and "at most one" not in messages[0]["content"]
+    assert messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+    single, _ = render_messages(tokenizer, msgs({"role": "system", "content": "Be brief."}), tools, False)
+    assert single[0]["content"].endswith("Be brief.") and "at most one function" in single[0]["content"]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in text and "18 C, sunny" in text
+
+
+def test_native_rendering_for_a_template_with_tools(tokenizer):
+    tok = copy.copy(tokenizer)  # the session's tokenizer keeps its own template
+    tok.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}(call {{ c.function.name }} {{ c.function.arguments.city }}){% endfor %}"
+        "{% endfor %}"
+    )
+    assert supports_tools(tok)
+    tools = [ToolDefinition.model_validate(WEATHER)]
+    messages, specs = render_messages(tok, msgs(*HISTORY), tools, parallel_tool_calls=True)
+    assert specs == [WEATHER]
+    text = tok.apply_chat_template(messages, tools=specs, tokenize=False)
+    assert text == "[tool get_weather]<user>Weather in Paris?<assistant>(call get_weather Paris)<tool>18 C, sunny"
+
+
+SCRIPT = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO_CALLS = SCRIPT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    engine = ScriptedEngine(tokenizer, TWO_CALLS, per_step=2)
+    app = create_app(Settings.load(), lambda _s: engine)
+    with serve_app(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60), engine
+
+
+def ask(client, **extra):
+    return client.chat.completions.create(
+        model="scripted-model", messages=[{"role": "user", "content": "Weather?"}], **extra
+    )
+
+
+def test_sdk_tool_calls_not_streamed(scripted):
+    client, engine = scripted
+    resp = ask(client, tools=[WEATHER])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert "get_weather" in engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)  # the model saw it
+    # the SDK's own message object goes back into the history (with a tool result) and is accepted
+    history = [{"role": "user", "content": "Weather?"}, choice.message.model_dump(),
+               *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls)]
+    again = client.chat.completions.create(model="scripted-model", messages=history, tools=[WEATHER])
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_sdk_tool_calls_streamed(scripted):
+    client, _ = scripted
+    chunks = list(ask(client, tools=[WEATHER], stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "Checking."
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            entry["arguments"] += d.function.arguments or ""
+            pieces += 1
+    assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert all(v["id"].startswith("call_") for v in calls.values())
+    assert pieces > 2 * len(calls)  # arguments arrived in several pieces, not whole
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_stops_after_the_first_call(scripted):
+    client, engine = scripted
+    resp = ask(client, tools=[WEATHER], parallel_tool_calls=False)
+    assert "</tool_call>" in engine.requests[-1].sampling.stop
+    calls = resp.choices[0].message.tool_calls
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert resp.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_and_no_tools_leave_the_text_alone(scripted):
+    client, engine = scripted
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        resp = ask(client, **extra)
+        assert resp.choices[0].message.content == TWO_CALLS and not resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "stop"
+        assert "get_weather" not in engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
