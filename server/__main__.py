@@ -1,4 +1,4 @@
-"""Command line: `python -m server serve ...` runs the HTTP server, `python -m server generate ...` tries the engine."""
+"""Command line: `serve` runs the HTTP server, `generate` tries the engine, `distill` trains a draft head."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
+    distill = sub.add_parser("distill", help="train an EAGLE-style draft head for a target (docs/distill.md)")
+    from server.draft_head.cli import add_arguments
+
+    add_arguments(distill)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
@@ -57,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings(args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name")
         run_server(settings)
         return 0
+    if args.command == "distill":
+        from server.draft_head.distill import distill_cli
+
+        return distill_cli(args)
     from server.generate import generate_cli
 
     return generate_cli(_settings(args, *_MODEL_FIELDS), args)

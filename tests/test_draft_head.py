@@ -1,0 +1,182 @@
+"""The EAGLE-style draft head: training helps, files round-trip, FR-Spec keeps q = 0 outside its
+vocabulary, multi-step drafting over whole sequences equals step-by-step drafting with a cache, and
+`python -m server distill` runs end to end and resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from server.draft_head.data import Sample, teacher_force
+from server.draft_head.distill import choose_vocab
+from server.draft_head.model import EagleHead
+from server.draft_head.options import TrainOptions
+from server.draft_head.train import held_out_acceptance, train_head
+from server.draft_head.unroll import unrolled_features
+from server.engine.sampling import BatchSampling, probabilities
+from server.engine.types import SamplingParams
+from tests.models import tiny_llama
+
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread (a second one only adds synchronisation, which a busy CPU makes costly)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def token_driven_target(seed: int = 0):
+    """A one-layer tiny Llama whose attention and MLP outputs are zeroed: its next token depends on the
+    current token only, a function a head can learn in a few hundred steps on a CPU."""
+    model = tiny_llama(VOCAB, seed=seed, layers=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def random_samples(model, count: int, seed: int) -> list[Sample]:
+    """Teacher-forced random token sequences (4 prompt + 28 answer tokens) with the model's features."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        teacher_force(model, torch.randint(3, VOCAB, (4,), generator=gen).tolist(),
+                      torch.randint(3, VOCAB, (28,), generator=gen).tolist())
+        for _ in range(count)
+    ]
+
+
+def test_training_beats_an_untrained_head(tmp_path):
+    torch.manual_seed(0)
+    target = token_driven_target()
+    train, heldout = random_samples(target, 64, seed=1), random_samples(target, 16, seed=2)
+    head = EagleHead.create(target, choose_vocab(train, VOCAB, VOCAB, {2}), "tiny", seed=0).requires_grad_(True)
+    lm_head = target.lm_head.weight
+    before = held_out_acceptance(head, heldout, lm_head)
+    exports = []
+    opts = TrainOptions(steps=200, batch_size=8, lr=3e-3, warmup_steps=10, eval_every=100, checkpoint_every=100,
+                        train_depth=2)
+    state = train_head(head, train, heldout, lm_head, opts, tmp_path / "ck.pt",
+                       lambda h, s: exports.append(s.step), progress=False)
+    after = held_out_acceptance(head, heldout, lm_head)
+    assert exports == [100, 200] and state.step == 200
+    assert after.positions == before.positions > 0
+    assert after.per_position[0] > before.per_position[0] + 0.3
+    assert after.tokens_per_pass > before.tokens_per_pass + 0.3
+
+
+def _stepwise(head: EagleHead, sample: Sample, start: int, depth: int) -> list[torch.Tensor]:
+    """Draft like an engine would: feed the real pairs (f_t, x_{t+1}) for t <= start with a cache, then
+    the head's own features, one token per call. Returns the depth 1..depth features [H]."""
+    ids, hidden = sample.ids.long()[None], sample.hidden.float()[None]
+    cache = DynamicCache()
+    pos = torch.arange(1, start + 2)[None]
+    out, cache = head(hidden[:, : start + 1], ids[:, 1: start + 2], position_ids=pos, cache=cache, use_cache=True)
+    feats = [out[0, -1]]
+    for k in range(2, depth + 1):
+        out, cache = head(feats[-1][None, None], ids[:, start + k: start + k + 1],
+                          position_ids=torch.tensor([[start + k]]), cache=cache, use_cache=True)
+        feats.append(out[0, -1])
+    return feats
+
+
+def test_unrolled_drafting_equals_stepwise_drafting_with_padding():
+    target = tiny_llama(VOCAB, seed=3, layers=2)
+    head = EagleHead.create(target, list(range(VOCAB)), "tiny", seed=1).eval()
+    long, short = random_samples(target, 2, seed=4)
+    short = Sample(ids=short.ids[:20], hidden=short.hidden[:20], prompt_len=short.prompt_len)
+    hidden = torch.zeros(2, 32, target.config.hidden_size)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    for b, s in enumerate((long, short)):
+        hidden[b, : len(s.ids)], ids[b, : len(s.ids)] = s.hidden.float(), s.ids.long()
+    with torch.no_grad():
+        outputs = unrolled_features(head, hidden, ids, torch.tensor([32, 20]), depth=3)
+        for b, sample, start in ((0, long, 0), (0, long, 17), (0, long, 28), (1, short, 5), (1, short, 16)):
+            for k, feat in enumerate(_stepwise(head, sample, start, 3), 1):
+                torch.testing.assert_close(outputs[k - 1][b, start], feat, atol=1e-5, rtol=1e-4)
+
+
+def test_save_load_round_trip_and_target_check(tmp_path):
+    target = tiny_llama(VOCAB, seed=0)
+    head = EagleHead.create(target, [5, 9, 2, 100], "tiny", seed=3).eval()
+    sample = random_samples(target, 1, seed=5)[0]
+    x, ids = sample.hidden.float()[None, :-1], sample.ids.long()[None, 1:]
+    with torch.no_grad():
+        expected, _ = head(x, ids)
+    head.save_pretrained(tmp_path / "fp32", dtype=torch.float32)
+    loaded = EagleHead.from_pretrained(tmp_path / "fp32", target)
+    assert loaded.config.vocab_ids == [5, 9, 2, 100]
+    assert torch.equal(loaded.lm_head_fr, target.lm_head.weight[[5, 9, 2, 100]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x, ids)[0], expected)
+
+    head.save_pretrained(tmp_path / "bf16")  # the default: half the bytes
+    sizes = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("bf16", "fp32")}
+    assert sizes["bf16"] < 0.6 * sizes["fp32"]
+    small = EagleHead.from_pretrained(tmp_path / "bf16", target)
+    assert small.fc.weight.dtype == torch.float32
+    assert torch.equal(small.fc.weight, head.fc.weight.to(torch.bfloat16).float())
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["target_name"] == "tiny"
+
+    with pytest.raises(ValueError, match="does not fit this target"):
+        EagleHead.from_pretrained(tmp_path / "bf16", tiny_llama(VOCAB, seed=0, hidden=32))
+    with pytest.raises(FileNotFoundError):
+        EagleHead.from_pretrained(tmp_path / "missing", target)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                                    SamplingParams(temperature=1.5, top_p=0.95, top_k=50)])
+def test_q_is_zero_outside_the_fr_vocabulary(params):
+    target = tiny_llama(VOCAB, seed=0)
+    vocab_ids = [7, 3, 250, 2, 64]
+    head = EagleHead.create(target, vocab_ids, "tiny", seed=0).eval()
+    sample = random_samples(target, 1, seed=6)[0]
+    with torch.no_grad():
+        feats, _ = head(sample.hidden.float()[None, :-1], sample.ids.long()[None, 1:])
+        q = probabilities(head.full_logits(head.fr_logits(feats)), BatchSampling.from_params([params], feats.device))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab_ids] = False
+    assert q.shape == (1, feats.shape[1], VOCAB)
+    assert torch.all(q[..., outside] == 0)
+    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[:-1]))
+    assert torch.all(q[..., vocab_ids].sum(-1) > 0.999)
+
+
+def test_choose_vocab_keeps_stop_tokens_and_only_emitted_tokens():
+    samples = [Sample(ids=torch.tensor([9, 9, 4, 4, 4, 5, 1], dtype=torch.int32),
+                      hidden=torch.zeros(7, 2, dtype=torch.float16), prompt_len=2)]
+    assert choose_vocab(samples, 16, 8, {2}) == [4, 1, 5, 2]  # 9 is prompt only; ties by id; stop appended
+    assert choose_vocab(samples, 16, 2, {2}) == [4, 2]
+
+
+def test_distill_command_trains_exports_and_resumes(tmp_path, tokenizer):
+    from server.__main__ import main
+
+    model_dir = tmp_path / "tiny-model"
+    tiny_llama(len(tokenizer), seed=0, hidden=32).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"prompt": "Tell me about rivers."}\n{"prompt": "Say hi."}\n')
+    out = tmp_path / "run"
+    args = ["distill", "--out", str(out), "--target", str(model_dir), "--num-prompts", "6", "--max-new-tokens", "5",
+            "--gen-batch-size", "4", "--heldout-prompts", str(heldout), "--fr-vocab", "64", "--checkpoint-every", "2",
+            "--eval-every", "2", "--batch-size", "2", "--quiet", "--threads", "1"]
+    assert main([*args, "--steps", "2"]) == 0
+    first = json.loads((out / "head" / "config.json").read_text())
+    assert first["training"]["steps"] == 2 and first["training"]["train_samples"] == 6
+    assert len(first["vocab_ids"]) <= 64 and first["training"]["heldout_samples"] == 2
+    assert main([*args, "--steps", "4", "--resume"]) == 0
+    second = json.loads((out / "head" / "config.json").read_text())
+    assert second["training"]["steps"] == 4
+    assert second["training"]["tokens_seen"] > first["training"]["tokens_seen"]
+    steps = [h["step"] for h in json.loads((out / "history.json").read_text())]
+    assert steps[:2] == [2, 4]  # the resumed run kept the first run's history and went on from step 2
+    with pytest.raises(ValueError, match="other prompts"):
+        main([*args, "--steps", "4", "--num-prompts", "5"])
