@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # target's weights loaded again in `draft_dtype` (the default until a trained small draft exists).
     draft: str | None = "target"
     draft_dtype: DType = "bfloat16"
+    # `draft_head`: an EAGLE-style head trained for the target (`python -m server distill`), a directory
+    # with model.safetensors + config.json; "auto" = the head shipped for the built-in target (when the
+    # target is the built-in one); None = no head (the `eagle` method is then unavailable).
+    draft_head: str | None = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     served_model_name: str | None = None  # the `model` id clients send; default derives from target
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "specula")
@@ -68,6 +72,12 @@ class Settings(BaseSettings):
         if value not in BUILTIN.methods:
             raise ValueError(f"unknown speculation method {value!r}; choose one of {', '.join(BUILTIN.methods)}")
         return value
+
+    @field_validator("draft_head")
+    @classmethod
+    def _no_head(cls, value: str | None) -> str | None:
+        """"none" (from a flag or the environment, which cannot say null) means no head."""
+        return None if value is None or value.strip().lower() in ("", "none", "null") else value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

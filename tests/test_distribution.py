@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 
 import server.engine.engine as engine_module
 from server.config import Settings
+from server.draft_head.model import EagleHead
 from server.engine.engine import Engine
 from server.speculation.rejection import Verdict
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
@@ -25,13 +26,19 @@ P_VALUE = 1e-3  # a correct sampler fails this by chance one run in a thousand (
 
 
 @pytest.fixture(scope="module")
-def pair(tokenizer):
+def pair(tokenizer, tmp_path_factory):
+    """Target, draft model, and the directory of an (untrained) EAGLE head over 48 of the 64 tokens:
+    its q is 0 on the other 16, which the residual must cover."""
     target = tiny_llama(VOCAB, seed=11, hidden=32)
     for module in target.modules():  # flatten the logits so many tokens carry mass
         if isinstance(module, torch.nn.Embedding):
             module.weight.mul_(0.3)
     draft = perturbed(target, 0.3, seed=5)  # ~40% acceptance: both accept and residual paths run
-    return as_loaded(target, tokenizer, "t64"), as_loaded(draft, tokenizer, "d64")
+    head_dir = tmp_path_factory.mktemp("head64")
+    EagleHead.create(target, list(range(0, VOCAB, 4)) + list(range(1, VOCAB, 2)), "t64", seed=2).save_pretrained(
+        head_dir, dtype=torch.float32
+    )
+    return as_loaded(target, tokenizer, "t64"), as_loaded(draft, tokenizer, "d64"), head_dir
 
 
 def exact_two_token_marginals(target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +51,8 @@ def exact_two_token_marginals(target) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    target, draft = pair
-    engine = Engine(target, draft, Settings.load(max_batch_size=256))
+    target, draft, head_dir = pair
+    engine = Engine(target, draft, Settings.load(max_batch_size=256, draft_head=str(head_dir)))
     counts = torch.zeros(2, VOCAB)
     for start in range(0, SAMPLES, 250):
         for i in range(start, min(start + 250, SAMPLES)):
@@ -66,14 +73,15 @@ def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[0], counts[1]
 
 
-def test_the_draft_pair_really_differs(pair):
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_the_draft_pair_really_differs(pair, method):
     """Guard for the test below: acceptance well inside (0, 1), so rejections and residuals happen."""
-    target, draft = pair
-    engine = Engine(target, draft, Settings.load(max_batch_size=256))
+    target, draft, head_dir = pair
+    engine = Engine(target, draft, Settings.load(max_batch_size=256, draft_head=str(head_dir)))
     for i in range(200):
         engine.add_request(GenerationRequest(
             f"a{i}", PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True),
-            SpeculationParams("draft", 2)))
+            SpeculationParams(method, 2)))
     drafted = accepted = 0
     while engine.has_unfinished():
         for out in engine.step().outputs:
@@ -93,7 +101,7 @@ def p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "eagle"])
 def test_speculative_sampling_matches_target_distribution(pair, method):
     first, second = exact_two_token_marginals(pair[0].model)
     got_first, got_second = empirical(pair, method)
@@ -101,7 +109,8 @@ def test_speculative_sampling_matches_target_distribution(pair, method):
     assert p_value(got_second, second) > P_VALUE
 
 
-def test_always_accept_rule_is_detected(pair, monkeypatch):
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_always_accept_rule_is_detected(pair, monkeypatch, method):
     """Accepting every draft token returns the draft's distribution: the same check must fail."""
 
     def always_accept(drafts, target_probs, draft_probs, generators, greedy=None):
@@ -113,5 +122,5 @@ def test_always_accept_rule_is_detected(pair, monkeypatch):
 
     monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
     first, second = exact_two_token_marginals(pair[0].model)
-    got_first, got_second = empirical(pair, "draft")
+    got_first, got_second = empirical(pair, method)
     assert p_value(got_first, first) < 1e-6

@@ -16,8 +16,8 @@ from server.draft_head.model import EagleHead
 from server.draft_head.options import TrainOptions
 from server.draft_head.train import held_out_acceptance, train_head
 from server.draft_head.unroll import unrolled_features
-from server.engine.sampling import BatchSampling, probabilities
-from server.engine.types import SamplingParams
+from server.sampling import BatchSampling, probabilities
+from server.types import SamplingParams
 from tests.models import tiny_llama
 
 VOCAB = 256

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def distill_cli(args: argparse.Namespace) -> int:
     """Run the whole pipeline from parsed `distill` arguments; prints the final held-out acceptance."""
     from server.config import Settings
-    from server.engine.models import load_model
+    from server.model.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

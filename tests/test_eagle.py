@@ -1,0 +1,100 @@
+"""The `eagle` proposer in the engine: lossless (greedy exactness, the target's distribution when
+sampling, q = 0 outside the head's vocabulary), feature correction after rejections, and the
+shipped/configured head resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.config import Settings
+from server.draft_head.model import EagleHead
+from server.draft_head.shipped import SHIPPED_HEAD, resolve_draft_head
+from server.engine.engine import Engine
+from tests.engine_helpers import final_stats, request, run
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_target, tmp_path_factory):
+    """An untrained head for the tiny target over 3/4 of its vocabulary (its drafts are sometimes right:
+    the tiny model repeats a few tokens, and a random head guesses among those it can score)."""
+    vocab = tiny_target.model.config.vocab_size
+    ids = list(range(0, vocab, 4)) + list(range(1, vocab, 4)) + list(range(2, vocab, 4))
+    head = EagleHead.create(tiny_target.model, ids, "tiny-target", seed=0)
+    path = tmp_path_factory.mktemp("head")
+    head.save_pretrained(path, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture
+def eagle_engine(tiny_target, tiny_draft, head_dir):
+    def make(**overrides) -> Engine:
+        return Engine(tiny_target, tiny_draft, Settings.load(draft_head=str(head_dir), **overrides))
+
+    return make
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_eagle_equals_target_greedy(eagle_engine, prompt_ids, greedy_reference, k):
+    engine = eagle_engine()
+    assert "eagle" in engine.methods
+    stats = final_stats(engine, [request(f"r{i}", p, "eagle", k) for i, p in enumerate(prompt_ids)])
+    assert all(s.by_proposer["eagle"].draft_tokens > 0 for s in stats.values())
+    engine = eagle_engine()
+    assert run(engine, [request(f"r{i}", p, "eagle", k) for i, p in enumerate(prompt_ids)]) == greedy_reference
+
+
+def test_eagle_beside_other_methods_in_one_batch(eagle_engine, prompt_ids, greedy_reference):
+    methods = ["eagle", "auto", "ngram", "draft", "eagle"]
+    mixed = [request(f"r{i}", p, m, 3) for i, (p, m) in enumerate(zip(prompt_ids, methods, strict=True))]
+    assert run(eagle_engine(), mixed) == greedy_reference
+
+
+def test_after_rejections_the_head_cache_holds_real_features(eagle_engine, tiny_target, prompt_ids):
+    """Drafted features are rolled back and replaced by the target's: after several steps the head's
+    next draft equals what a fresh head computes from a clean forward over the committed tokens."""
+    engine = eagle_engine()
+    for i, p in enumerate(prompt_ids[:3]):
+        engine.add_request(request(f"r{i}", p, "eagle", 4, max_tokens=40))
+    for _ in range(6):
+        engine.step()
+    proposer = engine.planner.proposers["eagle"]
+    head = proposer.head
+    seqs = [engine.running[rid] for rid in engine.runner.rows]
+    assert sum(s.stats.draft_tokens - s.stats.accepted_tokens for s in seqs) > 0  # rejections happened
+    drafts = proposer.propose(seqs, [1] * len(seqs)).drafts
+    for seq, got in zip(seqs, drafts, strict=True):
+        tokens = seq.tokens
+        with torch.no_grad():
+            feats = tiny_target.model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state  # [1, n-1, H]
+            predicted, _ = head(feats, torch.tensor([tokens[1:]]))
+            expected = int(head.vocab_ids[head.fr_logits(predicted[0, -1]).argmax()])
+        assert got == [expected]
+
+
+def test_sampled_drafts_never_leave_the_heads_vocabulary(eagle_engine, prompt_ids):
+    """FR-Spec: q is 0 outside the head's vocabulary, so sampled drafts stay inside it (and the
+    rejection sampler's residual covers the rest: lossless)."""
+    engine = eagle_engine()
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(request(f"r{i}", p, "eagle", 4, temperature=1.5, max_tokens=30))
+    for _ in range(3):
+        engine.step()
+    proposer = engine.planner.proposers["eagle"]
+    allowed = proposer.head.vocab_ids.tolist()
+    seqs = [engine.running[rid] for rid in engine.runner.rows]
+    proposal = proposer.propose(seqs, [4] * len(seqs))
+    outside = torch.ones(engine.vocab_size, dtype=torch.bool)
+    outside[allowed] = False
+    for drafts, q in zip(proposal.drafts, proposal.q, strict=True):
+        assert len(drafts) == 4 and set(drafts) <= set(allowed)
+        assert q.shape == (4, engine.vocab_size) and float(q[:, outside].sum()) == 0.0
+
+
+def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
+    engine = Engine(tiny_target, tiny_draft, Settings.load(draft_head="none"))
+    assert "eagle" not in engine.methods
+    assert resolve_draft_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
+    assert resolve_draft_head(None, None) is None
+    expect = SHIPPED_HEAD if (SHIPPED_HEAD / "config.json").is_file() else None
+    assert resolve_draft_head("auto", None) == expect
