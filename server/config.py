@@ -73,10 +73,10 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown speculation method {value!r}; choose one of {', '.join(BUILTIN.methods)}")
         return value
 
-    @field_validator("draft_head")
+    @field_validator("draft", "draft_head")
     @classmethod
-    def _no_head(cls, value: str | None) -> str | None:
-        """"none" (from a flag or the environment, which cannot say null) means no head."""
+    def _none(cls, value: str | None) -> str | None:
+        """"none" (from a flag or the environment, which cannot say null) means no draft model / head."""
         return None if value is None or value.strip().lower() in ("", "none", "null") else value
 
     @model_validator(mode="after")
