@@ -63,6 +63,7 @@ class Registry:
 
 BUILTIN = Registry((
     Entry("ngram", "server.speculation.ngram:NgramProposer", "prompt lookup: copies what followed the latest match"),
+    Entry("suffix", "server.speculation.suffix:SuffixProposer", "suffix trees over this request and earlier outputs"),
     Entry("draft", "server.speculation.draft_model:DraftModelProposer", "a smaller causal LM with its own KV cache"),
     Entry("eagle", "server.speculation.eagle:EagleProposer", "a one-layer head drafting from the target's features"),
 ))

@@ -1,0 +1,282 @@
+"""Suffix-tree drafts (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975): match the end of the text
+against a per-request index over its own prompt and output, and against a global index over the recent
+outputs of earlier requests, then draft the most frequent continuation of the longest match.
+
+The trees are implicit. A node of a suffix tree is a string s; its count is how often s occurs in the
+indexed text, and its children are the distinct tokens that follow those occurrences. Here a node is
+the array of positions where s ends, found by one vectorised scan for the text's last token and then
+narrowed backwards one token at a time (the deepest node matching the text's suffix, up to
+`MATCH_CAP` tokens). Walking down to the most frequent child is a count over the tokens after those
+positions, narrowed to the occurrences that continue with the chosen token. The counts and the walk
+are exactly a suffix tree's; nothing is built per token, so the per-request index is just the token
+array (O(n) memory, no build cost), and a lookup costs a few numpy calls (`python -m
+server.speculation.suffix` measures it).
+
+Draft length follows the match: at most `SPEC_FACTOR` x the match length tokens, and the walk stops
+where the chosen continuation's frequency among the node's occurrences drops below `MIN_PROB`.
+
+The global index holds the last `GLOBAL_TOKENS` tokens of finished requests' outputs (each with the
+last `MATCH_CAP` tokens of its prompt before it, so a new request's prompt end can match and draft from
+its first token), evicted whole requests first-in first-out. It is fed when a request leaves (`leave`),
+with what `commit` kept; it is shared by every request of this server that uses `suffix` (or `auto`).
+
+Confidence (an index into `LEVEL_PRIORS`) combines the match length with the first draft token's
+frequency among the match's continuations: a long match with one dominant continuation is a copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
+
+MATCH_CAP = 16  # the deepest node matched (tokens of the text's suffix)
+SPEC_FACTOR = 2.0  # drafts per matched token, at most (SuffixDecoding's max_spec_factor)
+MIN_PROB = 0.1  # stop the walk where the chosen continuation has a lower frequency than this
+GLOBAL_TOKENS = 65536  # tokens the global index keeps (outputs plus their prompt tails), FIFO by request
+SEPARATOR = -1  # between requests in the global index: never equals a token, so no match crosses it
+
+# Confidence levels: (match length bucket, dominant continuation?). Match buckets 1, 2, 3-7, 8+ as
+# n-gram's; "dominant" = the first draft token follows at least 3/4 of the match's occurrences.
+MATCH_BUCKETS = (1, 2, 3, 8)
+DOMINANT = 0.75
+# First-draft acceptance per level before any evidence (greedy), measured by replaying greedy
+# SmolLM2-135M answers to the bench workloads (bench/workloads/*.jsonl, 128 tokens): see docs/bench.md.
+LEVEL_PRIORS = (0.15, 0.3, 0.3, 0.4, 0.45, 0.6, 0.55, 0.8)
+
+
+def confidence_level(match_len: int, first_prob: float) -> int:
+    """Level of a draft after a `match_len`-token match whose first token has frequency `first_prob`."""
+    bucket = max(i for i, start in enumerate(MATCH_BUCKETS) if start <= max(match_len, 1))
+    return 2 * bucket + (1 if first_prob >= DOMINANT else 0)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A walk down the implicit suffix tree: the drafts, the match length they follow, each draft's
+    frequency among the occurrences of the path before it, and where it came from."""
+
+    drafts: list[int]
+    length: int = 0
+    probs: tuple[float, ...] = ()
+    source: str = ""  # "request" or "global"
+
+    @property
+    def score(self) -> float:
+        """Expected accepted drafts if each is right with its frequency (SuffixDecoding's score)."""
+        total, run = 0.0, 1.0
+        for p in self.probs:
+            run *= p
+            total += run
+        return total
+
+    @property
+    def level(self) -> int:
+        return confidence_level(self.length, self.probs[0] if self.probs else 0.0)
+
+
+NO_MATCH = Match([])
+
+
+def deepest_node(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, cap: int = MATCH_CAP) -> tuple[np.ndarray, int]:
+    """The occurrences in `hay` of the longest suffix of `text` (at most `cap` tokens) among candidate
+    end positions `ends` (where hay holds text's last token), and that suffix's length.
+
+    Returns (end positions, length); (empty, 0) when there are no candidates.
+    """
+    if ends.size == 0:
+        return ends, 0
+    n, length = len(text), 1
+    while length < min(cap, n):
+        back = ends - length
+        back = back[back >= 0]
+        keep = back[hay[back] == text[n - 1 - length]]
+        if keep.size == 0:
+            break
+        ends, length = keep + length, length + 1
+    return ends, length
+
+
+def walk(hay: np.ndarray, ends: np.ndarray, limit: int, stop: int) -> tuple[list[int], list[float]]:
+    """Follow the most frequent child from the node whose occurrences end at `ends`: up to `limit`
+    tokens, never reading at or past `stop` nor a separator. Ties go to the most recent occurrence.
+    Returns the tokens and each one's frequency among the occurrences still followed."""
+    drafts: list[int] = []
+    probs: list[float] = []
+    cont = ends + 1
+    while len(drafts) < limit:
+        cont = cont[cont < stop]
+        if cont.size == 0:
+            break
+        toks = hay[cont]
+        live = toks != SEPARATOR
+        cont, toks = cont[live], toks[live]
+        if cont.size == 0:
+            break
+        if cont.size == 1:  # one occurrence left: a copy, read it straight
+            run = hay[int(cont[0]) : min(int(cont[0]) + limit - len(drafts), stop)]
+            sep = np.flatnonzero(run == SEPARATOR)
+            run = run[: sep[0]] if sep.size else run
+            drafts += run.tolist()
+            probs += [1.0] * len(run)
+            break
+        values, counts = np.unique(toks, return_counts=True)
+        top = counts.max()
+        best = values[counts == top]
+        if best.size > 1:  # equally frequent: the one seen most recently
+            token = int(toks[np.flatnonzero(np.isin(toks, best)).max()])
+        else:
+            token = int(best[0])
+        prob = float(top) / float(toks.size)
+        if prob < MIN_PROB:
+            break
+        drafts.append(token)
+        probs.append(prob)
+        cont = cont[toks == token] + 1
+    return drafts, probs
+
+
+class RequestIndex:
+    """One request's prompt and output as a growing token array (the per-request suffix tree)."""
+
+    def __init__(self, tokens: list[int], prompt_len: int) -> None:
+        self.buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self.n = 0
+        self.prompt_len = prompt_len
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        if self.n + len(tokens) > len(self.buf):
+            grown = np.empty(2 * (self.n + len(tokens)), dtype=np.int64)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : self.n + len(tokens)] = tokens
+        self.n += len(tokens)
+
+    def sync(self, tokens: list[int]) -> None:
+        """Make the index hold exactly `tokens` (the engine's text; a stop may have dropped emitted tokens)."""
+        if self.n > len(tokens) or (self.n and self.buf[self.n - 1] != tokens[self.n - 1]):
+            self.n = 0
+            self.extend(tokens)
+        elif self.n < len(tokens):
+            self.extend(tokens[self.n :])
+
+    @property
+    def text(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+    def lookup(self, k: int) -> Match:
+        """Drafts from the text's own earlier occurrences of its longest suffix."""
+        text = self.text
+        n = len(text)
+        if k <= 0 or n < 2:
+            return NO_MATCH
+        ends, length = deepest_node(text, np.flatnonzero(text[: n - 1] == text[-1]), text)
+        if not length:
+            return NO_MATCH
+        drafts, probs = walk(text, ends, min(k, math.ceil(SPEC_FACTOR * length)), n)
+        return Match(drafts, length, tuple(probs), "request") if drafts else NO_MATCH
+
+    def tail_for_global(self) -> np.ndarray:
+        """What this request adds to the global index: its output, after its prompt's last MATCH_CAP tokens."""
+        return self.buf[max(0, self.prompt_len - MATCH_CAP) : self.n].copy()
+
+
+@dataclass
+class GlobalIndex:
+    """Recent finished requests' outputs (with their prompt tails), one array with separators; the
+    oldest requests are evicted first once more than `max_tokens` tokens are held."""
+
+    max_tokens: int = GLOBAL_TOKENS
+    parts: deque[np.ndarray] = field(default_factory=deque)
+    hay: np.ndarray = field(default_factory=lambda: np.full(1, SEPARATOR, dtype=np.int64))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (separators not counted)."""
+        return sum(len(p) for p in self.parts)
+
+    def add(self, tokens: np.ndarray) -> None:
+        if len(tokens) < 2:
+            return
+        self.parts.append(tokens[-self.max_tokens :])
+        held = self.tokens
+        while held > self.max_tokens:
+            held -= len(self.parts.popleft())
+        pieces = [np.full(1, SEPARATOR, dtype=np.int64)]
+        for part in self.parts:
+            pieces += [part, pieces[0]]
+        self.hay = np.concatenate(pieces)  # SEP part SEP part ... SEP
+
+    def lookup(self, text: np.ndarray, k: int) -> Match:
+        """Drafts from earlier requests' continuations of the text's longest suffix."""
+        if k <= 0 or len(self.hay) < 3 or not len(text):
+            return NO_MATCH
+        hay = self.hay
+        ends, length = deepest_node(hay, np.flatnonzero(hay[:-1] == text[-1]), text)
+        if not length:
+            return NO_MATCH
+        drafts, probs = walk(hay, ends, min(k, math.ceil(SPEC_FACTOR * length)), len(hay))
+        return Match(drafts, length, tuple(probs), "global") if drafts else NO_MATCH
+
+
+def best_match(request: Match, shared: Match) -> Match:
+    """The longer match (a deeper node is more specific); on equal length the higher score, then the request's own."""
+    if not shared.drafts:
+        return request
+    if not request.drafts:
+        return shared
+    return max((request, shared), key=lambda m: (m.length, m.score, m.source == "request"))
+
+
+class SuffixProposer(Proposer):
+    # A lookup is a few numpy calls: ~30-60 us at 1-2k tokens against a ~25 ms target step on a CPU
+    # (python -m server.speculation.suffix), i.e. ~0.0003 of a step per draft token at K = 8.
+    traits = Traits(deterministic=True, lookahead=True, draft_token_cost=0.0005, confidence_priors=LEVEL_PRIORS)
+
+    def __init__(self, global_tokens: int = GLOBAL_TOKENS) -> None:
+        self.requests: dict[str, RequestIndex] = {}
+        self.shared = GlobalIndex(global_tokens)
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> SuffixProposer:
+        return cls()
+
+    def join(self, seqs: list[SequenceView], prompt_hidden: object = None) -> None:
+        for seq in seqs:
+            tokens = seq.tokens
+            self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
+
+    def _index(self, seq: SequenceView) -> RequestIndex:
+        tokens = seq.tokens
+        index = self.requests.get(seq.request_id)
+        if index is None:  # not joined through the planner (a direct caller): the text so far is the prompt
+            index = self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
+        else:
+            index.sync(tokens)
+        return index
+
+    def match(self, seq: SequenceView, k: int) -> Match:
+        """The better of the request's own and the global index's drafts for `seq`, up to k tokens."""
+        index = self._index(seq)
+        return best_match(index.lookup(k), self.shared.lookup(index.text, k))
+
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
+        found = [self.match(seq, k) for seq, k in zip(seqs, ks, strict=True)]
+        return Proposal(drafts=[m.drafts for m in found], confidence=[m.level for m in found])
+
+    def commit(self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: object) -> None:
+        index = self.requests.get(seq.request_id)
+        if index is not None:
+            index.extend(emitted)  # before the engine appends them (a stop may drop some: `sync` repairs)
+
+    def leave(self, request_ids: set[str]) -> None:
+        """Finished or aborted requests' outputs join the global index (oldest evicted first)."""
+        for rid in sorted(request_ids):
+            index = self.requests.pop(rid, None)
+            if index is not None and index.n > index.prompt_len:
+                self.shared.add(index.tail_for_global())

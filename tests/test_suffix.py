@@ -1,0 +1,187 @@
+"""Suffix-tree drafts (server/speculation/suffix.py): the implicit tree's matches, continuation
+frequencies and draft lengths, the global index's FIFO bound, greedy exactness in the engine, drafts
+from an earlier request's output, and `auto` using the proposer with no edits of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from server.speculation.registry import BUILTIN, Registry
+from server.speculation.suffix import (
+    MATCH_CAP,
+    GlobalIndex,
+    RequestIndex,
+    SuffixProposer,
+    best_match,
+    confidence_level,
+)
+from tests.engine_helpers import final_stats, request, run
+
+
+@dataclass
+class FakeSeq:
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+
+
+def lookup(tokens: list[int], k: int = 8):
+    return RequestIndex(tokens, len(tokens)).lookup(k)
+
+
+# ---- the per-request tree ------------------------------------------------------------------------
+def test_the_longest_suffix_wins_over_a_more_recent_shorter_one():
+    # "1 2 3" is followed by 7 once; "3" alone was followed by 9 more recently.
+    m = lookup([1, 2, 3, 7, 8, 5, 3, 9, 6, 1, 2, 3])
+    assert m.length == 3 and m.drafts[0] == 7 and m.source == "request"
+
+
+def test_the_most_frequent_continuation_wins_and_its_frequency_is_reported():
+    # after "5": 6 twice, 7 once (most recent) -> 6, with frequency 2/3
+    m = lookup([5, 6, 0, 5, 6, 1, 5, 7, 2, 5])
+    assert m.length == 1 and m.drafts[0] == 6 and m.probs[0] == pytest.approx(2 / 3)
+    # then the walk follows only the occurrences that continued with 6: 0 and 1 once each (tie -> recent)
+    assert m.drafts[1] == 1 and m.probs[1] == pytest.approx(1 / 2)
+
+
+def test_equal_frequencies_go_to_the_most_recent_occurrence():
+    assert lookup([4, 1, 4, 2, 4]).drafts[0] == 2
+
+
+def test_draft_length_follows_the_match_length():
+    text = list(range(100, 140))  # no repeats: one occurrence of anything is the text itself
+    short = lookup([*text, 7, 100], k=16)  # "100" matches once (1 token): at most 2 drafts
+    assert short.length == 1 and short.drafts == [101, 102]
+    long = lookup([*text, *text[:10]], k=16)
+    assert long.length == 10 and long.drafts == text[10:26]
+    assert lookup([*text, *text[:10]], k=3).drafts == text[10:13]
+
+
+def test_match_length_is_capped_and_nothing_matches_in_fresh_text():
+    text = list(range(50))
+    assert lookup([*text, *text]).length == MATCH_CAP
+    assert lookup(list(range(30))).drafts == []
+    assert lookup([3], k=4).drafts == [] and lookup([3, 3], k=0).drafts == []
+
+
+def test_a_continuation_may_overlap_the_suffix_but_stops_at_the_end_of_the_text():
+    m = lookup([9, 9, 9, 9], k=3)  # deepest node "9 9 9" ends at position 2; only position 3 follows it
+    assert (m.length, m.drafts) == (3, [9])
+    assert lookup([1, 2, 1, 2, 1, 2], k=4).drafts == [1, 2]  # "1 2 1 2" ends at 3: then 1 2, the end
+
+
+def test_sync_follows_the_engines_text():
+    index = RequestIndex([1, 2, 3], 3)
+    index.extend([4, 5])
+    index.sync([1, 2, 3, 4])  # a stop dropped the last emitted token
+    assert index.text.tolist() == [1, 2, 3, 4]
+    index.sync([1, 2, 3, 4, 6, 7])
+    assert index.text.tolist() == [1, 2, 3, 4, 6, 7]
+    index.sync([8, 8])
+    assert index.text.tolist() == [8, 8]
+
+
+def test_confidence_levels_order_match_length_then_dominance():
+    assert confidence_level(1, 0.2) == 0 and confidence_level(1, 1.0) == 1
+    assert confidence_level(5, 0.5) == 4 and confidence_level(20, 0.9) == 7
+    levels = [confidence_level(m, p) for m in (1, 2, 4, 9) for p in (0.3, 0.9)]
+    assert levels == sorted(levels) == list(range(8))
+
+
+# ---- the global tree -------------------------------------------------------------------------------
+def test_global_index_drafts_an_earlier_output_and_counts_continuations():
+    g = GlobalIndex(max_tokens=1000)
+    g.add(np.array([1, 2, 3, 10, 11, 12]))
+    g.add(np.array([1, 2, 3, 10, 20, 21]))
+    g.add(np.array([1, 2, 3, 10, 11, 13]))
+    m = g.lookup(np.array([7, 2, 3]), 8)
+    assert m.source == "global" and m.length == 2
+    assert m.drafts[:2] == [10, 11] and m.probs[:2] == (1.0, pytest.approx(2 / 3))
+    assert m.drafts[2] == 13  # 12 and 13 once each: the most recent request's
+
+
+def test_global_matches_never_cross_requests():
+    g = GlobalIndex(max_tokens=1000)
+    g.add(np.array([5, 6]))
+    g.add(np.array([7, 8]))
+    assert g.lookup(np.array([6]), 4).drafts == []  # 6 ends its request: nothing follows it
+    assert g.lookup(np.array([5, 6, 7]), 4).drafts == [8]  # 7 matches alone, not "6 7"
+    assert g.lookup(np.array([5, 6, 7]), 4).length == 1
+
+
+def test_global_index_evicts_the_oldest_requests_within_its_bound():
+    g = GlobalIndex(max_tokens=10)
+    for start in range(0, 60, 4):
+        g.add(np.arange(start, start + 4))
+        assert g.tokens <= 10
+    assert [int(p[0]) for p in g.parts] == [52, 56]  # the newest requests that fit, in arrival order
+    assert g.lookup(np.array([0]), 4).drafts == []  # evicted
+    assert g.lookup(np.array([56]), 4).drafts == [57, 58]
+    assert len(g.hay) == g.tokens + len(g.parts) + 1  # separators around every request
+    g.add(np.arange(1000, 1050))  # longer than the bound alone: only its last tokens are kept
+    assert g.tokens == 10 and g.parts[-1][0] == 1040
+
+
+def test_the_longer_match_wins_between_the_request_and_the_global_tree():
+    proposer = SuffixProposer()
+    proposer.join([FakeSeq("a", [1, 2, 3])], None)
+    proposer.commit(FakeSeq("a", [1, 2, 3]), [], [4, 5, 6, 7], None)
+    proposer.leave({"a"})
+    assert proposer.shared.tokens == 7  # the prompt's tail (up to MATCH_CAP tokens) and the output
+    seq = FakeSeq("b", [9, 1, 2, 3, 4, 8, 3])  # own text: "3" -> 4 (1 token); global: "3" too
+    proposer.join([seq], None)
+    assert proposer.match(seq, 4).source == "request"  # same length and score: the request's own
+    seq.tokens += [4, 5]  # "3 4 5": global "3 4 5" is a longer match than the request's "5" (none)
+    m = proposer.match(seq, 4)
+    assert (m.source, m.drafts[:2], m.length) == ("global", [6, 7], 3)
+    assert best_match(m, m.__class__([])) is m
+
+
+def test_leaving_without_output_adds_nothing_and_unknown_ids_are_ignored():
+    proposer = SuffixProposer(global_tokens=100)
+    proposer.join([FakeSeq("a", [1, 2, 3])], None)
+    proposer.leave({"a", "never-joined"})
+    assert proposer.shared.tokens == 0 and not proposer.requests
+
+
+# ---- in the engine ---------------------------------------------------------------------------------
+def test_suffix_registered_once_and_lookahead():
+    assert BUILTIN.proposers.count("suffix") == 1
+    assert SuffixProposer.traits.lookahead and SuffixProposer.traits.deterministic
+    assert len(SuffixProposer.traits.confidence_priors) == 8
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_output_equals_target_only_greedy(tiny_engine_factory, prompt_ids, greedy_reference, k):
+    engine = tiny_engine_factory(draft=None)
+    reqs = [request(f"r{i}", p, "suffix", k) for i, p in enumerate(prompt_ids)]
+    assert run(engine, reqs) == greedy_reference
+    # the same prompts again: now the global tree holds the first answers, the text is still the target's
+    again = [request(f"r{i}", p, "suffix", k) for i, p in enumerate(prompt_ids)]
+    assert run(engine, again) == greedy_reference
+
+
+def test_a_repeated_request_drafts_from_the_global_tree_from_its_first_token(tiny_engine_factory, prompt_ids):
+    only = Registry(tuple(e for e in BUILTIN.entries if e.name == "suffix"))
+    engine = tiny_engine_factory(registry=only, draft=None)
+    prompt = prompt_ids[0]  # "Hello world, this is": nothing in it repeats, so its own tree offers nothing
+    engine.add_request(request("first", prompt, "suffix", 8, max_tokens=24))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step().outputs
+    assert outs[0].sources[0].origin == "plain"  # the first request's first step had nothing to draft
+    answer = [t for o in outs for t in o.token_ids]
+    engine.add_request(request("second", prompt, "suffix", 8, max_tokens=24))
+    step = engine.step().outputs[0]
+    assert [s.origin for s in step.sources] == ["accepted"] * 8 + ["bonus"]  # drafted from its first token
+    assert step.token_ids == answer[:9]
+
+
+def test_auto_uses_suffix_drafts_with_no_edits_to_auto(tiny_engine_factory, prompt_ids):
+    engine = tiny_engine_factory(draft=None)
+    first = final_stats(engine, [request("a", prompt_ids[0], "auto", 8, max_tokens=40)])["a"]
+    second = final_stats(engine, [request("b", prompt_ids[0], "auto", 8, max_tokens=40)])["b"]
+    assert "suffix" in second.by_proposer and second.by_proposer["suffix"].accepted_tokens > 0
+    assert second.decode_steps < first.decode_steps
