@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = Field(default=DEFAULT_NUM_TOKENS, ge=1, le=32)
     ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
     ngram_min: int = Field(default=1, ge=1, le=16)
+    # Time the target's verify passes and the model proposers at start-up (or read the timings stored in
+    # cache_dir for this model, dtype, device and thread count), so `auto` plans with real costs at once.
+    calibrate: bool = True
 
     # Limits.
     max_batch_size: int = Field(default=8, ge=1, le=256)

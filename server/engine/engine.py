@@ -17,6 +17,7 @@ import time
 import torch
 
 from server.config import Settings
+from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
 from server.model.attention import use_gqa_attention
@@ -297,4 +298,7 @@ def build_engine(settings: Settings) -> Engine:
         "loaded target %s and draft %s on %s in %.1f s",
         target.name, draft.name if draft else None, target.device, time.perf_counter() - started,
     )
-    return Engine(target, draft, settings)
+    engine = Engine(target, draft, settings)
+    if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
+        calibrate(engine)
+    return engine

@@ -1,0 +1,256 @@
+"""Step costs measured before the first request, so `auto` plans with this machine's costs from the start.
+
+`auto` weighs drafting against what verifying more tokens and running a model proposer cost
+(server/speculation/adaptive.py `CostModel`). Online, those costs are learnt from the engine's own
+steps; a fresh server would otherwise plan its first steps from a prior slope, and a lone request
+verifying one width at a time never shows the slope at all. At start-up (while `/health` says
+loading) `calibrate` therefore times:
+
+* the target's verify forward (logits and their softmax, as a step computes) over scratch caches of
+  its own, at batch sizes 1, 2, 4, ... up to `max_batch_size` and widths 1, 2, 4, ... up to K + 1
+  (the widths `auto` may choose), each after a prefix of `CONTEXT` tokens, `REPEATS` rounds;
+* each model proposer's drafting (proposers without a declared cost per draft token), through the
+  proposer contract itself: join, one warm-up draft and commit, then K drafts per row at batch 1 and
+  `max_batch_size`, then leave.
+
+The timings are fed to the planner's cost model as if steps had produced them (the online window
+replaces them as real steps arrive) and stored as JSON in `settings.cache_dir/calibration/`, keyed by
+the target, its dtype, the device, torch's thread count and what else changes the costs (draft model,
+draft head, K, batch size), so a restart with the same key reads them back instead of timing again.
+Calibration stops early once `budget_s` seconds are spent (the points measured so far are kept) and is
+skipped entirely with the `calibrate` setting off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from server.model.runner import ModelRunner
+from server.speculation.planner import elapsed_since
+from server.types import SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # bump when what is measured changes: older files are then ignored
+CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
+REPEATS = 2  # timings per (batch, width)
+BUDGET_S = 8.0  # stop timing after this long (a CPU times everything in a few seconds)
+
+
+@dataclass
+class Calibration:
+    """Timings: verify passes as (fed tokens, seconds), and per model proposer its drafting as
+    (draft tokens per row, seconds)."""
+
+    key: dict[str, object]
+    verify: list[tuple[int, float]] = field(default_factory=list)
+    draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    loaded: bool = False  # read from the cache directory rather than measured now
+
+    def feed(self, engine: Engine) -> None:
+        """Give the timings to the engine's step-cost model."""
+        cost = engine.planner.policy.cost
+        for tokens, seconds in self.verify:
+            cost.observe_verify(tokens, seconds)
+        for name, points in self.draft.items():
+            for forwards, seconds in points:
+                cost.observe_draft(name, forwards, seconds)
+
+    def to_json(self) -> dict[str, object]:
+        return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft}
+
+
+def calibration_key(engine: Engine) -> dict[str, object]:
+    """What the step costs depend on: model, dtype, device, threads, and the settings that change them."""
+    s = engine.settings
+    return {
+        "target": engine.target.name,
+        "dtype": str(engine.target.model.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "threads": torch.get_num_threads(),
+        "draft": [s.draft, s.draft_dtype] if engine.draft_name else None,
+        "draft_head": s.draft_head if "eagle" in engine.planner.proposers else None,
+        "k": s.num_speculative_tokens,
+        "max_batch_size": s.max_batch_size,
+        "model_proposers": sorted(_model_proposers(engine)),
+    }
+
+
+def cache_path(cache_dir: Path, key: dict[str, object]) -> Path:
+    """The calibration file for `key`: readable prefix plus a hash of the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{key['target']}-{key['device']}")[:60]
+    return cache_dir / "calibration" / f"{slug}-{digest}.json"
+
+
+def load(path: Path, key: dict[str, object]) -> Calibration | None:
+    """The stored calibration for `key`, or None (missing, unreadable, another version or key)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != VERSION or data.get("key") != key:
+        return None
+    try:
+        verify = [(int(n), float(s)) for n, s in data["verify"]]
+        draft = {str(name): [(int(k), float(s)) for k, s in pts] for name, pts in data["draft"].items()}
+    except (KeyError, TypeError, ValueError):
+        return None
+    return Calibration(key, verify, draft, loaded=True)
+
+
+def calibrate(engine: Engine, budget_s: float = BUDGET_S) -> Calibration:
+    """Calibrate the engine's cost model: from the cache directory when this key was measured before,
+    else by timing now (then stored). Must run before the engine serves (it uses the target)."""
+    key = calibration_key(engine)
+    path = cache_path(engine.settings.cache_dir, key)
+    found = load(path, key)
+    if found is None:
+        started = time.perf_counter()
+        found = measure(engine, key, budget_s)
+        log.info("calibrated step costs in %.1f s: %d verify timings, %s", time.perf_counter() - started,
+                 len(found.verify), {n: len(p) for n, p in found.draft.items()})
+        try:
+            if not found.verify:
+                return found  # nothing measured (no budget): nothing to store or feed
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(found.to_json()))
+            tmp.replace(path)
+        except OSError as err:  # a read-only cache directory costs a restart its calibration, nothing else
+            log.warning("could not store the calibration in %s: %s", path, err)
+    else:
+        log.info("step costs read from %s", path)
+    found.feed(engine)
+    return found
+
+
+def widths(k: int) -> list[int]:
+    """Verify widths to time: 1, 2, 4, ... and K + 1."""
+    return _doubling(k + 1)
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to time: 1, 2, 4, ... and the largest."""
+    return _doubling(max_batch)
+
+
+def _doubling(top: int) -> list[int]:
+    out, n = [], 1
+    while n < top:
+        out.append(n)
+        n *= 2
+    return [*out, top]
+
+
+def measure(engine: Engine, key: dict[str, object], budget_s: float = BUDGET_S) -> Calibration:
+    """Time the target's verify passes and the model proposers' drafting now."""
+    deadline = time.perf_counter() + budget_s
+    result = Calibration(key)
+    settings = engine.settings
+    with torch.no_grad():
+        result.verify = _time_verify(engine, widths(settings.num_speculative_tokens),
+                                     batch_sizes(settings.max_batch_size), deadline)
+        for name in _model_proposers(engine):
+            for rows in sorted({1, settings.max_batch_size}):
+                if time.perf_counter() > deadline:
+                    break
+                result.draft.setdefault(name, []).extend(_time_drafting(engine, name, rows))
+    return result
+
+
+def _model_proposers(engine: Engine) -> list[str]:
+    """Proposers whose cost per draft token the planner times (no declared cost)."""
+    return [n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None]
+
+
+def _scratch_tokens(engine: Engine, rows: int, length: int) -> list[list[int]]:
+    """Deterministic token ids below the tokenizer's size (any ids cost the same to compute)."""
+    vocab = min(len(engine.tokenizer), engine.vocab_size)
+    return [[(17 + 31 * (r * length + i)) % vocab for i in range(length)] for r in range(rows)]
+
+
+def _time_verify(
+    engine: Engine, widths: list[int], batches: list[int], deadline: float
+) -> list[tuple[int, float]]:
+    """(rows x width, seconds) of target passes, each batch size over its own scratch cache (the
+    engine's rows are untouched); every pass is rolled back, so each sees `CONTEXT` cached tokens."""
+    points: list[tuple[int, float]] = []
+    for _ in range(REPEATS):
+        for rows in batches:
+            runner = ModelRunner(engine.target.model)
+            ids = [f"calibration-{r}" for r in range(rows)]
+            runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
+            fed_rows = _scratch_tokens(engine, rows, max(widths))
+            try:
+                runner.forward([r[:1] for r in fed_rows])  # a fresh cache's first pass allocates: not timed
+                for b in range(rows):
+                    runner.rollback(b, 1)
+                for width in widths:
+                    if time.perf_counter() > deadline:
+                        return points
+                    started = time.perf_counter()
+                    logits = runner.forward([r[:width] for r in fed_rows]).logits  # [rows, width, vocab]
+                    torch.softmax(logits.float(), dim=-1)
+                    points.append((rows * width, elapsed_since(started, engine.device)))
+                    for b in range(rows):
+                        runner.rollback(b, width)
+            finally:
+                runner.leave(set(ids))
+    return points
+
+
+@dataclass
+class _ScratchSequence:
+    """A stand-in sequence for timing a proposer (satisfies `SequenceView`)."""
+
+    request_id: str
+    tokens: list[int]
+    generator: torch.Generator
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64, temperature=0.0))
+
+
+def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, float]]:
+    """(K, seconds) of `name` drafting K tokens for `rows` scratch sequences, after a warm-up draft
+    (which prefills the proposer's own cache) and its commit, as the planner would time it."""
+    proposer = engine.planner.proposers[name]
+    k = engine.settings.num_speculative_tokens
+    prompts = _scratch_tokens(engine, rows, CONTEXT)
+    seqs = [
+        _ScratchSequence(f"calibration-{name}-{r}", p, torch.Generator(device=engine.device).manual_seed(r))
+        for r, p in enumerate(prompts)
+    ]
+    hidden_size = int(engine.target.model.config.hidden_size)
+    needs = proposer.traits.needs_hidden
+
+    def hidden(n: int) -> torch.Tensor | None:
+        return torch.zeros(n, hidden_size, device=engine.device, dtype=engine.target.model.dtype) if needs else None
+
+    points: list[tuple[int, float]] = []
+    proposer.join(seqs, [hidden(len(p) - 1) for p in prompts] if needs else None)
+    try:
+        for timed in (False, True, True):
+            started = time.perf_counter()
+            proposal = proposer.propose(seqs, [k if timed else 1] * rows)
+            seconds = elapsed_since(started, engine.device)
+            if timed:
+                points.append((k, seconds))
+            for seq, drafts in zip(seqs, proposal.drafts, strict=True):
+                emitted = [*drafts, seq.tokens[0]]  # every draft accepted, then a bonus token
+                proposer.commit(seq, drafts, emitted, hidden(len(emitted)))
+                seq.tokens = seq.tokens + emitted
+    finally:
+        proposer.leave({s.request_id for s in seqs})
+    return points

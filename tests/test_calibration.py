@@ -1,0 +1,89 @@
+"""Start-up calibration of `auto`'s step costs (server/engine/calibration.py): what is timed, that it
+reaches the cost model, that it is stored per key and read back without timing, that it leaves the
+engine as it found it, and that the setting skips it. No assertion depends on how long anything took."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.config import Settings
+from server.engine import calibration
+from server.engine import engine as engine_module
+from server.engine.calibration import batch_sizes, cache_path, calibrate, calibration_key, widths
+from server.model.runner import ModelRunner
+from tests.engine_helpers import request, run
+
+UNBOUNDED = 1e9  # seconds: every point is measured, whatever the machine's speed
+
+
+def test_widths_and_batch_sizes_cover_what_auto_may_choose():
+    assert widths(8) == [1, 2, 4, 8, 9] and widths(1) == [1, 2]
+    assert batch_sizes(8) == [1, 2, 4, 8] and batch_sizes(6) == [1, 2, 4, 6] and batch_sizes(1) == [1]
+
+
+def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_engine_factory, tmp_path):
+    engine = tiny_engine_factory(cache_dir=tmp_path, num_speculative_tokens=3, max_batch_size=2)
+    cost = engine.planner.policy.cost
+    assert not cost.fitted and cost.draft_forward_time("draft") is None
+    result = calibrate(engine, budget_s=UNBOUNDED)
+    expected = [r * w for r in (1, 2) for w in (1, 2, 4)] * calibration.REPEATS
+    assert sorted(n for n, _ in result.verify) == sorted(expected)
+    assert [k for k, _ in result.draft["draft"]] == [3, 3, 3, 3]  # 2 timed drafts at batch 1 and at 2
+    assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
+    assert cost.fitted and cost.draft_forward_time("draft") is not None
+    assert not result.loaded
+    stored = json.loads(cache_path(tmp_path, result.key).read_text())
+    assert stored["key"] == calibration_key(engine) and len(stored["verify"]) == len(expected)
+
+
+def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engine_factory, tmp_path, monkeypatch):
+    first = calibrate(tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2), budget_s=UNBOUNDED)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a stored calibration must not run the model")
+
+    monkeypatch.setattr(ModelRunner, "forward", no_forward)
+    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
+    again = calibrate(engine, budget_s=UNBOUNDED)
+    assert again.loaded and again.verify == first.verify and again.draft == first.draft
+    assert engine.planner.policy.cost.fitted
+
+
+def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp_path):
+    a = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
+    b = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=3)
+    assert cache_path(tmp_path, calibration_key(a)) != cache_path(tmp_path, calibration_key(b))
+    path = cache_path(tmp_path, calibrate(a, budget_s=UNBOUNDED).key)
+    path.write_text("{not json")
+    assert not calibrate(a, budget_s=UNBOUNDED).loaded
+    assert calibrate(a, budget_s=UNBOUNDED).loaded  # the re-measured file replaced the broken one
+
+
+def test_calibration_leaves_the_engine_as_it_found_it(tiny_engine_factory, tmp_path, prompt_ids, greedy_reference):
+    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
+    calibrate(engine, budget_s=UNBOUNDED)
+    assert engine.runner.rows == [] and not engine.running
+    draft = engine.planner.proposers["draft"]
+    assert draft.runner.rows == [] and not draft.pending
+    methods = ["draft", "auto", "ngram", "none", "auto"]
+    reqs = [request(f"r{i}", p, m, 4) for i, (p, m) in enumerate(zip(prompt_ids, methods, strict=True))]
+    assert run(engine, reqs) == greedy_reference
+
+
+def test_a_zero_budget_measures_and_stores_nothing(tiny_engine_factory, tmp_path):
+    engine = tiny_engine_factory(cache_dir=tmp_path)
+    result = calibrate(engine, budget_s=0.0)
+    assert result.verify == [] and result.draft == {}
+    assert not cache_path(tmp_path, result.key).exists() and not engine.planner.policy.cost.fitted
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_draft, tmp_path, monkeypatch, enabled):
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: tiny_target)
+    monkeypatch.setattr(engine_module, "load_draft_like", lambda *a, **k: tiny_draft)
+    calls = []
+    monkeypatch.setattr(engine_module, "calibrate", lambda engine: calls.append(engine))
+    built = engine_module.build_engine(Settings.load(cache_dir=tmp_path, calibrate=enabled))
+    assert calls == ([built] if enabled else [])
