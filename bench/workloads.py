@@ -1,9 +1,10 @@
 """Benchmark workloads: chat prompts shipped as JSON lines in bench/workloads/<name>.jsonl.
 
-Each line is {"id": str, "task": str, "messages": [{"role", "content"}, ...]}. The four workloads
-span the range speculation cares about: copy-heavy editing and code transformation (the answer
-repeats the prompt: n-gram lookup shines), extractive summarization (partly copied), and open-ended
-chat (nothing to copy: speculation must not lose).
+Each line is {"id": str, "task": str, "messages": [{"role", "content"}, ...]}. The workloads span
+the range speculation cares about: copy-heavy editing and code transformation (the answer repeats
+the prompt: n-gram lookup shines), extractive summarization (partly copied), open-ended chat
+(nothing to copy: speculation must not lose), and repeated agent-style requests (the same system
+prompt and few-shot turns, a tool call as JSON each round: earlier answers predict later ones).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
-WORKLOADS = ("copy_edit", "code", "summarize", "chat")  # table order
+WORKLOADS = ("copy_edit", "code", "summarize", "chat", "agent")  # table order
 MIN_PROMPTS = 8
 
 
@@ -51,5 +52,5 @@ def load_workload(name: str, directory: Path = WORKLOAD_DIR) -> Workload:
 
 
 def load_workloads(names: list[str] | None = None, directory: Path = WORKLOAD_DIR) -> list[Workload]:
-    """The named workloads (default: all four, in table order)."""
+    """The named workloads (default: all, in table order)."""
     return [load_workload(name, directory) for name in (names or WORKLOADS)]

@@ -35,9 +35,11 @@ import numpy as np
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
 
 MATCH_CAP = 16  # the deepest node matched (tokens of the text's suffix)
-SPEC_FACTOR = 2.0  # drafts per matched token, at most (SuffixDecoding's max_spec_factor)
+SPEC_FACTOR = 4.0  # drafts per matched token, at most (SuffixDecoding's max_spec_factor)
 MIN_PROB = 0.1  # stop the walk where the chosen continuation has a lower frequency than this
-GLOBAL_TOKENS = 65536  # tokens the global index keeps (outputs plus their prompt tails), FIFO by request
+GLOBAL_TOKENS = 32768  # tokens the global index keeps (outputs plus their prompt tails), FIFO by request
+NARROW_TO = 64  # candidates compared position by position before the rest are compared at once
+WALK_OCCURRENCES = 256  # a node's most recent occurrences counted when walking down (bounds a lookup's cost)
 SEPARATOR = -1  # between requests in the global index: never equals a token, so no match crosses it
 
 # Confidence levels: (match length bucket, dominant continuation?). Match buckets 1, 2, 3-7, 8+ as
@@ -46,7 +48,7 @@ MATCH_BUCKETS = (1, 2, 3, 8)
 DOMINANT = 0.75
 # First-draft acceptance per level before any evidence (greedy), measured by replaying greedy
 # SmolLM2-135M answers to the bench workloads (bench/workloads/*.jsonl, 128 tokens): see docs/bench.md.
-LEVEL_PRIORS = (0.15, 0.3, 0.3, 0.4, 0.45, 0.6, 0.55, 0.8)
+LEVEL_PRIORS = (0.1, 0.3, 0.15, 0.45, 0.3, 0.65, 0.4, 0.9)
 
 
 def confidence_level(match_len: int, first_prob: float) -> int:
@@ -90,53 +92,51 @@ def deepest_node(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, cap: int =
     """
     if ends.size == 0:
         return ends, 0
-    n, length = len(text), 1
-    while length < min(cap, n):
+    depth, length = min(cap, len(text)), 1
+    while ends.size > NARROW_TO and length < depth:  # common tokens: narrow one token at a time first
         back = ends - length
         back = back[back >= 0]
-        keep = back[hay[back] == text[n - 1 - length]]
+        keep = back[hay[back] == text[-1 - length]]
         if keep.size == 0:
-            break
+            return ends, length
         ends, length = keep + length, length + 1
-    return ends, length
+    back = ends[:, None] - np.arange(depth)  # [candidates, depth]: each candidate's tokens, backwards
+    agree = (hay[np.maximum(back, 0)] == text[::-1][:depth]) & (back >= 0)
+    lengths = np.cumprod(agree, axis=1).sum(axis=1)  # tokens agreeing before the first disagreement
+    longest = int(lengths.max())
+    return ends[lengths == longest], longest
 
 
 def walk(hay: np.ndarray, ends: np.ndarray, limit: int, stop: int) -> tuple[list[int], list[float]]:
     """Follow the most frequent child from the node whose occurrences end at `ends`: up to `limit`
     tokens, never reading at or past `stop` nor a separator. Ties go to the most recent occurrence.
     Returns the tokens and each one's frequency among the occurrences still followed."""
+    if limit <= 0:
+        return [], []
+    ends = ends[-WALK_OCCURRENCES:]  # the most recent ones (positions ascend)
+    index = ends[:, None] + 1 + np.arange(limit)  # [occurrences, limit]: each occurrence's continuation
+    matrix = np.where(index < stop, hay[np.minimum(index, stop - 1)], SEPARATOR)
+    # identical continuations counted once, with their number; dict order = most recent occurrence last
+    paths: dict[tuple[int, ...], int] = {}
+    for row in map(tuple, matrix.tolist()):
+        paths[row] = paths.pop(row, 0) + 1
     drafts: list[int] = []
     probs: list[float] = []
-    cont = ends + 1
-    while len(drafts) < limit:
-        cont = cont[cont < stop]
-        if cont.size == 0:
+    for j in range(limit):
+        counts: dict[int, int] = {}
+        for row, n in paths.items():
+            if row[j] != SEPARATOR:
+                counts[row[j]] = counts.pop(row[j], 0) + n  # re-inserted: the latest path's token last
+        if not counts:
             break
-        toks = hay[cont]
-        live = toks != SEPARATOR
-        cont, toks = cont[live], toks[live]
-        if cont.size == 0:
-            break
-        if cont.size == 1:  # one occurrence left: a copy, read it straight
-            run = hay[int(cont[0]) : min(int(cont[0]) + limit - len(drafts), stop)]
-            sep = np.flatnonzero(run == SEPARATOR)
-            run = run[: sep[0]] if sep.size else run
-            drafts += run.tolist()
-            probs += [1.0] * len(run)
-            break
-        values, counts = np.unique(toks, return_counts=True)
-        top = counts.max()
-        best = values[counts == top]
-        if best.size > 1:  # equally frequent: the one seen most recently
-            token = int(toks[np.flatnonzero(np.isin(toks, best)).max()])
-        else:
-            token = int(best[0])
-        prob = float(top) / float(toks.size)
+        top = max(counts.values())
+        token = next(t for t in reversed(counts) if counts[t] == top)  # ties: the most recent occurrence
+        prob = top / sum(counts.values())
         if prob < MIN_PROB:
             break
         drafts.append(token)
         probs.append(prob)
-        cont = cont[toks == token] + 1
+        paths = {row: n for row, n in paths.items() if row[j] == token}
     return drafts, probs
 
 
