@@ -28,8 +28,8 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     cost = engine.planner.policy.cost
     assert not cost.fitted and cost.draft_forward_time("draft") is None
     result = calibrate(engine, budget_s=UNBOUNDED)
-    expected = [r * w for r in (1, 2) for w in (1, 2, 4)] * calibration.REPEATS
-    assert sorted(n for n, _ in result.verify) == sorted(expected)
+    expected = ([1, 2, 4] + [2 * 1, 2 * 4]) * calibration.REPEATS  # one row at widths 1, 2, K+1; two at 1, K+1
+    assert sorted(n for n, _ in result.verify) == sorted(expected) and result.complete
     assert [k for k, _ in result.draft["draft"]] == [3, 3, 3, 3]  # 2 timed drafts at batch 1 and at 2
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
     assert cost.fitted and cost.draft_forward_time("draft") is not None
@@ -49,6 +49,15 @@ def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engin
     again = calibrate(engine, budget_s=UNBOUNDED)
     assert again.loaded and again.verify == first.verify and again.draft == first.draft
     assert engine.planner.policy.cost.fitted
+
+
+def test_a_calibration_cut_short_by_its_budget_is_measured_again(tiny_engine_factory, tmp_path):
+    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
+    path = cache_path(tmp_path, calibrate(engine, budget_s=UNBOUNDED).key)
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "complete": False}))  # as a busy machine would leave it
+    again = calibrate(engine, budget_s=UNBOUNDED)
+    assert not again.loaded and again.complete and json.loads(path.read_text())["complete"] is True
 
 
 def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp_path):
@@ -87,3 +96,23 @@ def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_dra
     monkeypatch.setattr(engine_module, "calibrate", lambda engine: calls.append(engine))
     built = engine_module.build_engine(Settings.load(cache_dir=tmp_path, calibrate=enabled))
     assert calls == ([built] if enabled else [])
+
+
+def test_a_proposer_reading_hidden_states_is_timed_and_left_clean(tiny_target, tiny_draft, tmp_path, prompt_ids,
+                                                                  greedy_reference):
+    import torch
+
+    from server.draft_head.model import EagleHead
+    from server.engine.engine import Engine
+
+    vocab = tiny_target.model.config.vocab_size
+    head = EagleHead.create(tiny_target.model, list(range(0, vocab, 2)), "tiny-target", seed=0)
+    head.save_pretrained(tmp_path / "head", dtype=torch.float32)
+    settings = Settings.load(draft_head=str(tmp_path / "head"), cache_dir=tmp_path, max_batch_size=2)
+    engine = Engine(tiny_target, tiny_draft, settings)
+    result = calibrate(engine, budget_s=UNBOUNDED)
+    assert set(result.draft) == {"draft", "eagle"} and len(result.draft["eagle"]) == 4
+    eagle = engine.planner.proposers["eagle"]
+    assert eagle.runner.rows == [] and not eagle.pending
+    reqs = [request(f"r{i}", p, "eagle", 4) for i, p in enumerate(prompt_ids)]
+    assert run(engine, reqs) == greedy_reference

@@ -178,7 +178,7 @@ def test_bad_requests_are_refused_with_a_message(tiny_engine_factory, prompt_ids
     with pytest.raises(ValueError, match="token ids"):
         limits.check(request("oob", [10**9]))
     no_draft = tiny_engine_factory(draft=None).limits
-    assert no_draft.methods == ("none", "ngram", "auto")
+    assert no_draft.methods == ("none", "ngram", "suffix", "auto")
     with pytest.raises(ValueError, match="not available on this server"):
         no_draft.check(request("d", prompt_ids[0], "draft"))
 

@@ -187,7 +187,7 @@ async def test_model_card_names_methods_and_defaults(tiny_engine_factory):
     async with running_app(tiny_engine_factory, speculation="ngram", num_speculative_tokens=5) as (_, client):
         card = (await client.get("/v1/models")).json()["data"][0]
         assert card["speculation"] == {
-            "methods": ["none", "ngram", "draft", "auto"], "default_method": "ngram", "default_num_tokens": 5,
+            "methods": ["none", "ngram", "suffix", "draft", "auto"], "default_method": "ngram", "default_num_tokens": 5,
         }
     async with running_app(tiny_engine_factory, draft=None) as (_, client):
         card = (await client.get("/v1/models")).json()["data"][0]

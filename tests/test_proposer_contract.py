@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
-from server.speculation.registry import BUILTIN, Entry
+from server.speculation.registry import BUILTIN, Entry, Registry
 from tests.engine_helpers import final_stats, request, run
 
 
@@ -23,7 +23,11 @@ class RepeatLast(Proposer):
         return Proposal(drafts=[[s.tokens[-1]] * k for s, k in zip(seqs, ks, strict=True)])
 
 
-WITH_REPEAT = BUILTIN.with_entry(Entry("repeat", RepeatLast, "repeat the last token"))
+# Without `suffix`, whose lookups also land on repeated tokens: these tests switch n-gram off to see
+# `auto` turn to the new proposer, and suffix would compete with it.
+WITH_REPEAT = Registry(tuple(e for e in BUILTIN.entries if e.name != "suffix")).with_entry(
+    Entry("repeat", RepeatLast, "repeat the last token")
+)
 
 
 def test_a_new_proposer_plugs_in_with_one_registry_entry(tiny_engine_factory, prompt_ids, greedy_reference):

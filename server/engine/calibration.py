@@ -7,18 +7,20 @@ verifying one width at a time never shows the slope at all. At start-up (while `
 loading) `calibrate` therefore times:
 
 * the target's verify forward (logits and their softmax, as a step computes) over scratch caches of
-  its own, at batch sizes 1, 2, 4, ... up to `max_batch_size` and widths 1, 2, 4, ... up to K + 1
-  (the widths `auto` may choose), each after a prefix of `CONTEXT` tokens, `REPEATS` rounds;
+  its own holding `CONTEXT` tokens per row: one row at widths 1, 2, 4, ... K + 1 (the widths `auto`
+  may choose), then batch sizes 2, 4, ... `max_batch_size` at widths 1 and K + 1 (the cost model is
+  linear in rows x width), `REPEATS` passes each;
 * each model proposer's drafting (proposers without a declared cost per draft token), through the
-  proposer contract itself: join, one warm-up draft and commit, then K drafts per row at batch 1 and
-  `max_batch_size`, then leave.
+  proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
+  batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
 
 The timings are fed to the planner's cost model as if steps had produced them (the online window
 replaces them as real steps arrive) and stored as JSON in `settings.cache_dir/calibration/`, keyed by
 the target, its dtype, the device, torch's thread count and what else changes the costs (draft model,
 draft head, K, batch size), so a restart with the same key reads them back instead of timing again.
-Calibration stops early once `budget_s` seconds are spent (the points measured so far are kept) and is
-skipped entirely with the `calibrate` setting off.
+Calibration stops early once `budget_s` seconds are spent: the points measured so far are fed to the
+cost model, and stored marked incomplete, so the next start measures again. It is skipped entirely
+with the `calibrate` setting off.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Calibration:
     verify: list[tuple[int, float]] = field(default_factory=list)
     draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     loaded: bool = False  # read from the cache directory rather than measured now
+    complete: bool = False  # every planned timing was taken (the budget did not cut it short)
 
     def feed(self, engine: Engine) -> None:
         """Give the timings to the engine's step-cost model."""
@@ -69,7 +72,8 @@ class Calibration:
                 cost.observe_draft(name, forwards, seconds)
 
     def to_json(self) -> dict[str, object]:
-        return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft}
+        return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft,
+                "complete": self.complete}
 
 
 def calibration_key(engine: Engine) -> dict[str, object]:
@@ -103,12 +107,14 @@ def load(path: Path, key: dict[str, object]) -> Calibration | None:
         return None
     if not isinstance(data, dict) or data.get("version") != VERSION or data.get("key") != key:
         return None
+    if data.get("complete") is not True:  # cut short by the budget (a busy machine): measure again
+        return None
     try:
         verify = [(int(n), float(s)) for n, s in data["verify"]]
         draft = {str(name): [(int(k), float(s)) for k, s in pts] for name, pts in data["draft"].items()}
     except (KeyError, TypeError, ValueError):
         return None
-    return Calibration(key, verify, draft, loaded=True)
+    return Calibration(key, verify, draft, loaded=True, complete=True)
 
 
 def calibrate(engine: Engine, budget_s: float = BUDGET_S) -> Calibration:
@@ -156,18 +162,25 @@ def _doubling(top: int) -> list[int]:
 
 
 def measure(engine: Engine, key: dict[str, object], budget_s: float = BUDGET_S) -> Calibration:
-    """Time the target's verify passes and the model proposers' drafting now."""
+    """Time the target's verify passes and the model proposers' drafting now, most needed first (one
+    row: every width, then each model proposer; then larger batches), until `budget_s` is spent."""
     deadline = time.perf_counter() + budget_s
     result = Calibration(key)
-    settings = engine.settings
+    k, top = engine.settings.num_speculative_tokens, engine.settings.max_batch_size
+    proposers = _model_proposers(engine)
+    tasks: list[tuple[str, int, list[int]]] = [("verify", 1, widths(k))]
+    tasks += [(name, 1, [k]) for name in proposers]
+    tasks += [("verify", rows, [1, k + 1]) for rows in batch_sizes(top)[1:]]  # the fit is linear in rows x width
+    tasks += [(name, top, [k]) for name in proposers if top > 1]
     with torch.no_grad():
-        result.verify = _time_verify(engine, widths(settings.num_speculative_tokens),
-                                     batch_sizes(settings.max_batch_size), deadline)
-        for name in _model_proposers(engine):
-            for rows in sorted({1, settings.max_batch_size}):
-                if time.perf_counter() > deadline:
-                    break
-                result.draft.setdefault(name, []).extend(_time_drafting(engine, name, rows))
+        for what, rows, ws in tasks:
+            if time.perf_counter() > deadline:
+                return result
+            if what == "verify":
+                result.verify += _time_verify(engine, rows, ws)
+            else:
+                result.draft.setdefault(what, []).extend(_time_drafting(engine, what, rows))
+    result.complete = True
     return result
 
 
@@ -182,33 +195,28 @@ def _scratch_tokens(engine: Engine, rows: int, length: int) -> list[list[int]]:
     return [[(17 + 31 * (r * length + i)) % vocab for i in range(length)] for r in range(rows)]
 
 
-def _time_verify(
-    engine: Engine, widths: list[int], batches: list[int], deadline: float
-) -> list[tuple[int, float]]:
-    """(rows x width, seconds) of target passes, each batch size over its own scratch cache (the
-    engine's rows are untouched); every pass is rolled back, so each sees `CONTEXT` cached tokens."""
+def _time_verify(engine: Engine, rows: int, widths: list[int]) -> list[tuple[int, float]]:
+    """(rows x width, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
+    tokens each (the engine's own rows are untouched); every pass is rolled back after it."""
     points: list[tuple[int, float]] = []
-    for _ in range(REPEATS):
-        for rows in batches:
-            runner = ModelRunner(engine.target.model)
-            ids = [f"calibration-{r}" for r in range(rows)]
-            runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
-            fed_rows = _scratch_tokens(engine, rows, max(widths))
-            try:
-                runner.forward([r[:1] for r in fed_rows])  # a fresh cache's first pass allocates: not timed
+    runner = ModelRunner(engine.target.model)
+    ids = [f"calibration-{r}" for r in range(rows)]
+    runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
+    fed_rows = _scratch_tokens(engine, rows, max(widths))
+    try:
+        runner.forward([r[:1] for r in fed_rows])  # a fresh cache's first pass allocates: not timed
+        for b in range(rows):
+            runner.rollback(b, 1)
+        for _ in range(REPEATS):
+            for width in widths:
+                started = time.perf_counter()
+                logits = runner.forward([r[:width] for r in fed_rows]).logits  # [rows, width, vocab]
+                torch.softmax(logits.float(), dim=-1)
+                points.append((rows * width, elapsed_since(started, engine.device)))
                 for b in range(rows):
-                    runner.rollback(b, 1)
-                for width in widths:
-                    if time.perf_counter() > deadline:
-                        return points
-                    started = time.perf_counter()
-                    logits = runner.forward([r[:width] for r in fed_rows]).logits  # [rows, width, vocab]
-                    torch.softmax(logits.float(), dim=-1)
-                    points.append((rows * width, elapsed_since(started, engine.device)))
-                    for b in range(rows):
-                        runner.rollback(b, width)
-            finally:
-                runner.leave(set(ids))
+                    runner.rollback(b, width)
+    finally:
+        runner.leave(set(ids))
     return points
 
 
