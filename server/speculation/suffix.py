@@ -4,13 +4,14 @@ outputs of earlier requests, then draft the most frequent continuation of the lo
 
 The trees are implicit. A node of a suffix tree is a string s; its count is how often s occurs in the
 indexed text, and its children are the distinct tokens that follow those occurrences. Here a node is
-the array of positions where s ends, found by one vectorised scan for the text's last token and then
-narrowed backwards one token at a time (the deepest node matching the text's suffix, up to
-`MATCH_CAP` tokens). Walking down to the most frequent child is a count over the tokens after those
-positions, narrowed to the occurrences that continue with the chosen token. The counts and the walk
-are exactly a suffix tree's; nothing is built per token, so the per-request index is just the token
-array (O(n) memory, no build cost), and a lookup costs a few numpy calls (`python -m
-server.speculation.suffix` measures it).
+the array of positions where s ends: one vectorised scan finds the text's last token, and the
+candidates are compared backwards with the text's suffix (one token at a time while there are many,
+then all at once), which gives the deepest node matching the text's suffix, up to `MATCH_CAP` tokens.
+Walking down to the most frequent child is a count over the tokens after those positions (the most
+recent `WALK_OCCURRENCES`), narrowed to the occurrences that continue with the chosen token. The counts
+and the walk are a suffix tree's; nothing is built per token, so the per-request index is just the
+token array (O(n) memory, no build cost), and a lookup costs a few numpy calls (`python -m
+bench.lookup_cost` measures it: about as much as an `ngram` lookup).
 
 Draft length follows the match: at most `SPEC_FACTOR` x the match length tokens, and the walk stops
 where the chosen continuation's frequency among the node's occurrences drops below `MIN_PROB`.
@@ -46,8 +47,8 @@ SEPARATOR = -1  # between requests in the global index: never equals a token, so
 # n-gram's; "dominant" = the first draft token follows at least 3/4 of the match's occurrences.
 MATCH_BUCKETS = (1, 2, 3, 8)
 DOMINANT = 0.75
-# First-draft acceptance per level before any evidence (greedy), measured by replaying greedy
-# SmolLM2-135M answers to the bench workloads (bench/workloads/*.jsonl, 128 tokens): see docs/bench.md.
+# First-draft acceptance per level before any evidence (greedy), measured by replaying SmolLM2-135M's
+# greedy answers to the bench workloads through the proposer (`python -m bench.replay`, docs/bench.md).
 LEVEL_PRIORS = (0.1, 0.3, 0.15, 0.45, 0.3, 0.65, 0.4, 0.9)
 
 
@@ -234,8 +235,8 @@ def best_match(request: Match, shared: Match) -> Match:
 
 
 class SuffixProposer(Proposer):
-    # A lookup is a few numpy calls: ~30-60 us at 1-2k tokens against a ~25 ms target step on a CPU
-    # (python -m server.speculation.suffix), i.e. ~0.0003 of a step per draft token at K = 8.
+    # A lookup is a few numpy calls: 0.15-0.3 ms at 256-4096 tokens with a full global index on a busy
+    # 2-core CPU (python -m bench.lookup_cost), where a target step took ~70 ms: ~0.0005 per draft token at K = 8.
     traits = Traits(deterministic=True, lookahead=True, draft_token_cost=0.0005, confidence_priors=LEVEL_PRIORS)
 
     def __init__(self, global_tokens: int = GLOBAL_TOKENS) -> None:
