@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -132,7 +133,7 @@ def calibrate(engine: Engine, budget_s: float = BUDGET_S) -> Calibration:
             if not found.verify:
                 return found  # nothing measured (no budget): nothing to store or feed
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # servers starting together never share one
             tmp.write_text(json.dumps(found.to_json()))
             tmp.replace(path)
         except OSError as err:  # a read-only cache directory costs a restart its calibration, nothing else
