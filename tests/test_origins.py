@@ -191,5 +191,5 @@ async def test_model_card_names_methods_and_defaults(tiny_engine_factory):
         }
     async with running_app(tiny_engine_factory, draft=None) as (_, client):
         card = (await client.get("/v1/models")).json()["data"][0]
-        assert card["speculation"]["methods"] == ["none", "ngram", "auto"]
+        assert card["speculation"]["methods"] == ["none", "ngram", "suffix", "auto"]
 
