@@ -67,7 +67,7 @@ def test_playground_colours_tokens_and_races(cycling_target):
                 assert page.input_value("#model") == "tiny-cycling"
                 assert page.input_value("#method") == "auto"  # the server's default method, preselected
                 assert page.eval_on_selector_all("#method option", "os => os.map(o => o.value)") == [
-                    "none", "ngram", "auto",
+                    "none", "ngram", "suffix", "auto",
                 ]
 
                 page.select_option("#method", "ngram")

@@ -12,6 +12,7 @@ import pytest
 from server.speculation.registry import BUILTIN, Registry
 from server.speculation.suffix import (
     MATCH_CAP,
+    SPEC_FACTOR,
     GlobalIndex,
     RequestIndex,
     SuffixProposer,
@@ -52,9 +53,9 @@ def test_equal_frequencies_go_to_the_most_recent_occurrence():
 
 def test_draft_length_follows_the_match_length():
     text = list(range(100, 140))  # no repeats: one occurrence of anything is the text itself
-    short = lookup([*text, 7, 100], k=16)  # "100" matches once (1 token): at most 2 drafts
-    assert short.length == 1 and short.drafts == [101, 102]
-    long = lookup([*text, *text[:10]], k=16)
+    short = lookup([*text, 7, 100], k=16)  # "100" matches once (1 token): at most SPEC_FACTOR drafts
+    assert short.length == 1 and short.drafts == text[1 : 1 + int(SPEC_FACTOR)]
+    long = lookup([*text, *text[:10]], k=16)  # a 10-token match: K, not the match, limits the drafts
     assert long.length == 10 and long.drafts == text[10:26]
     assert lookup([*text, *text[:10]], k=3).drafts == text[10:13]
 
@@ -118,7 +119,7 @@ def test_global_index_evicts_the_oldest_requests_within_its_bound():
         assert g.tokens <= 10
     assert [int(p[0]) for p in g.parts] == [52, 56]  # the newest requests that fit, in arrival order
     assert g.lookup(np.array([0]), 4).drafts == []  # evicted
-    assert g.lookup(np.array([56]), 4).drafts == [57, 58]
+    assert g.lookup(np.array([56]), 4).drafts == [57, 58, 59]
     assert len(g.hay) == g.tokens + len(g.parts) + 1  # separators around every request
     g.add(np.arange(1000, 1050))  # longer than the bound alone: only its last tokens are kept
     assert g.tokens == 10 and g.parts[-1][0] == 1040
@@ -132,7 +133,8 @@ def test_the_longer_match_wins_between_the_request_and_the_global_tree():
     assert proposer.shared.tokens == 7  # the prompt's tail (up to MATCH_CAP tokens) and the output
     seq = FakeSeq("b", [9, 1, 2, 3, 4, 8, 3])  # own text: "3" -> 4 (1 token); global: "3" too
     proposer.join([seq], None)
-    assert proposer.match(seq, 4).source == "request"  # same length and score: the request's own
+    assert proposer.match(seq, 2).source == "request"  # same length and score (2 sure drafts): the request's own
+    assert proposer.match(seq, 4).source == "global"  # same length, but the global continuation is longer
     seq.tokens += [4, 5]  # "3 4 5": global "3 4 5" is a longer match than the request's "5" (none)
     m = proposer.match(seq, 4)
     assert (m.source, m.drafts[:2], m.length) == ("global", [6, 7], 3)
