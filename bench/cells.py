@@ -62,7 +62,7 @@ class ProposerFigures:
 
     @property
     def first_position_acceptance(self) -> float | None:
-        return self.first_accepted / self.steps if self.steps else None
+        return self.first_accepted / self.steps if self.steps and self.draft_tokens else None
 
     @property
     def tokens_per_step(self) -> float | None:

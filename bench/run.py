@@ -180,7 +180,7 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                           for p, s in zip(picks, seeds, strict=True)]
                 wave = await run_wave(client, url, bodies)
                 cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
-                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods)
+                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods, wave.proposers)
                 progress.tick(label, wave.completion_tokens, wave.wall_s)
 
 

@@ -486,3 +486,37 @@ def test_head_cost_is_measured_through_its_own_runner(tiny_target, prompt_ids, t
         row = c.to_json()
         assert row["c_eagle"] == pytest.approx(c.head_step_ms / c.target_step_ms) and row["c_draft"] is None
     assert cost_map([c.to_json() for c in costs.values()])[2]["eagle"] == costs[2].c_eagle
+
+
+def test_run_wave_sums_each_proposers_figures_from_the_origins() -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.client import run_wave
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["speculation"]["include_tokens"] is True
+        tokens = _tokens(("eagle", "AAB"), ("eagle", "R"), (None, "P"))
+        spec = {"method": "eagle", "draft_tokens": 4, "accepted_tokens": 2, "decode_steps": 3}
+        return httpx.Response(200, json={"choices": [{"index": 0, "speculation": {"tokens": tokens}}],
+                                         "usage": {"completion_tokens": 5, "speculation": spec}})
+
+    (chat,) = load_workloads(["chat"])
+    bodies = [request_body("m", p, "eagle", 4, 8, 0.0, None) for p in chat.prompts[:3]]
+
+    async def wave():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            return await run_wave(client, "http://x", bodies)
+
+    result = asyncio.run(wave())
+    eagle = result.proposers["eagle"]
+    assert (result.draft_tokens, result.completion_tokens) == (12, 15)
+    assert (eagle.draft_tokens, eagle.accepted_tokens, eagle.steps, eagle.first_accepted) == (12, 6, 6, 3)
+    assert result.proposers["none"].steps == 3
+    cell = Cell(CellKey("chat", "eagle", 3, 0.0), k=4)
+    cell.add(result.requests, result.completion_tokens, result.wall_s, result.draft_tokens, result.accepted_tokens,
+             result.decode_steps, result.reported_methods, result.proposers)
+    (row,) = summarize([cell], {})
+    assert row["first_position_acceptance"] == pytest.approx(0.5)
