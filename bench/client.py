@@ -1,7 +1,9 @@
 """HTTP side of the benchmark: run one wave of concurrent chat completions against a live server.
 
 A wave is C requests sent at once (asyncio + httpx, one connection each); its wall time runs from
-the first send to the last response. Non-streaming, so each response carries `usage.speculation`.
+the first send to the last response. Non-streaming, so each response carries `usage.speculation`;
+requests also ask for per-token origins (`speculation.include_tokens`), from which the bench counts
+each proposer's passes and first-position acceptance (`bench.cells.response_figures`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from bench.cells import ProposerFigures, response_figures
 from bench.workloads import Prompt
 
 
@@ -27,6 +30,7 @@ class WaveResult:
     accepted_tokens: int
     decode_steps: int
     reported_methods: tuple[str, ...]  # usage.speculation.method of each response
+    proposers: dict[str, ProposerFigures]  # summed over the responses (empty: the server sent no origins)
 
 
 class SpeculationUnsupported(Exception):
@@ -34,9 +38,14 @@ class SpeculationUnsupported(Exception):
 
 
 def request_body(
-    model: str, prompt: Prompt, method: str, k: int | None, max_tokens: int, temperature: float, seed: int | None
+    model: str, prompt: Prompt, method: str, k: int | None, max_tokens: int, temperature: float, seed: int | None,
+    origins: bool = True,
 ) -> dict[str, Any]:
+    """A chat completion for `prompt` with `speculation: {method, num_tokens}` (K only for proposers)
+    and, when `origins`, `include_tokens` (per-token origins, same for every method)."""
     speculation: dict[str, Any] = {"method": method}
+    if origins:
+        speculation["include_tokens"] = True
     if k is not None and method not in ("none", "auto"):
         speculation["num_tokens"] = k
     body: dict[str, Any] = {
@@ -66,6 +75,10 @@ async def run_wave(client: httpx.AsyncClient, base_url: str, bodies: list[dict[s
     replies = await asyncio.gather(*(_one(client, url, body) for body in bodies))
     wall = time.perf_counter() - started
     spec = [r["usage"].get("speculation") or {} for r in replies]
+    proposers: dict[str, ProposerFigures] = {}
+    for reply, s in zip(replies, spec, strict=True):
+        for name, figs in response_figures(s, reply.get("choices", [])).items():
+            proposers.setdefault(name, ProposerFigures()).add(figs)
     return WaveResult(
         requests=len(replies),
         completion_tokens=sum(r["usage"]["completion_tokens"] for r in replies),
@@ -74,6 +87,7 @@ async def run_wave(client: httpx.AsyncClient, base_url: str, bodies: list[dict[s
         accepted_tokens=sum(s.get("accepted_tokens", 0) for s in spec),
         decode_steps=sum(s.get("decode_steps", 0) for s in spec),
         reported_methods=tuple(str(s.get("method", "?")) for s in spec),
+        proposers=proposers,
     )
 
 
@@ -86,7 +100,7 @@ async def model_id(client: httpx.AsyncClient, base_url: str) -> str:
 async def supports_method(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt, method: str) -> bool:
     """Probe with one short request: a 400 means the server does not accept this method."""
     try:
-        await run_wave(client, base_url, [request_body(model, prompt, method, None, 4, 0.0, None)])
+        await run_wave(client, base_url, [request_body(model, prompt, method, None, 4, 0.0, None, origins=False)])
     except SpeculationUnsupported:
         return False
     return True

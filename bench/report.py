@@ -7,16 +7,29 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bench.cells import PROPOSERS, SPEC_METHODS
+from bench.peer import PEER_METHODS
 from bench.workloads import WORKLOADS
 
-METHOD_ORDER = ("none", "ngram", "draft", "auto", "hf-none", "hf-prompt-lookup", "hf-assisted")
-TARGETS = {  # the issue's targets (greedy, one client unless said)
+METHOD_ORDER = (*SPEC_METHODS, *PEER_METHODS)
+TARGETS = {  # issue 5's targets (greedy, one client unless said)
     "auto_copy": 2.5,
     "auto_open": 1.0,
     "auto_floor": 0.97,
     "ngram_vs_hf": 1.3,
     "efficiency": 0.85,
     "auto_8_clients": 1.0,
+}
+HEAD_TARGETS = {  # issue 10's targets: the draft head (`eagle`) on open chat unless said
+    "head_cost": 0.10,  # c of one head token at batch 1 (at most)
+    "first_position": 0.7,  # greedy acceptance of the first draft position
+    "acceptance": 0.6,  # greedy per-token acceptance
+    "tokens_per_pass": 2.2,  # mean tokens per verify pass at K = 4
+    "eagle_greedy": 1.3,
+    "eagle_sampled": 1.15,  # T = 0.8
+    "eagle_8_clients": 1.0,
+    "auto_chat": 1.25,
+    "auto_vs_best": 0.95,  # auto within 5% of the best fixed method
 }
 
 
@@ -32,6 +45,17 @@ def _sort_key(row: dict[str, Any]) -> tuple:
 
 def _find(rows: Iterable[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
     return [r for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def _mix(row: dict[str, Any]) -> str:
+    """`auto`'s drafts by proposer: "eagle 80% (a 0.71), ngram 20% (a 0.90)"; "" for one proposer."""
+    figs = {n: f for n, f in (row.get("by_proposer") or {}).items() if f.get("draft_tokens")}
+    total = sum(f["draft_tokens"] for f in figs.values())
+    if row["method"] != "auto" or not total:
+        return ""
+    est = "~" if any(f.get("estimated") for f in figs.values()) else ""
+    return ", ".join(f"{n} {est}{100 * f['draft_tokens'] / total:.0f}% (a {_fmt(f['acceptance_rate'])})"
+                     for n, f in sorted(figs.items(), key=lambda kv: -kv[1]["draft_tokens"]))
 
 
 def _pooled(rows: list[dict[str, Any]]) -> float | None:
@@ -82,12 +106,66 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def head_targets(rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of issue 10 (the draft head, method `eagle`) with its figure from this run.
+
+    `pass` is None when the run has no figure for it; the head's cost is an upper bound (figure <=
+    goal), every other target a lower bound.
+    """
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, figure: float | None, goal: float, source: str, at_most: bool = False) -> None:
+        ok = None if figure is None else (figure <= goal if at_most else figure >= goal)
+        out.append({"target": name, "figure": figure, "goal": goal, "pass": ok, "source": source,
+                    "at_most": at_most})
+
+    def cell(workload: str, method: str, clients: int = 1, temperature: float = 0.0) -> dict[str, Any] | None:
+        found = _find(rows, workload=workload, method=method, clients=clients, temperature=temperature)
+        return found[0] if found else None
+
+    def field(row: dict[str, Any] | None, name: str) -> float | None:
+        return row.get(name) if row else None
+
+    batch1 = next((c for c in costs if c["batch"] == 1), None)
+    add("eagle head: one draft token / target step (c), batch 1", batch1.get("c_eagle") if batch1 else None,
+        HEAD_TARGETS["head_cost"], "costs table", at_most=True)
+    eagle = cell("chat", "eagle")
+    k = eagle["k"] if eagle else None
+    add("eagle first-position acceptance (chat)", field(eagle, "first_position_acceptance"),
+        HEAD_TARGETS["first_position"], "greedy, 1 client: passes whose first draft was accepted")
+    add("eagle per-token acceptance (chat)", field(eagle, "acceptance_rate"), HEAD_TARGETS["acceptance"],
+        "greedy, 1 client: accepted / draft tokens")
+    add("eagle tokens per verify pass (chat)", field(eagle, "mean_accepted_length"), HEAD_TARGETS["tokens_per_pass"],
+        f"greedy, 1 client, K = {k if k is not None else '?'} (the target is at K = 4)")
+    add("eagle on open chat, x none", field(eagle, "ratio_to_none"), HEAD_TARGETS["eagle_greedy"], "greedy, 1 client")
+    add("eagle on open chat at T = 0.8, x none", field(cell("chat", "eagle", 1, 0.8), "ratio_to_none"),
+        HEAD_TARGETS["eagle_sampled"], "T = 0.8, 1 client")
+    eight = [r["ratio_to_none"] for r in _find(rows, workload="chat", method="eagle", clients=8) if r["ratio_to_none"]]
+    add("eagle on open chat, 8 clients, x none, worst", min(eight, default=None), HEAD_TARGETS["eagle_8_clients"],
+        "8 clients, every temperature")
+    add("auto on open chat, x none", field(cell("chat", "auto"), "ratio_to_none"), HEAD_TARGETS["auto_chat"],
+        "greedy, 1 client")
+    for w in sorted({r["workload"] for r in rows}, key=_sort_key_w):
+        worst, where = None, ""
+        for auto in _find(rows, workload=w, method="auto"):
+            block = _find(rows, workload=w, clients=auto["clients"], temperature=auto["temperature"])
+            fixed = [r["ratio_to_none"] for r in block if r["method"] in ("none", *PROPOSERS) and r["ratio_to_none"]]
+            if auto["ratio_to_none"] and fixed:
+                share = auto["ratio_to_none"] / max(fixed)
+                if worst is None or share < worst:
+                    worst, where = share, f"T = {auto['temperature']:g}, {auto['clients']} client(s)"
+        add(f"auto / best fixed method ({w}), worst cell", worst, HEAD_TARGETS["auto_vs_best"],
+            f"every clients/temperature cell; worst at {where}" if where else "every clients/temperature cell")
+    return out
+
+
 def _sort_key_w(workload: str) -> int:
     return WORKLOADS.index(workload) if workload in WORKLOADS else len(WORKLOADS)
 
 
 def write_json(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
-    data = {"meta": meta, "targets": targets(rows), "costs": costs, "cells": sorted(rows, key=_sort_key)}
+    data = {"meta": meta, "head_targets": head_targets(rows, costs), "targets": targets(rows), "costs": costs,
+            "cells": sorted(rows, key=_sort_key)}
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
@@ -104,16 +182,19 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
               f"waves per cell at least: {meta.get('min_waves', 1)}.  "]
     for note in meta.get("notes", []):
         lines.append(f"Note: {note}  ")
-    lines += ["", "## Targets (issue 5)", "", "| target | figure | goal | pass | measured on |",
-              "|---|---:|---:|:---:|---|"]
-    for t in targets(rows):
-        mark = "—" if t["pass"] is None else ("yes" if t["pass"] else "**no**")
-        lines.append(f"| {t['target']} | {_fmt(t['figure'])} | {t['goal']:.2f} | {mark} | {t['source']} |")
+    for title, found in (("Targets of issue 10 (the draft head, `eagle`)", head_targets(rows, costs)),
+                         ("Targets of issue 5", targets(rows))):
+        lines += ["", f"## {title}", "", "| target | figure | goal | pass | measured on |", "|---|---:|---:|:---:|---|"]
+        for t in found:
+            mark = "—" if t["pass"] is None else ("yes" if t["pass"] else "**no**")
+            goal = f"{'<=' if t.get('at_most') else '>='} {t['goal']:.2f}"
+            lines.append(f"| {t['target']} | {_fmt(t['figure'])} | {goal} | {mark} | {t['source']} |")
 
     peer = [r for r in rows if r["method"].startswith("hf-")]
     if peer:
         lines += ["", "## Peer: transformers `generate()` vs Specula over HTTP (greedy, 1 client)", ""]
-        methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in peer) or m in ("none", "ngram", "draft")]
+        present = {r["method"] for r in rows}
+        methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in peer) or (m in present and m != "auto")]
         lines += ["| workload | " + " | ".join(f"{m} tok/s" for m in methods) + " | ngram / hf-prompt-lookup |",
                   "|---|" + "---:|" * (len(methods) + 1)]
         for w in sorted({r["workload"] for r in peer}, key=_sort_key_w):
@@ -123,35 +204,45 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
             lines.append(f"| {w} | " + " | ".join(_fmt(tps[m], ".1f") for m in methods) + f" | {_fmt(ratio)} |")
 
     if costs:
-        lines += ["", "## Measured costs (in-process, engine's BatchKV, same context)", "",
-                  "| batch | context | target step ms | draft step ms | c draft | c ngram | verify K+1 / step |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "## Measured costs (in-process, the engine's ModelRunner, same context)", "",
+                  "c = one draft token per row / one target step at that batch size. draft = the bf16 copy of the "
+                  "target; eagle = one draft-head step as the eagle proposer runs it (pair input, the head's "
+                  "decoder layer, FR-vocabulary logits).", "",
+                  "| batch | context | target step ms | draft step ms | c draft | eagle step ms | c eagle | c ngram "
+                  "| verify K+1 / step |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c in costs:
             lines.append(f"| {c['batch']} | {c['context']} | {c['target_step_ms']:.1f} "
-                         f"| {_fmt(c['draft_step_ms'], '.1f')} | {_fmt(c['c_draft'], '.3f')} | {c['c_ngram']:.4f} "
-                         f"| {c['verify_ratio']:.2f} |")
+                         f"| {_fmt(c['draft_step_ms'], '.1f')} | {_fmt(c['c_draft'], '.3f')} "
+                         f"| {_fmt(c.get('head_step_ms'), '.2f')} | {_fmt(c.get('c_eagle'), '.3f')} "
+                         f"| {c['c_ngram']:.4f} | {c['verify_ratio']:.2f} |")
 
     lines += ["", "## All cells", "",
               "tok/s = completion tokens / wall time of the cell's waves; x none = ratio to `none` in the same "
               "run, same workload, clients and temperature (interleaved); accept = accepted / draft tokens; "
-              "len = mean accepted length (1 + accepted / steps); theory = (1 - a^(K+1)) / ((1 - a)(cK + 1)); "
-              "eff = x none / theory; bound = len / (c * drafts/step + verify cost of drafts/step + 1 tokens), the "
-              "speedup the measured tokens per step allow at the measured forward costs; x bound = x none / bound "
-              "(what per-step overhead leaves of it).", ""]
-    lines += ["| workload | T | clients | method | tok/s | x none | accept | len | drafts/step | c | theory | eff "
-              "| bound | x bound |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "first = passes whose first draft token was accepted / passes that drafted; "
+              "len = mean accepted length (1 + accepted / steps); mix = each proposer's share of the draft tokens "
+              "and its own acceptance (auto); c = the proposers' measured cost per draft token (draft-weighted); "
+              "theory = (1 - a^(K+1)) / ((1 - a)(cK + 1)) per proposer with its own a and c, weighted by its passes "
+              "(plain passes count 1 token for 1 step); eff = x none / theory; bound = tokens per pass / (drafting "
+              "cost + verify cost of the drafts per pass + 1 tokens), the speedup the measured tokens per step allow "
+              "at the measured forward costs; x bound = x none / bound (what per-step overhead leaves of it).", ""]
+    lines += ["| workload | T | clients | method | tok/s | x none | accept | first | len | drafts/step | mix | c "
+              "| theory | eff | bound | x bound |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=_sort_key):
         lines.append(
             f"| {r['workload']} | {r['temperature']:g} | {r['clients']} | {r['method']} | {r['tokens_per_s']:.1f} "
-            f"| {_fmt(r['ratio_to_none'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} "
-            f"| {_fmt(r['drafts_per_step'], '.1f')} | {_fmt(r['c'], '.3f')} | {_fmt(r['theoretical_speedup'])} "
+            f"| {_fmt(r['ratio_to_none'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r.get('first_position_acceptance'))} "
+            f"| {_fmt(r['mean_accepted_length'])} | {_fmt(r['drafts_per_step'], '.1f')} | {_mix(r)} "
+            f"| {_fmt(r['c'], '.3f')} | {_fmt(r['theoretical_speedup'])} "
             f"| {_fmt(r['efficiency'])} | {_fmt(r.get('attainable_speedup'))} | {_fmt(r.get('overhead_efficiency'))} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks: dict[str, int]) -> None:
     """Speedup (x none) against acceptance rate: one panel per client count, colour = workload,
-    marker = method, filled = greedy, hollow = temperature 0.8; curves = the cost model at K."""
+    marker = method (every proposer of the registry, and auto), filled = greedy, hollow = temperature
+    0.8; grey curves = the cost model of each proposer at its measured c and K."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,12 +251,14 @@ def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks
 
     from bench.theory import theoretical_speedup
 
-    points = [r for r in rows if r["method"] in ("ngram", "draft", "auto") and r["acceptance_rate"] is not None
+    speculative = (*PROPOSERS, "auto")
+    points = [r for r in rows if r["method"] in speculative and r["acceptance_rate"] is not None
               and r["ratio_to_none"] is not None]
-    clients = sorted({r["clients"] for r in rows if r["method"] in ("ngram", "draft", "auto")}) or [1]
+    clients = sorted({r["clients"] for r in rows if r["method"] in speculative}) or [1]
     workloads = sorted({r["workload"] for r in rows}, key=_sort_key_w)
     colours = dict(zip(workloads, plt.get_cmap("tab10").colors, strict=False))
-    markers = {"ngram": "o", "draft": "s", "auto": "^"}
+    markers = dict(zip(speculative, "osDvP<>*", strict=False))
+    styles = dict(zip(PROPOSERS, ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))), strict=False))
     cost_by_batch = {c["batch"]: c for c in costs}
     top = max([r["ratio_to_none"] for r in points] + [2.0]) * 1.15
     fig, axes = plt.subplots(1, len(clients), figsize=(5.2 * len(clients), 4.6), sharey=True, squeeze=False)
@@ -173,11 +266,11 @@ def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks
     for ax, n in zip(axes[0], clients, strict=True):
         cost = cost_by_batch.get(n)
         if cost:
-            for name, c, style in (("ngram", cost["c_ngram"], "--"), ("draft", cost["c_draft"], ":")):
-                k = ks.get(name)
+            for name in PROPOSERS:
+                c, k = cost.get(f"c_{name}"), ks.get(name)
                 if c is not None and k:
-                    ax.plot(grid, [theoretical_speedup(a, k, c) for a in grid], style, color="grey", lw=1.2,
-                            label=f"theory {name} (c={c:.2f}, K={k})")
+                    ax.plot(grid, [theoretical_speedup(a, k, c) for a in grid], ls=styles.get(name, "-"),
+                            color="grey", lw=1.2, label=f"theory {name} (c={c:.2f}, K={k})")
         ax.axhline(1.0, color="black", lw=0.8, label="none (= 1)")
         for r in points:
             if r["clients"] != n:
@@ -211,20 +304,21 @@ def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], c
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "results.json", meta, rows, costs)
     (out_dir / "results.md").write_text(markdown(meta, rows, costs))
-    ks = meta.get("k") if isinstance(meta.get("k"), dict) else {"ngram": 4, "draft": 4}
+    ks = meta.get("k") if isinstance(meta.get("k"), dict) else {}
     plot(out_dir / "speedup.png", rows, costs, ks)
 
 
 def rewrite(json_path: Path) -> None:
     """Recompute derived figures and rewrite all three outputs from a results.json's raw counts."""
-    from bench.cells import Cell, CellKey, cost_map, summarize
+    from bench.cells import Cell, CellKey, cost_map, proposers_from_rows, summarize
 
     data = json.loads(json_path.read_text())
     cells = []
     for r in data["cells"]:
         cell = Cell(CellKey(r["workload"], r["method"], r["clients"], r["temperature"]), k=r["k"])
         cell.add(r["requests"], r["completion_tokens"], r["wall_s"], r["draft_tokens"] or 0,
-                 r["accepted_tokens"] or 0, r["decode_steps"] or 0, tuple(r["reported_methods"]))
+                 r["accepted_tokens"] or 0, r["decode_steps"] or 0, tuple(r["reported_methods"]),
+                 proposers_from_rows(r.get("by_proposer") or {}))
         cells.append(cell)
     costs = data["costs"]
     write_all(json_path.parent, data["meta"], summarize(cells, cost_map(costs)), costs)

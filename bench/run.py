@@ -24,13 +24,18 @@ from typing import Any
 
 import httpx
 
-from bench.cells import SPEC_METHODS, Cell, CellKey, cost_map, summarize
+from bench.cells import PROPOSERS, SPEC_METHODS, Cell, CellKey, cost_map, summarize
 from bench.client import model_id, request_body, run_wave, supports_method
 from bench.peer import PEER_METHODS
 from bench.report import write_all
 from bench.workloads import WORKLOADS, Workload, load_workloads
+from server.types import DEFAULT_NUM_TOKENS
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# K per proposer when --k does not say: the server's default (8), except the draft head, whose drafts
+# decay with depth (issue 10 measures it at K = 4).
+DEFAULT_K = {name: 4 if name == "eagle" else DEFAULT_NUM_TOKENS for name in PROPOSERS}
+COST_BATCHES = (1, 2, 4, 8)  # batch sizes the costs table always has (plus every --clients value)
 
 
 def _csv(kind: type, choices: tuple | None = None):
@@ -45,12 +50,13 @@ def _csv(kind: type, choices: tuple | None = None):
 
 
 def _parse_k(text: str) -> dict[str, int]:
-    """`8` -> K 8 for ngram and draft; `ngram=8,draft=4` -> per method."""
-    ks = {"ngram": 8, "draft": 8}
+    """K per proposer (every name in the server's registry): `6` -> 6 for all of them;
+    `ngram=8,eagle=4` -> those two, the rest at `DEFAULT_K`; `8,eagle=4` -> 8 for all but eagle."""
+    ks = dict(DEFAULT_K)
     for part in text.split(","):
         name, _, value = part.strip().rpartition("=")
         if name and name not in ks:
-            raise argparse.ArgumentTypeError(f"K applies to ngram and draft, not {name!r}")
+            raise argparse.ArgumentTypeError(f"K applies to the proposers {', '.join(ks)}, not {name!r}")
         if not value.isdigit() or not 1 <= int(value) <= 32:
             raise argparse.ArgumentTypeError(f"K must be an integer in [1, 32], got {value!r}")
         for method in [name] if name else list(ks):
@@ -64,16 +70,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run (~3 min): copy_edit and chat, greedy, 1 and 4 clients, 32 tokens, 1 request/cell")
     p.add_argument("--methods", type=_csv(str, SPEC_METHODS), default=None,
-                   help="comma list of none,ngram,draft,auto (default: all; auto only if the server accepts it)")
+                   help=f"comma list of {','.join(SPEC_METHODS)} (the server's registry; default: all, less those "
+                        "the server refuses, e.g. eagle without a draft head)")
     p.add_argument("--clients", type=_csv(int), default=None, help="concurrency levels (default 1,4,8)")
     p.add_argument("--workloads", type=_csv(str, WORKLOADS), default=None, help=f"default: {','.join(WORKLOADS)}")
     p.add_argument("--temperatures", type=_csv(float), default=None, help="default 0,0.8 (0 = greedy)")
     p.add_argument("--peer", type=_csv(str, PEER_METHODS), default=None,
                    help=f"transformers variants at 1 client, greedy (default: {','.join(PEER_METHODS)}); '' for none")
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 48; quick 32)")
-    p.add_argument("--k", type=_parse_k, default=_parse_k("8"),
-                   help="draft tokens per step (K): one number for ngram and draft, or e.g. ngram=8,draft=4 "
-                        "(default 8, the server's default; auto gets no K and uses the server's as its maximum)")
+    p.add_argument("--k", type=_parse_k, default=dict(DEFAULT_K),
+                   help="draft tokens per step (K): one number for every proposer, or per method, e.g. "
+                        f"ngram=8,draft=4,eagle=4 (default {','.join(f'{m}={k}' for m, k in DEFAULT_K.items())}; "
+                        "auto gets no K and uses the server's as its maximum)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per cell at 1 client (default 8: every prompt; quick 1); N clients run "
                         "ceil(this/N) waves of N, and at least --min-waves")
@@ -84,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="base seed for temperature > 0 requests")
     p.add_argument("--server-url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--server-args", default="", help="extra arguments for `python -m server serve`")
+    p.add_argument("--draft-head", default=None,
+                   help="draft head directory for the server (`serve --draft-head`) and the costs table "
+                        "(default: the server's setting, i.e. the shipped head when there is one)")
     p.add_argument("--no-costs", action="store_true", help="skip the in-process cost measurement (no theory)")
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results)")
     args = p.parse_args(argv)
@@ -96,6 +107,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.requests = args.requests or (1 if quick else 8)
     args.min_waves = args.min_waves or (1 if quick else 2)
     return args
+
+
+def _fmt_c(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def _git_commit() -> str:
@@ -165,7 +180,7 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                           for p, s in zip(picks, seeds, strict=True)]
                 wave = await run_wave(client, url, bodies)
                 cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
-                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods)
+                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods, wave.proposers)
                 progress.tick(label, wave.completion_tokens, wave.wall_s)
 
 
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server does: see server/__init__.py
     import torch
 
-    from bench.costs import measure_costs
+    from bench.costs import engine_attention, load_head, measure_costs
     from bench.peer import Peer, chat_ids
     from bench.server_proc import live_server
     from server.config import Settings
@@ -211,16 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     costs: list[dict[str, Any]] = []
     if not args.no_costs:
         print("measuring draft/target cost ratios ...", flush=True)
+        head_setting = args.draft_head if args.draft_head is not None else settings.draft_head
+        head, head_note = load_head(Settings.load(draft_head=head_setting).draft_head, settings.target, target)
+        notes.append(f"costs table: the eagle row times {head_note}.")
+        print(f"  eagle: {head_note}", flush=True)
         contexts = [prompt_ids[p.id] for w in workloads for p in w.prompts]
-        measured = measure_costs(target, draft, contexts, sorted(set(args.clients)), args.k["ngram"])
+        with engine_attention(target.model, draft.model, head.decoder if head is not None else None):
+            measured = measure_costs(target, draft, contexts, sorted(set(args.clients) | set(COST_BATCHES)),
+                                     args.k["ngram"], head=head)
         costs = [c.to_json() for c in measured.values()]
         for c in costs:
-            print(f"  batch {c['batch']}: target {c['target_step_ms']:.1f} ms, draft {c['draft_step_ms']:.1f} ms "
-                  f"(c={c['c_draft']:.3f}), ngram c={c['c_ngram']:.4f}, verify K+1 = {c['verify_ratio']:.2f} steps")
+            print(f"  batch {c['batch']}: target {c['target_step_ms']:.1f} ms, draft c={c['c_draft']:.3f}, "
+                  f"eagle c={_fmt_c(c['c_eagle'])}, ngram c={c['c_ngram']:.4f}, "
+                  f"verify K+1 = {c['verify_ratio']:.2f} steps", flush=True)
     peer = Peer(target, draft) if args.peer else None
 
     cells: dict[CellKey, Cell] = {}
     server_args = ["--max-batch-size", str(max(8, *args.clients)), *shlex.split(args.server_args)]
+    if args.draft_head is not None:
+        server_args += ["--draft-head", args.draft_head]
     log_path = args.out / "server.log"
 
     def with_server(url: str) -> None:

@@ -52,3 +52,36 @@ def attainable_speedup(mean_length: float, drafts_per_step: float, c: float, ver
         return mean_length
     verify = 1.0 + (verify_ratio - 1.0) * min(drafts_per_step, k) / k
     return mean_length / (c * drafts_per_step + verify)
+
+
+def mixed_speedup(passes: list[tuple[int, float, int, float]]) -> float:
+    """Expected speedup of a mix of verify passes: Σ n·E(a, K) / Σ n·(cK + 1).
+
+    `passes` holds (n, a, K, c) per proposer: n passes drafting K tokens each at per-token acceptance
+    a and cost c per draft token; plain passes are (n, 0, 0, 0) (one token for one step). With one
+    proposer this is `theoretical_speedup(a, K, c)`.
+    """
+    tokens = cost = 0.0
+    for n, a, k, c in passes:
+        if n < 0 or c < 0:
+            raise ValueError(f"pass count and cost must be >= 0, got n={n}, c={c}")
+        tokens += n * expected_tokens_per_step(a, k)
+        cost += n * (c * k + 1)
+    if cost <= 0:
+        raise ValueError("no passes")
+    return tokens / cost
+
+
+def attainable_mixed_speedup(emitted: int, steps: int, drafts: list[tuple[int, float]], verify_ratio: float,
+                             k: int) -> float:
+    """`attainable_speedup` when several proposers drafted: `emitted` tokens over `steps` verify passes,
+    `drafts` = (draft tokens, c) per proposer. Each pass costs one step plus its extra verify width
+    ((verify_ratio - 1) / k per draft token, mean drafts per pass capped at k), and each draft token its
+    proposer's c. With one proposer this equals `attainable_speedup`."""
+    if steps <= 0:
+        raise ValueError("no passes")
+    total = sum(d for d, _ in drafts)
+    per_pass = total / steps
+    verify = 1.0 + ((verify_ratio - 1.0) * min(per_pass, k) / k if k > 0 else 0.0)
+    drafting = sum(d * c for d, c in drafts) / steps
+    return (emitted / steps) / (drafting + verify)

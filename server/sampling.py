@@ -68,7 +68,10 @@ class BatchSampling:
 
         bias_rows, bias_ids, bias_values = [], [], []
         for b, p in enumerate(params):
-            for token, value in p.logit_bias:
+            merged: dict[int, float] = {}
+            for token, value in p.logit_bias:  # one entry per (row, token): the in-place add below needs it
+                merged[token] = merged.get(token, 0.0) + value
+            for token, value in merged.items():
                 bias_rows.append(b)
                 bias_ids.append(token)
                 bias_values.append(value)

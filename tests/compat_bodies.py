@@ -1,8 +1,9 @@
-"""Request bodies that popular clients send, written from their source and documented shapes.
+"""Request bodies that popular clients send, written from their documented and observed shapes.
 
-Each is what the client puts on the wire for the OpenAI-compatible "custom endpoint" case. `MODEL`
-is replaced by the served model id. Sources: Open WebUI 0.6-0.12 (backend/open_webui/routers/openai.py:
-native function calling sends its built-in tools with every chat), LibreChat (OpenAI client for custom
+Each is what the client puts on the wire for the OpenAI-compatible "custom endpoint" case (the
+served model id is passed in). SillyTavern's is taken from its source; the others are reconstructed
+from documentation and observed traffic, not captured: Open WebUI 0.6-0.12 (native function calling
+sends its built-in tools, ~30, with every chat; the tool set here is in its style), LibreChat (OpenAI client for custom
 endpoints: `user`, penalties, title requests), SillyTavern (src/endpoints/backends/chat-completions.js,
 "Custom (OpenAI-compatible)" source: top_k, logit_bias {}, seed, n, message `name`s), LangChain
 (langchain-openai ChatOpenAI: bind_tools, AIMessage tool_calls and ToolMessage in the history).

@@ -11,7 +11,7 @@ from server.config import Settings
 from tests.api_helpers import MODEL, chat_body, running_app, sse_data, sse_json
 
 DEFAULTS = Settings.load()
-SPEC_KEYS = {"method", "draft_tokens", "accepted_tokens", "acceptance_rate", "decode_steps"}
+SPEC_KEYS = {"method", "draft_tokens", "accepted_tokens", "acceptance_rate", "decode_steps", "by_proposer"}
 
 
 async def test_health_is_503_while_loading_then_200(tiny_engine_factory):
@@ -234,9 +234,13 @@ async def test_speculation_extension_field(tiny_engine_factory):
             assert spec["method"] == method
             outs[method] = body["choices"][0]["message"]["content"]
             if method == "none":
-                assert spec["draft_tokens"] == 0
+                assert spec["draft_tokens"] == 0 and spec["by_proposer"] == {}
             if method == "draft":
                 assert spec["draft_tokens"] > 0
+                assert spec["by_proposer"] == {
+                    "draft": {"draft_tokens": spec["draft_tokens"], "accepted_tokens": spec["accepted_tokens"]}
+                }
+            assert sum(p["draft_tokens"] for p in spec["by_proposer"].values()) == spec["draft_tokens"]
         assert outs["none"] == outs["ngram"] == outs["draft"] == outs["auto"]  # greedy speculation is lossless
 
 

@@ -51,3 +51,40 @@ def test_a_sequence_ending_inside_a_character_releases_what_its_tokens_decode_to
     assert not any("\ufffd" in p for p in pieces)  # never while the sequence runs
     pieces.append(det.take(final=True))
     assert "".join(pieces) == tokenizer.decode(cut)
+
+
+def run_ids(det: IncrementalDetokenizer, ids: list[int]) -> str:
+    out = []
+    for tid in ids:
+        det.add(tid)
+        out.append(det.take())
+        if det.stopped:
+            break
+    out.append(det.take(final=True))
+    return "".join(out)
+
+
+def test_include_stop_keeps_the_stop_string(tokenizer):
+    ids = tokenizer.encode(" one two three END four")
+    det = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ("END",), include_stop=True)
+    assert run_ids(det, ids) == " one two three END" and det.stopped
+
+
+def test_stop_strings_count_only_after_min_tokens(tokenizer):
+    ids = tokenizer.encode(" END one two END three")
+    early = len(tokenizer.encode(" END"))
+    det = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ("END",), min_tokens=early + 1)
+    assert run_ids(det, ids) == " END one two " and det.stopped  # the first END came too early
+    det = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ("END",), min_tokens=early)
+    assert run_ids(det, ids) == " " and det.stopped  # END completes at exactly min_tokens tokens: it counts
+
+
+def test_special_tokens_skipped_kept_or_spaced(tokenizer):
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [*tokenizer.encode(" hi"), special, special, *tokenizer.encode(" there")]
+    prompt = tokenizer.encode("Say:")
+    assert run_ids(IncrementalDetokenizer(tokenizer, prompt), ids) == " hi there"
+    kept = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert run_ids(kept, ids) == " hi<|im_end|><|im_end|> there"
+    spaced = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False)
+    assert run_ids(spaced, ids) == " hi <|im_end|> <|im_end|>  there"

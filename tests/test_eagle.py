@@ -94,6 +94,8 @@ def test_sampled_drafts_never_leave_the_heads_vocabulary(eagle_engine, prompt_id
 def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
     engine = Engine(tiny_target, tiny_draft, Settings.load(draft_head="none"))
     assert "eagle" not in engine.methods
+    with pytest.raises(ValueError, match="cannot run on this server"):  # configured, not silently replaced
+        Engine(tiny_target, tiny_draft, Settings.load(draft_head="none", speculation="eagle"))
     assert resolve_draft_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
     assert resolve_draft_head(None, None) is None
     expect = SHIPPED_HEAD if (SHIPPED_HEAD / "config.json").is_file() else None

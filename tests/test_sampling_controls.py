@@ -138,3 +138,11 @@ def test_greedy_output_is_identical_with_and_without_speculation(
             assert tokens[0] != greedy_reference[f"r{i}"][0]
     if spec.get("repetition_penalty", 1.0) < 1:  # (the random model never repeats by itself) it changed the text
         assert any(out != greedy_reference[rid][: len(out)] for rid, out in outputs["none"].items())
+
+
+def test_repeated_logit_bias_entries_add_up():
+    logits = torch.zeros(1, 1, V)
+    params = [SamplingParams(temperature=1.0, logit_bias=((3, 1.0), (3, 1.0), (5, -1.0)))]
+    p = greedy_p(logits, params)[0, 0]
+    expected = torch.softmax(torch.tensor([0, 0, 0, 2.0, 0, -1.0, 0, 0]), -1)
+    assert torch.allclose(p, expected)

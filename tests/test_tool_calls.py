@@ -211,3 +211,19 @@ def test_tool_choice_none_and_no_tools_leave_the_text_alone(scripted):
         assert resp.choices[0].message.content == TWO_CALLS and not resp.choices[0].message.tool_calls
         assert resp.choices[0].finish_reason == "stop"
         assert "get_weather" not in engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
+
+
+def test_each_streamed_choice_has_its_own_calls(scripted):
+    client, _ = scripted
+    chunks = list(ask(client, tools=[WEATHER], stream=True, n=2, parallel_tool_calls=False))
+    per_choice: dict[int, list] = {0: [], 1: []}
+    finish = {}
+    for c in chunks:
+        for choice in c.choices:
+            per_choice[choice.index] += choice.delta.tool_calls or []
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    for calls in per_choice.values():
+        assert {d.index for d in calls} == {0}  # one call each (parallel_tool_calls false), indexed per choice
+        assert json.loads("".join(d.function.arguments or "" for d in calls)) == {"city": "Paris"}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}

@@ -59,6 +59,12 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
     stats = [c.stats for c in choices if c.stats is not None]
     draft = sum(s.draft_tokens for s in stats)
     accepted = sum(s.accepted_tokens for s in stats)
+    by_proposer: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for name, tally in s.by_proposer.items():
+            row = by_proposer.setdefault(name, {"draft_tokens": 0, "accepted_tokens": 0})
+            row["draft_tokens"] += tally.draft_tokens
+            row["accepted_tokens"] += tally.accepted_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -69,6 +75,7 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / draft if draft else 0.0,
             "decode_steps": sum(s.decode_steps for s in stats),
+            "by_proposer": by_proposer,  # who drafted what (`auto` mixes proposers)
         },
     }
 

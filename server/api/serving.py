@@ -2,7 +2,10 @@
 
 `OpenAIServing.chat` and `.completions` return either a JSON dict (stream false) or an
 `EventSourceResponse` whose events are OpenAI chunks followed by `data: [DONE]`. A client that
-disconnects has its sequences aborted (the scheduler frees their batch slots at the next step).
+disconnects has its sequences aborted (the scheduler frees their batch slots at the next step) and
+the request still gets its log line (finish_reason "abort"). With `tools`, each choice's text goes
+through a `ToolCallParser` (server/api/tool_calls.py): calls become `tool_calls` (streamed as
+`delta.tool_calls`) and a choice that called and then stopped finishes with "tool_calls".
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ from server.types import GenerationRequest, RequestOutput, RequestStats
 T = TypeVar("T")
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
-
-
 
 
 def scheduler_error(exc: BaseException) -> APIError:

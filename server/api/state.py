@@ -64,9 +64,7 @@ class ServerState:
 
     def _start(self, engine: Any) -> None:
         s = self.settings
-        # A configured method this server cannot run (a proposer that could not be built here, e.g.
-        # `draft` without a draft model) falls back to `auto` over what it can run.
-        method = s.speculation if s.speculation in engine.limits.methods else "auto"
+        method = s.speculation  # the engine refused to build with a method it cannot run
         self.metrics = Metrics(
             model=engine.model_name,
             target=s.target or engine.model_name,

@@ -72,6 +72,11 @@ class Engine:
             vocab_size=self.vocab_size,
             methods=self.planner.methods,
         )
+        if settings.speculation not in self.limits.methods:
+            raise ValueError(
+                f"the configured speculation method {settings.speculation!r} cannot run on this server "
+                f"(available: {', '.join(self.limits.methods)})"
+            )
         self.eos_ids = _eos_ids(target)
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)

@@ -24,8 +24,8 @@ from server.draft_head.model import EagleHead
 from server.draft_head.shipped import resolve_draft_head
 from server.model.attention import use_gqa_attention
 from server.model.runner import ModelRunner
-from server.sampling import BatchSampling, probabilities, sample
-from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
+from server.speculation.model_proposer import ModelProposer
+from server.speculation.proposer import BuildContext, Proposal, SequenceView, Traits
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class _Pending:
         return feats, tokens
 
 
-class EagleProposer(Proposer):
+class EagleProposer(ModelProposer):
     # Its cost is timed (one head forward per draft token); first-draft acceptance before evidence.
     traits = Traits(deterministic=False, needs_hidden=True, confidence_priors=(0.6,))
 
@@ -58,7 +58,10 @@ class EagleProposer(Proposer):
         self.vocab_size = vocab_size
         self.runner = ModelRunner(head.decoder)
         self.pending: dict[str, _Pending] = {}
-        self.forwards = 0  # head forwards run so far (tests and the bench read it)
+        self.forwards = 0
+
+    def _start(self, request_ids: list[str]) -> None:
+        self.runner.join(request_ids, [[] for _ in request_ids])  # empty rows: their pending pairs feed next
 
     # ---- membership --------------------------------------------------------------------------
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:
@@ -82,61 +85,33 @@ class EagleProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
-        by_id = {s.request_id: (s, k) for s, k in zip(seqs, ks, strict=True)}
-        cached = set(self.runner.rows)
-        starting = [s.request_id for s, k in zip(seqs, ks, strict=True) if k > 0 and s.request_id not in cached]
-        if starting:
-            self.runner.join(starting, [[] for _ in starting])  # empty rows: the pending pairs feed below
-        rows = self.runner.rows  # every cached row is asked each step (the planner guarantees it)
-        row_k = [by_id[rid][1] if self.pending[rid].tokens else 0 for rid in rows]
-        k_max = max(row_k, default=0)
-        drafts: list[list[int]] = [[] for _ in rows]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in rows]
-        if k_max == 0:
-            return self._in_order(seqs, drafts, q_rows)
-        params = [dataclasses.replace(by_id[rid][0].sampling, presence_penalty=0.0, frequency_penalty=0.0,
-                                      repetition_penalty=1.0) for rid in rows]
-        sampling = BatchSampling.from_params(params, self.runner.device)
-        gens = [by_id[rid][0].generator for rid in rows]
-        hidden_size = self.head.config.hidden_size
-        empty = torch.zeros(0, hidden_size, device=self.runner.device)
-        feed = []  # per row: decoder inputs [n_b, hidden]
-        for rid, k in zip(rows, row_k, strict=True):
+        rows = self._rows(seqs, ks)
+        ids = self.runner.rows
+        ks = [k if self.pending[rid].tokens else 0 for rid, k in zip(ids, rows.ks, strict=True)]
+        drafts: list[list[int]] = [[] for _ in ids]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in ids]
+        empty = torch.zeros(0, self.head.config.hidden_size, device=self.runner.device)
+        feed = []  # per row: decoder inputs [n_b, hidden]: its pending pairs when it drafts
+        for rid, k in zip(ids, ks, strict=True):
             feats, tokens = self.pending[rid].take() if k else (None, [])
             feed.append(self._pairs(feats, tokens) if feats is not None else empty)
-        for j in range(k_max):
+        while any(len(f) for f in feed):
             out = self.runner.forward(feed, logits=False, hidden=True).hidden  # [rows, W, hidden]
             self.forwards += 1
             last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=out.device)
-            predicted = out[torch.arange(len(rows), device=out.device), last]  # [rows, hidden]: f̂ of the next token
+            predicted = out[torch.arange(len(ids), device=out.device), last]  # [rows, hidden]: f̂ of the next token
             logits = self.head.full_logits(self.head.fr_logits(predicted))  # [rows, vocab], -inf outside FR
-            q = probabilities(_to_width(logits, self.vocab_size)[:, None], sampling)[:, 0]  # [rows, vocab]
-            greedy_tokens = q.argmax(dim=-1).tolist()
+            q, tokens = self._draw(logits, rows, [bool(len(f)) for f in feed])
             next_feed = []
-            for b in range(len(rows)):
-                if j < row_k[b] and len(feed[b]):
-                    token = greedy_tokens[b] if params[b].greedy else sample(q[b], gens[b])
+            for b, token in enumerate(tokens):
+                if token is not None:
                     drafts[b].append(token)
                     q_rows[b].append(q[b])
                 # The last draft is not fed: the target's verdict decides what follows it.
-                more = len(drafts[b]) < row_k[b] and len(feed[b])
-                next_feed.append(self._pairs(predicted[b : b + 1], drafts[b][-1:]) if more else empty)
+                more = token is not None and len(drafts[b]) < ks[b]
+                next_feed.append(self._pairs(predicted[b : b + 1], [token]) if more else empty)
             feed = next_feed
-            if not any(len(f) for f in feed):
-                break
         return self._in_order(seqs, drafts, q_rows)
-
-    def _in_order(
-        self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
-    ) -> Proposal:
-        """From cache-row order to the caller's order (sequences not in the cache drafted nothing)."""
-        index = {rid: i for i, rid in enumerate(self.runner.rows)}
-        out_drafts, out_q = [], []
-        for s in seqs:
-            i = index.get(s.request_id)
-            out_drafts.append(drafts[i] if i is not None else [])
-            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] else None)
-        return Proposal(drafts=out_drafts, q=out_q)
 
     # ---- after verification ----------------------------------------------------------------------
     def commit(self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None) -> None:
@@ -147,11 +122,3 @@ class EagleProposer(Proposer):
         pending = self.pending[rid]
         pending.features.append(hidden)  # real features of the fed tokens that were committed...
         pending.tokens += emitted  # ...each paired with the token that followed it
-
-
-def _to_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Head logits [..., head_vocab] over the target's `vocab` ids: cut, or padded with -inf."""
-    width = logits.shape[-1]
-    if width >= vocab:
-        return logits[..., :vocab]
-    return torch.cat([logits, logits.new_full((*logits.shape[:-1], vocab - width), float("-inf"))], dim=-1)

@@ -20,6 +20,8 @@ from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostMo
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 
+RowOffers = dict[str, tuple[list[int], int]]  # lookahead proposer -> (its drafts for a row, their confidence level)
+
 
 class PlannedSequence(SequenceView, Protocol):
     """What the planner reads of a sequence besides what proposers read."""
@@ -96,7 +98,7 @@ class Planner:
         """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
         drafts of the model proposers chosen."""
         offers = self._lookahead(seqs)
-        choices = [self._choose(b, s, offers.get(b, {}), len(seqs)) for b, s in enumerate(seqs)]
+        choices = [self._choose(s, offers.get(b, {}), len(seqs)) for b, s in enumerate(seqs)]
         auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO}
         if len(seqs) > 1 and auto_rows:
             self._widen(seqs, choices, auto_rows, offers)
@@ -124,9 +126,9 @@ class Planner:
         self.policy.observe(seq.request_id, row.proposer, len(row.drafts), len(emitted) - 1, row.level, seq.sampled)
 
     # ---- planning steps ------------------------------------------------------------------------
-    def _lookahead(self, seqs: list[PlannedSequence]) -> dict[int, dict[str, tuple[list[int], int]]]:
+    def _lookahead(self, seqs: list[PlannedSequence]) -> dict[int, RowOffers]:
         """Row -> lookahead proposer -> (its drafts for the row's most drafts, their confidence level)."""
-        offers: dict[int, dict[str, tuple[list[int], int]]] = {}
+        offers: dict[int, RowOffers] = {}
         for name, proposer in self.proposers.items():
             if not proposer.traits.lookahead:
                 continue
@@ -140,9 +142,7 @@ class Planner:
                     offers.setdefault(b, {})[name] = (found.drafts[i], levels[i])
         return offers
 
-    def _choose(
-        self, b: int, seq: PlannedSequence, offers: dict[str, tuple[list[int], int]], batch: int
-    ) -> tuple[str | None, int]:
+    def _choose(self, seq: PlannedSequence, offers: RowOffers, batch: int) -> tuple[str | None, int]:
         """(proposer, K) for one row: the request's own method, or the policy's choice for `auto`."""
         k_max = seq.num_drafts()
         if seq.mode == PLAIN or k_max == 0:
@@ -164,7 +164,7 @@ class Planner:
         seqs: list[PlannedSequence],
         choices: list[tuple[str | None, int]],
         auto_rows: set[int],
-        offers: dict[int, dict[str, tuple[list[int], int]]],
+        offers: dict[int, RowOffers],
     ) -> None:
         """In a batch the verify pass is as wide as its widest row for every row: let the policy pick
         that width for the whole batch, and give each flexible row (auto, with a lookahead offer, not

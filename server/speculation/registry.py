@@ -3,17 +3,14 @@
 The registry feeds everything that names a method: the CLI's choices, settings validation, the API's
 check of `speculation.method`, the engine's proposers and the metrics' label values. Entries name
 their class as "module:Class" and are imported only when an engine is built, so this module stays
-importable from the settings and the API without torch.
+importable from the CLI and the API without torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from server.speculation.proposer import BuildContext, Proposer
+from typing import Any
 
 PLAIN = "none"  # plain decoding: no proposer
 AUTO = "auto"  # the planner picks a proposer (or none) and K per sequence and step
@@ -28,8 +25,10 @@ class Entry:
     proposer: str | type
     summary: str = ""
 
-    def build(self, ctx: BuildContext) -> Proposer | None:
-        """The proposer for this server, or None when it cannot run here (e.g. no draft model)."""
+    def build(self, ctx: Any) -> Any:
+        """The `Proposer` for this server built from `ctx` (a `BuildContext`), or None when it cannot run
+        here (e.g. no draft model). Typed loosely: this module names proposers and imports none of them,
+        so the settings and the CLI can read `BUILTIN.methods` without importing torch."""
         cls = self.proposer
         if isinstance(cls, str):
             module, _, attr = cls.partition(":")

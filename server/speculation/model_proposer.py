@@ -1,0 +1,88 @@
+"""What proposers that run a model of their own share (a draft model, a draft head): a batched KV
+cache entered lazily, the rows' order, the draft distribution q and one draft token per row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from server.model.runner import ModelRunner
+from server.sampling import BatchSampling, probabilities, sample
+from server.speculation.proposer import Proposal, Proposer, SequenceView
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRows:
+    """A propose call in the proposer's cache-row order: every cached row is asked each step (the
+    planner guarantees it), with K = 0 where it drafts nothing."""
+
+    seqs: list[SequenceView]
+    ks: list[int]
+    sampling: BatchSampling  # the requests' sampling, penalties off (q need only be a distribution)
+    greedy: list[bool]
+
+
+class ModelProposer(Proposer):
+    """Base of model proposers. Subclasses set `runner` and `vocab_size` (the target's logits width:
+    q is over the target's ids) and implement `_start` (bring rows into the cache) and `propose`."""
+
+    runner: ModelRunner
+    vocab_size: int
+    forwards: int = 0  # forwards of the proposer's model so far (tests and the bench read it)
+
+    def _start(self, request_ids: list[str]) -> None:
+        """Bring sequences that draft for the first time into the cache (lazily: a sequence that never
+        drafts with this proposer never pays for it)."""
+        raise NotImplementedError
+
+    def _rows(self, seqs: list[SequenceView], ks: list[int]) -> DraftRows:
+        by_id = {s.request_id: (s, k) for s, k in zip(seqs, ks, strict=True)}
+        cached = set(self.runner.rows)
+        starting = [s.request_id for s, k in zip(seqs, ks, strict=True) if k > 0 and s.request_id not in cached]
+        if starting:
+            self._start(starting)
+        rows = [by_id[rid][0] for rid in self.runner.rows]
+        params = [dataclasses.replace(s.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+                  for s in rows]
+        return DraftRows(
+            seqs=rows,
+            ks=[by_id[s.request_id][1] for s in rows],
+            sampling=BatchSampling.from_params(params, self.runner.device),
+            greedy=[p.greedy for p in params],
+        )
+
+    def _draw(
+        self, logits: torch.Tensor, rows: DraftRows, drafting: list[bool]
+    ) -> tuple[torch.Tensor, list[int | None]]:
+        """q [rows, vocab] from the model's next-token logits [rows, model_vocab], and a draft token for
+        each row that is `drafting` (greedy: the argmax, no randomness; else sampled from its stream)."""
+        q = probabilities(_to_width(logits, self.vocab_size)[:, None], rows.sampling)[:, 0]  # [rows, vocab]
+        argmax = q.argmax(dim=-1).tolist()
+        tokens = [
+            (argmax[b] if rows.greedy[b] else sample(q[b], rows.seqs[b].generator)) if drafting[b] else None
+            for b in range(len(drafting))
+        ]
+        return q, tokens
+
+    def _in_order(
+        self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
+    ) -> Proposal:
+        """From cache-row order to the caller's order (sequences not in the cache drafted nothing)."""
+        index = {rid: i for i, rid in enumerate(self.runner.rows)}
+        out_drafts, out_q = [], []
+        for s in seqs:
+            i = index.get(s.request_id)
+            out_drafts.append(drafts[i] if i is not None else [])
+            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] else None)
+        return Proposal(drafts=out_drafts, q=out_q)
+
+
+def _to_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits [..., model_vocab] over the target's `vocab` ids: cut, or padded with -inf. Checkpoints
+    that share a tokenizer may pad their embeddings differently (Qwen2.5 7B: 152064 rows, 0.5B:
+    151936); tokens the target cannot score are never drafted."""
+    width = logits.shape[-1]
+    if width >= vocab:
+        return logits[..., :vocab]
+    return torch.cat([logits, logits.new_full((*logits.shape[:-1], vocab - width), float("-inf"))], dim=-1)

@@ -1,0 +1,81 @@
+"""The field policy: fields that cannot change the output are accepted with any value; fields that
+would change it are honoured, or refused unless neutral; `top_p: 0` is greedy; `seed < 0` is unseeded."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.api.prompts import generation_requests
+from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from tests.api_helpers import MODEL, chat_body, running_app
+
+CHAT = "/v1/chat/completions"
+INERT = {
+    "store": True,
+    "metadata": {"conversation": "42"},
+    "service_tier": "flex",
+    "prompt_cache_key": "user-7",
+    "prompt_cache_retention": "24h",
+    "safety_identifier": "hash-1",
+    "user": "alice",
+}
+NULL_ONLY = ["audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"]
+
+
+@pytest.fixture
+async def client(tiny_engine_factory):
+    async with running_app(tiny_engine_factory) as (_, c):
+        yield c
+
+
+async def test_inert_and_null_fields_are_accepted(client):
+    nulls = dict.fromkeys(NULL_ONLY)
+    body = chat_body(max_tokens=2, temperature=0, **INERT, **nulls, response_format={"type": "text"})
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    plain = await client.post(CHAT, json=chat_body(max_tokens=2, temperature=0))
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]  # they changed nothing
+    streamed = chat_body(max_tokens=2, stream=True, stream_options={"include_usage": True, "include_obfuscation": True})
+    assert (await client.post(CHAT, json=streamed)).status_code == 200
+
+
+@pytest.mark.parametrize("field", NULL_ONLY)
+async def test_output_changing_fields_without_an_implementation_are_named(client, field):
+    r = await client.post(CHAT, json=chat_body(**{field: {"x": 1} if field != "reasoning_effort" else "low"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert r.json()["error"]["code"] == "unsupported_field"
+
+
+async def test_message_fields_an_sdk_round_trip_sends(client):
+    history = [
+        {"role": "developer", "content": "Be terse.", "name": "ops"},
+        {"role": "user", "content": "Hi", "name": "alice"},
+        {"role": "assistant", "content": "Hello.", "refusal": None, "annotations": [], "audio": None,
+         "function_call": None, "tool_calls": []},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "nothing found"},
+        {"role": "function", "name": "lookup", "content": "legacy result"},
+        {"role": "user", "content": [{"type": "text", "text": "ok?"}]},
+    ]
+    r = await client.post(CHAT, json={**chat_body(max_tokens=2), "messages": history})
+    assert r.status_code == 200, r.text
+
+
+async def test_top_p_0_is_greedy(client):
+    greedy = await client.post(CHAT, json=chat_body(max_tokens=6, temperature=0))
+    top_p0 = await client.post(CHAT, json=chat_body(max_tokens=6, temperature=1.5, top_p=0))
+    assert top_p0.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_negative_seed_means_unseeded(tokenizer):
+    from server.api.prompts import ModelInfo
+    from server.types import ServingLimits
+
+    limits = ServingLimits(max_context=1024, vocab_size=len(tokenizer), methods=("none", "ngram", "auto"))
+    info = ModelInfo(MODEL, tokenizer, limits, "none", 4, 16)
+    chat = ChatCompletionRequest.model_validate(chat_body(seed=-1, n=2))
+    assert [r.sampling.seed for r in generation_requests(info, chat, "id", [[1, 2]], 4, None, "messages")] == [
+        None, None]
+    comp = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "seed": 5, "n": 2})
+    assert [r.sampling.seed for r in generation_requests(info, comp, "id", [[1]], 4, None, "prompt")] == [5, 6]
