@@ -240,11 +240,11 @@ def test_quick_defaults_are_small() -> None:
     assert parse_args(["--methods", "none,ngram", "--clients", "1"]).methods == ["none", "ngram"]
     with pytest.raises(SystemExit):
         parse_args(["--methods", "bogus"])
-    assert full.k == {"ngram": 8, "draft": 8, "eagle": 4}
-    assert parse_args(["--k", "6"]).k == {"ngram": 6, "draft": 6, "eagle": 6}
-    assert parse_args(["--k", "ngram=10,draft=3"]).k == {"ngram": 10, "draft": 3, "eagle": 4}
-    assert parse_args(["--k", "ngram=8,draft=4,eagle=5"]).k == {"ngram": 8, "draft": 4, "eagle": 5}
-    assert parse_args(["--k", "8,eagle=2"]).k == {"ngram": 8, "draft": 8, "eagle": 2}
+    assert full.k == {"ngram": 8, "suffix": 8, "draft": 8, "eagle": 4}
+    assert parse_args(["--k", "6"]).k == {"ngram": 6, "suffix": 6, "draft": 6, "eagle": 6}
+    assert parse_args(["--k", "ngram=10,draft=3"]).k == {"ngram": 10, "suffix": 8, "draft": 3, "eagle": 4}
+    assert parse_args(["--k", "ngram=8,draft=4,eagle=5"]).k == {"ngram": 8, "suffix": 8, "draft": 4, "eagle": 5}
+    assert parse_args(["--k", "8,eagle=2"]).k == {"ngram": 8, "suffix": 8, "draft": 8, "eagle": 2}
     assert parse_args(["--methods", "none,eagle,auto"]).methods == ["none", "eagle", "auto"]
     for bad in ("auto=4", "none=4", "bogus=4", "0", "eagle=33", "x"):
         with pytest.raises(SystemExit):
