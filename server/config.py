@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     # target's weights loaded again in `draft_dtype` (the default until a trained small draft exists).
     draft: str | None = "target"
     draft_dtype: DType = "bfloat16"
+    # `draft_head`: a trained EAGLE-style head (a directory with model.safetensors + config.json, made
+    # by `python -m server distill`). "auto" = the head shipped for the built-in target when `target`
+    # is None, no head otherwise; None = no head. `resolved_draft_head()` gives the directory.
+    draft_head: str | None = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     served_model_name: str | None = None  # the `model` id clients send; default derives from target
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "specula")
@@ -66,7 +70,18 @@ class Settings(BaseSettings):
             raise ValueError("ngram_min must be <= ngram_max")
         if self.speculation == "draft" and self.draft is None:
             raise ValueError("speculation 'draft' needs a draft model (set `draft`)")
+        head = self.resolved_draft_head()
+        if head is not None and not (head / "config.json").is_file():
+            raise ValueError(f"draft_head {str(head)!r} is not a draft head directory (no config.json)")
         return self
+
+    def resolved_draft_head(self) -> Path | None:
+        """The draft head directory to load, or None (see `draft_head`)."""
+        if self.draft_head == "auto":
+            from server.draft_head import BUILTIN_HEAD
+
+            return BUILTIN_HEAD if self.target is None and (BUILTIN_HEAD / "config.json").is_file() else None
+        return Path(self.draft_head).expanduser() if self.draft_head is not None else None
 
     @classmethod
     def settings_customise_sources(

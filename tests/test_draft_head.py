@@ -180,3 +180,32 @@ def test_distill_command_trains_exports_and_resumes(tmp_path, tokenizer):
     assert steps[:2] == [2, 4]  # the resumed run kept the first run's history and went on from step 2
     with pytest.raises(ValueError, match="other prompts"):
         main([*args, "--steps", "4", "--num-prompts", "5"])
+
+
+def test_draft_head_setting(tmp_path):
+    from pydantic import ValidationError
+
+    from server.config import Settings
+    from server.draft_head import BUILTIN_HEAD
+
+    assert Settings.load().resolved_draft_head() == BUILTIN_HEAD  # shipped for the built-in target
+    assert (BUILTIN_HEAD / "model.safetensors").stat().st_size < 16 * 2**20
+    assert Settings.load(target="/models/other").resolved_draft_head() is None
+    assert Settings.load(draft_head=None).resolved_draft_head() is None
+    EagleHead.create(tiny_llama(VOCAB), [1, 2], "tiny").save_pretrained(tmp_path / "head")
+    assert Settings.load(draft_head=str(tmp_path / "head")).resolved_draft_head() == tmp_path / "head"
+    with pytest.raises(ValidationError, match="not a draft head directory"):
+        Settings.load(draft_head=str(tmp_path))
+
+
+@pytest.mark.real_model
+def test_shipped_head_loads_for_the_builtin_target():
+    from server.config import Settings
+    from server.draft_head import BUILTIN_HEAD
+    from server.engine.models import load_model
+
+    target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir)
+    head = EagleHead.from_pretrained(BUILTIN_HEAD, target.model)
+    assert head.config.target_name == "SmolLM2-135M-Instruct"
+    assert target.tokenizer.eos_token_id in head.config.vocab_ids
+    assert head.config.training["heldout_acceptance"][0] > 0.3

@@ -114,7 +114,7 @@ def distill(
     vocab_ids = choose_vocab(train, vocab_size, fr_vocab, _stop_ids(target, tokenizer))
     head = EagleHead.create(target, vocab_ids, target_name, seed=opts.seed)
     head.requires_grad_(True)
-    lm_head = target.get_output_embeddings().weight.detach()
+    lm_head = None  # held-out answers are greedy: their next tokens are the target's argmax
     untrained = held_out_acceptance(head, heldout, lm_head)
     answer_tokens = sum(len(s.ids) - s.prompt_len for s in train)
     base_meta = {

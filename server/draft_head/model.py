@@ -120,7 +120,9 @@ class EagleHead(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.trainable_state().items()}
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
-        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
+        # Readable JSON, except the FR ids, which stay on one line (thousands of them).
+        text = json.dumps({**asdict(self.config), "vocab_ids": "@ids@"}, indent=1)
+        (out / CONFIG_FILE).write_text(text.replace('"@ids@"', json.dumps(self.config.vocab_ids)) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: PreTrainedModel) -> EagleHead:
