@@ -209,3 +209,12 @@ def test_shipped_head_loads_for_the_builtin_target():
     assert head.config.target_name == "SmolLM2-135M-Instruct"
     assert target.tokenizer.eos_token_id in head.config.vocab_ids
     assert head.config.training["heldout_acceptance"][0] > 0.3
+
+
+def test_last_layer_init_copies_the_targets_last_layer():
+    target = tiny_llama(VOCAB, seed=0, layers=2)
+    head = EagleHead.create(target, [1, 2], "tiny", init="last-layer")
+    for name, value in target.model.layers[-1].state_dict().items():
+        assert torch.equal(head.decoder.layers[0].state_dict()[name], value)
+    with pytest.raises(ValueError, match="init must be"):
+        EagleHead.create(target, [1, 2], "tiny", init="first-layer")

@@ -54,6 +54,7 @@ def distill_cli(args: argparse.Namespace) -> int:
     opts = TrainOptions(
         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr, train_depth=args.train_depth,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,
+        feature_noise=args.feature_noise, init=args.init,
     )
     command = "python -m server " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else ""
     head, state, meta = distill(
@@ -112,7 +113,7 @@ def distill(
                             "heldout_samples": len(heldout), "data_seconds_this_run": round(data_seconds, 1)}
     vocab_size = target.get_output_embeddings().weight.shape[0]
     vocab_ids = choose_vocab(train, vocab_size, fr_vocab, _stop_ids(target, tokenizer))
-    head = EagleHead.create(target, vocab_ids, target_name, seed=opts.seed)
+    head = EagleHead.create(target, vocab_ids, target_name, seed=opts.seed, init=opts.init)
     head.requires_grad_(True)
     lm_head = None  # held-out answers are greedy: their next tokens are the target's argmax
     untrained = held_out_acceptance(head, heldout, lm_head)

@@ -71,7 +71,7 @@ def head_loss(head: EagleHead, samples: list[Sample], opts: TrainOptions) -> tup
     hidden, ids, lengths, prompt_lens = collate(samples, device)
     hidden = hidden.to(head.fc.weight.dtype)
     rows = hidden.shape[1] - 1
-    outputs = unrolled_features(head, hidden, ids, lengths, opts.train_depth)
+    outputs = unrolled_features(head, hidden, ids, lengths, opts.train_depth, opts.feature_noise)
     total = hidden.new_zeros(())
     parts: dict[str, float] = {}
     for k, pred in enumerate(outputs, 1):
