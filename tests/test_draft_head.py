@@ -191,7 +191,9 @@ def test_draft_head_setting(tmp_path):
     assert Settings.load().resolved_draft_head() == BUILTIN_HEAD  # shipped for the built-in target
     assert (BUILTIN_HEAD / "model.safetensors").stat().st_size < 16 * 2**20
     assert Settings.load(target="/models/other").resolved_draft_head() is None
-    assert Settings.load(draft_head=None).resolved_draft_head() is None
+    no_head = tmp_path / "no-head.yaml"
+    no_head.write_text("draft_head: null\n")
+    assert Settings.load(no_head).resolved_draft_head() is None
     EagleHead.create(tiny_llama(VOCAB), [1, 2], "tiny").save_pretrained(tmp_path / "head")
     assert Settings.load(draft_head=str(tmp_path / "head")).resolved_draft_head() == tmp_path / "head"
     with pytest.raises(ValidationError, match="not a draft head directory"):
