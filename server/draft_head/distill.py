@@ -46,6 +46,8 @@ def distill_cli(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not 1 <= args.train_depth <= 4:
         raise SystemExit("--train-depth must be 1..4")
+    if args.gen_workers > 1 and args.device != "cpu":
+        raise SystemExit("--gen-workers > 1 forks processes, which CUDA does not survive: use it on cpu only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings.load(args.config)
