@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from server.draft_head import resolve_head
 from server.draft_head.model import EagleHead
-from server.draft_head.shipped import resolve_draft_head
 from server.model.attention import use_gqa_attention
 from server.model.loading import LoadedModel
 from server.model.runner import ModelRunner
@@ -68,13 +68,13 @@ UNTRAINED_FR_VOCAB = 8192  # `python -m server distill --fr-vocab` default: the 
 
 
 def load_head(draft_head: str | None, target_setting: str | None, target: LoadedModel) -> tuple[EagleHead | None, str]:
-    """The draft head the server would load (`resolve_draft_head` + `EagleHead.from_pretrained`), and
+    """The draft head the server would load (`resolve_head` + `EagleHead.from_pretrained`), and
     a line saying which. When the setting names no head that exists (none has shipped yet), a freshly
     created untrained head of the same shape (FR vocabulary of the distill default) stands in: its
     cost per token is the same, its drafts are not. `draft_head` None (the setting's "none"): no head."""
     if draft_head is None:
         return None, "no draft head (draft_head: none)"
-    path = resolve_draft_head(draft_head, target_setting)
+    path = resolve_head(draft_head, target_setting)
     if path is not None and (Path(path) / "config.json").is_file():
         return EagleHead.from_pretrained(path, target.model), f"the head at {path}"
     head = EagleHead.create(target.model, list(range(UNTRAINED_FR_VOCAB)), target.name)

@@ -14,6 +14,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from server.draft_head import resolve_head
 from server.types import DEFAULT_METHOD, DEFAULT_NUM_TOKENS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
@@ -37,9 +38,9 @@ class Settings(BaseSettings):
     # target's weights loaded again in `draft_dtype` (the default until a trained small draft exists).
     draft: str | None = "target"
     draft_dtype: DType = "bfloat16"
-    # `draft_head`: an EAGLE-style head trained for the target (`python -m server distill`), a directory
-    # with model.safetensors + config.json; "auto" = the head shipped for the built-in target (when the
-    # target is the built-in one); None = no head (the `eagle` method is then unavailable).
+    # `draft_head`: a trained EAGLE-style head (a directory with model.safetensors + config.json, made
+    # by `python -m server distill`). "auto" = the head shipped for the built-in target when `target`
+    # is None, no head otherwise; None = no head. `resolved_draft_head()` gives the directory.
     draft_head: str | None = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     served_model_name: str | None = None  # the `model` id clients send; default derives from target
@@ -80,7 +81,14 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
+        head = self.resolved_draft_head()
+        if head is not None and not (head / "config.json").is_file():
+            raise ValueError(f"draft_head {str(head)!r} is not a draft head directory (no config.json)")
         return self
+
+    def resolved_draft_head(self) -> Path | None:
+        """The draft head directory to load, or None (see `draft_head`)."""
+        return resolve_head(self.draft_head, self.target)
 
     @classmethod
     def settings_customise_sources(

@@ -180,3 +180,44 @@ def test_distill_command_trains_exports_and_resumes(tmp_path, tokenizer):
     assert steps[:2] == [2, 4]  # the resumed run kept the first run's history and went on from step 2
     with pytest.raises(ValueError, match="other prompts"):
         main([*args, "--steps", "4", "--num-prompts", "5"])
+
+
+def test_draft_head_setting(tmp_path):
+    from pydantic import ValidationError
+
+    from server.config import Settings
+    from server.draft_head import BUILTIN_HEAD
+
+    assert Settings.load().resolved_draft_head() == BUILTIN_HEAD  # shipped for the built-in target
+    assert (BUILTIN_HEAD / "model.safetensors").stat().st_size < 16 * 2**20
+    assert Settings.load(target="/models/other").resolved_draft_head() is None
+    no_head = tmp_path / "no-head.yaml"
+    no_head.write_text("draft_head: null\n")
+    assert Settings.load(no_head).resolved_draft_head() is None
+    EagleHead.create(tiny_llama(VOCAB), [1, 2], "tiny").save_pretrained(tmp_path / "head")
+    assert Settings.load(draft_head=str(tmp_path / "head")).resolved_draft_head() == tmp_path / "head"
+    with pytest.raises(ValidationError, match="not a draft head directory"):
+        Settings.load(draft_head=str(tmp_path))
+
+
+@pytest.mark.real_model
+def test_shipped_head_loads_for_the_builtin_target():
+    from server.engine.models import load_model
+
+    from server.config import Settings
+    from server.draft_head import BUILTIN_HEAD
+
+    target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir)
+    head = EagleHead.from_pretrained(BUILTIN_HEAD, target.model)
+    assert head.config.target_name == "SmolLM2-135M-Instruct"
+    assert target.tokenizer.eos_token_id in head.config.vocab_ids
+    assert head.config.training["heldout_acceptance"][0] > 0.3
+
+
+def test_last_layer_init_copies_the_targets_last_layer():
+    target = tiny_llama(VOCAB, seed=0, layers=2)
+    head = EagleHead.create(target, [1, 2], "tiny", init="last-layer")
+    for name, value in target.model.layers[-1].state_dict().items():
+        assert torch.equal(head.decoder.layers[0].state_dict()[name], value)
+    with pytest.raises(ValueError, match="init must be"):
+        EagleHead.create(target, [1, 2], "tiny", init="first-layer")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from server.config import Settings
+from server.draft_head import BUILTIN_HEAD, resolve_head
 from server.draft_head.model import EagleHead
-from server.draft_head.shipped import SHIPPED_HEAD, resolve_draft_head
 from server.engine.engine import Engine
 from tests.engine_helpers import final_stats, request, run
 
@@ -91,12 +91,17 @@ def test_sampled_drafts_never_leave_the_heads_vocabulary(eagle_engine, prompt_id
         assert q.shape == (4, engine.vocab_size) and float(q[:, outside].sum()) == 0.0
 
 
+def test_a_named_head_must_fit_the_target_but_auto_steps_aside(tiny_target, tiny_draft):
+    assert "eagle" not in Engine(tiny_target, tiny_draft, Settings.load(draft_head="auto")).methods  # SmolLM2's head
+    with pytest.raises(ValueError, match="does not fit this target"):
+        Engine(tiny_target, tiny_draft, Settings.load(draft_head=str(BUILTIN_HEAD)))
+
+
 def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
     engine = Engine(tiny_target, tiny_draft, Settings.load(draft_head="none"))
     assert "eagle" not in engine.methods
     with pytest.raises(ValueError, match="cannot run on this server"):  # configured, not silently replaced
         Engine(tiny_target, tiny_draft, Settings.load(draft_head="none", speculation="eagle"))
-    assert resolve_draft_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
-    assert resolve_draft_head(None, None) is None
-    expect = SHIPPED_HEAD if (SHIPPED_HEAD / "config.json").is_file() else None
-    assert resolve_draft_head("auto", None) == expect
+    assert resolve_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
+    assert resolve_head(None, None) is None
+    assert resolve_head("auto", None) == BUILTIN_HEAD and (BUILTIN_HEAD / "config.json").is_file()

@@ -22,7 +22,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return build_engine(Settings.load(device="cpu"))
+    """The default settings plus the bf16 self-draft (no longer loaded by default, still a method)."""
+    return build_engine(Settings.load(device="cpu", draft="target"))
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +44,15 @@ def reference(engine, chat_prompts) -> dict[str, list[int]]:
     return ref
 
 
-def test_default_model_loads_from_the_gguf_package_with_a_draft(engine):
+def test_default_model_loads_from_the_gguf_package_with_its_shipped_head(engine):
     assert engine.model_name == "SmolLM2-135M-Instruct"
     assert "draft" in engine.methods and engine.draft_name.endswith("bfloat16")
+    assert "eagle" in engine.methods
+    defaults = Settings.load()  # the defaults speculate with the shipped head; the bf16 self-draft is opt-in
+    assert defaults.draft is None and defaults.resolved_draft_head() is not None
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "eagle"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_speculation_equals_target_greedy_on_the_real_model(engine, chat_prompts, reference, method, k):
     out = run(engine, [request(f"r{i}", p, method, k, max_tokens=20) for i, p in enumerate(chat_prompts)])
@@ -57,5 +61,5 @@ def test_greedy_speculation_equals_target_greedy_on_the_real_model(engine, chat_
 
 def test_cached_second_load_is_fast(engine):
     started = time.perf_counter()
-    build_engine(Settings.load(device="cpu", draft=None))
+    build_engine(Settings.load(device="cpu", draft=None, calibrate=False))
     assert time.perf_counter() - started < 15  # the dequantized weights come from the safetensors cache

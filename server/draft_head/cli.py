@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=TrainOptions.batch_size)
     p.add_argument("--lr", type=float, default=TrainOptions.lr)
     p.add_argument("--train-depth", type=int, default=TrainOptions.train_depth, help="draft depths trained (1..4)")
+    p.add_argument("--feature-noise", type=float, default=TrainOptions.feature_noise,
+                   help="std of Gaussian noise added to input features while training")
+    p.add_argument("--init", choices=["random", "last-layer"], default=TrainOptions.init,
+                   help="decoder layer start: random, or a copy of the target's last layer")
     p.add_argument("--eval-every", type=int, default=TrainOptions.eval_every)
     p.add_argument("--checkpoint-every", type=int, default=TrainOptions.checkpoint_every)
     p.add_argument("--data-only", action="store_true", help="make (or finish) the data cache, then stop")

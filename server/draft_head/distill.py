@@ -46,6 +46,8 @@ def distill_cli(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not 1 <= args.train_depth <= 4:
         raise SystemExit("--train-depth must be 1..4")
+    if args.gen_workers > 1 and args.device != "cpu":
+        raise SystemExit("--gen-workers > 1 forks processes, which CUDA does not survive: use it on cpu only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings.load(args.config)
@@ -54,6 +56,7 @@ def distill_cli(args: argparse.Namespace) -> int:
     opts = TrainOptions(
         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr, train_depth=args.train_depth,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,
+        feature_noise=args.feature_noise, init=args.init,
     )
     command = "python -m server " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else ""
     head, state, meta = distill(
@@ -112,9 +115,9 @@ def distill(
                             "heldout_samples": len(heldout), "data_seconds_this_run": round(data_seconds, 1)}
     vocab_size = target.get_output_embeddings().weight.shape[0]
     vocab_ids = choose_vocab(train, vocab_size, fr_vocab, _stop_ids(target, tokenizer))
-    head = EagleHead.create(target, vocab_ids, target_name, seed=opts.seed)
+    head = EagleHead.create(target, vocab_ids, target_name, seed=opts.seed, init=opts.init)
     head.requires_grad_(True)
-    lm_head = target.get_output_embeddings().weight.detach()
+    lm_head = None  # held-out answers are greedy: their next tokens are the target's argmax
     untrained = held_out_acceptance(head, heldout, lm_head)
     answer_tokens = sum(len(s.ids) - s.prompt_len for s in train)
     base_meta = {

@@ -97,8 +97,12 @@ class EagleHead(nn.Module):
 
     # ---- construction and files -----------------------------------------------------------------
     @classmethod
-    def create(cls, target: PreTrainedModel, vocab_ids: list[int], target_name: str, seed: int = 0) -> EagleHead:
-        """A freshly initialised head for `target` drafting over `vocab_ids` (seeded)."""
+    def create(cls, target: PreTrainedModel, vocab_ids: list[int], target_name: str, seed: int = 0,
+               init: str = "random") -> EagleHead:
+        """A freshly initialised head for `target` drafting over `vocab_ids` (seeded). `init="last-layer"`
+        starts the decoder layer as a copy of the target's last decoder layer (fc stays random)."""
+        if init not in ("random", "last-layer"):
+            raise ValueError(f"init must be 'random' or 'last-layer', not {init!r}")
         cfg = HeadConfig(
             target_name=target_name,
             hidden_size=target.config.hidden_size,
@@ -108,7 +112,10 @@ class EagleHead(nn.Module):
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return cls(cfg, target)
+            head = cls(cfg, target)
+        if init == "last-layer":
+            head.decoder.layers[0].load_state_dict(target.model.layers[-1].state_dict())
+        return head
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights a file holds: `fc` and the decoder layer (no borrowed target tensors)."""
@@ -120,7 +127,9 @@ class EagleHead(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.trainable_state().items()}
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
-        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
+        # Readable JSON, except the FR ids, which stay on one line (thousands of them).
+        text = json.dumps({**asdict(self.config), "vocab_ids": "@ids@"}, indent=1)
+        (out / CONFIG_FILE).write_text(text.replace('"@ids@"', json.dumps(self.config.vocab_ids)) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: PreTrainedModel) -> EagleHead:

@@ -22,3 +22,5 @@ class TrainOptions:
     eval_every: int = 200
     checkpoint_every: int = 200
     seed: int = 0
+    feature_noise: float = 0.0  # std of Gaussian noise on the input features (EAGLE-1 trains with noise)
+    init: str = "random"  # "random", or "last-layer": the decoder layer starts as a copy of the target's last

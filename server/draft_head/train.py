@@ -71,7 +71,7 @@ def head_loss(head: EagleHead, samples: list[Sample], opts: TrainOptions) -> tup
     hidden, ids, lengths, prompt_lens = collate(samples, device)
     hidden = hidden.to(head.fc.weight.dtype)
     rows = hidden.shape[1] - 1
-    outputs = unrolled_features(head, hidden, ids, lengths, opts.train_depth)
+    outputs = unrolled_features(head, hidden, ids, lengths, opts.train_depth, opts.feature_noise)
     total = hidden.new_zeros(())
     parts: dict[str, float] = {}
     for k, pred in enumerate(outputs, 1):
@@ -93,10 +93,14 @@ def head_loss(head: EagleHead, samples: list[Sample], opts: TrainOptions) -> tup
 
 
 @torch.no_grad()
-def held_out_acceptance(head: EagleHead, samples: list[Sample], lm_head: torch.Tensor, batch_size: int = 8,
-                        depth: int = EVAL_DEPTH) -> Acceptance:
-    """Greedy acceptance per draft position on `samples` (see the module docstring); `lm_head` is the
-    target's full LM head weight [V, H], whose argmax is what the target would emit."""
+def held_out_acceptance(head: EagleHead, samples: list[Sample], lm_head: torch.Tensor | None = None,
+                        batch_size: int = 8, depth: int = EVAL_DEPTH) -> Acceptance:
+    """Greedy acceptance per draft position on `samples` (see the module docstring).
+
+    The target's greedy token after feature f_t is argmax(lm_head · f_t) when `lm_head` (the target's
+    full LM head weight [V, H]) is given; without it, it is the next token of the sample itself, which
+    is exact for greedy answers (how held-out data is made) and saves a full-vocabulary product.
+    """
     was_training = head.training
     head.eval()
     device = head.fc.weight.device
@@ -107,14 +111,18 @@ def held_out_acceptance(head: EagleHead, samples: list[Sample], lm_head: torch.T
         batch = samples[start: start + batch_size]
         hidden, ids, lengths, prompt_lens = collate(batch, device)
         hidden = hidden.to(head.fc.weight.dtype)
-        rows = hidden.shape[1] - 1
+        total = hidden.shape[1]
+        rows = total - 1
         outputs = unrolled_features(head, hidden, ids, lengths, depth)
         chain = torch.ones(len(batch), rows, dtype=torch.bool, device=device)  # drafts 1..k-1 all right
         for k, pred in enumerate(outputs, 1):
             valid = target_index(lengths, prompt_lens, rows, k) & target_index(lengths, prompt_lens, rows, 1)
-            target = torch.zeros_like(pred)
-            target[:, : hidden.shape[1] - k] = hidden[:, k:]  # f_{j+k}
-            want = (target @ lm_head.T).argmax(-1)  # [B, rows] the target's greedy token
+            want = torch.zeros(len(batch), rows, dtype=torch.long, device=device)  # the target's greedy token
+            if lm_head is not None:
+                want[:, : total - k] = (hidden[:, k:] @ lm_head.T).argmax(-1)  # after f_{j+k}
+            else:
+                want[:, : total - k - 1] = ids[:, k + 1:]  # x_{j+k+1}, the token the target emitted
+                valid &= torch.arange(rows, device=device)[None, :] + k + 1 < lengths[:, None]
             got = head.vocab_ids[head.fr_logits(pred).argmax(-1)]  # [B, rows] the draft
             tries[k - 1] += float((valid & chain).sum())
             chain = chain & (got == want)
@@ -166,7 +174,7 @@ def train_head(
     head: EagleHead,
     train: list[Sample],
     heldout: list[Sample],
-    lm_head: torch.Tensor,
+    lm_head: torch.Tensor | None,
     opts: TrainOptions,
     checkpoint: Path,
     export: callable,
@@ -174,6 +182,8 @@ def train_head(
     progress: bool = True,
 ) -> TrainState:
     """Train `head` in place; every `checkpoint_every` steps save `checkpoint` and call `export(head, state)`.
+
+    Held-out acceptance is `held_out_acceptance(head, heldout, lm_head)`, every `eval_every` steps.
 
     `export` writes the shipped files (the caller knows the metadata). With `resume`, an existing
     checkpoint restores weights, optimiser, step and history, and training continues with the very
@@ -214,7 +224,8 @@ def train_head(
         optim.step()
         state.step += 1
         state.tokens_seen += sum(len(s.ids) - s.prompt_len + 1 for s in batch)
-        loss_ema = float(loss) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss)
+        value = float(loss.detach())
+        loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
         if state.step % opts.eval_every == 0 or state.step == total:
             acc = held_out_acceptance(head, heldout, lm_head)
             acc_text = acc.short()

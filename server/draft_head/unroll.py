@@ -28,9 +28,11 @@ def unrolled_features(
     ids: torch.Tensor,  # [B, T] tokens x_0..x_{T-1}
     lengths: torch.Tensor,  # [B] real tokens per row
     depth: int,
+    input_noise: float = 0.0,
 ) -> list[torch.Tensor]:
     """Depth 1..`depth` predictions, each [B, T-1, H]: entry [b, j] of depth k predicts f_{j+k}.
 
+    `input_noise` > 0 adds Gaussian noise of that std to the real input features (training only).
     Rows with j+k > length-1 have no target and are garbage (callers mask them); no query ever has
     an empty softmax row, so no NaNs appear anywhere.
     """
@@ -44,6 +46,8 @@ def unrolled_features(
     eye = torch.eye(rows, dtype=torch.bool, device=device)
     cache = DynamicCache()
     feats = hidden[:, :-1].to(dtype)  # [B, rows, H] g_0 = f_0..f_{T-2}
+    if input_noise > 0:
+        feats = feats + input_noise * torch.randn_like(feats)
     outputs: list[torch.Tensor] = []
     blocks: list[torch.Tensor] = []  # allowed-key blocks of the current depth's mask, [B, rows, rows] each
     for k in range(1, depth + 1):

@@ -17,15 +17,17 @@ The cache is filled lazily: a sequence that never drafts with the head never pay
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from server.draft_head.model import EagleHead
-from server.draft_head.shipped import resolve_draft_head
 from server.model.attention import use_gqa_attention
 from server.model.runner import ModelRunner
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposal, SequenceView, Traits
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -47,10 +49,17 @@ class EagleProposer(ModelProposer):
 
     @classmethod
     def build(cls, ctx: BuildContext) -> EagleProposer | None:
-        path = resolve_draft_head(ctx.settings.draft_head, ctx.settings.target)
+        path = ctx.settings.resolved_draft_head()
         if path is None:
             return None
-        return cls(EagleHead.from_pretrained(path, ctx.target.model), ctx.vocab_size)
+        try:
+            head = EagleHead.from_pretrained(path, ctx.target.model)
+        except ValueError:
+            if ctx.settings.draft_head != "auto":
+                raise  # a head the user named must fit: say why it does not
+            log.info("the shipped draft head does not fit target %s: method eagle is off", ctx.target.name)
+            return None
+        return cls(head, ctx.vocab_size)
 
     def __init__(self, head: EagleHead, vocab_size: int) -> None:
         self.head = head.eval()
