@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from server.engine.models import load_model
+    from server.model.loading import load_model
 
     from server.config import Settings
     from server.draft_head import BUILTIN_HEAD

@@ -14,7 +14,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML settings file (default: config/default.yaml)")
     p.add_argument("--target", default=None, help="target model: directory, hub id or .gguf (default: SmolLM2)")
     p.add_argument("--draft", default=None, help='draft model, or "target" for the target in --draft-dtype')
-    p.add_argument("--draft-head", default=None, help="trained draft head directory (python -m server distill)")
     p.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--draft-head", default=None, help='EAGLE-style head directory, "auto" (shipped) or "none"')
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])

@@ -202,7 +202,7 @@ def test_draft_head_setting(tmp_path):
 
 @pytest.mark.real_model
 def test_shipped_head_loads_for_the_builtin_target():
-    from server.engine.models import load_model
+    from server.model.loading import load_model
 
     from server.config import Settings
     from server.draft_head import BUILTIN_HEAD
