@@ -35,11 +35,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from server.model.loading import load_model
-
     from server.config import Settings
     from server.draft_head import BUILTIN_HEAD
     from server.draft_head.model import EagleHead
+    from server.model.loading import load_model
 
     target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir).model
     head = EagleHead.from_pretrained(args.head or BUILTIN_HEAD, target)

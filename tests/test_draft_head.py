@@ -202,10 +202,9 @@ def test_draft_head_setting(tmp_path):
 
 @pytest.mark.real_model
 def test_shipped_head_loads_for_the_builtin_target():
-    from server.model.loading import load_model
-
     from server.config import Settings
     from server.draft_head import BUILTIN_HEAD
+    from server.model.loading import load_model
 
     target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir)
     head = EagleHead.from_pretrained(BUILTIN_HEAD, target.model)
