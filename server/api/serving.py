@@ -133,6 +133,18 @@ class OpenAIServing:
         await self._await(request, stream, run())
         return first[0] if first else None
 
+    async def _started_or_log_abort(
+        self, request: Request, stream: RequestStream, log: Callable[..., None], started: float
+    ) -> tuple[Events, float]:
+        """`_started`, and the time to the first output since `started`; writes the request's log line
+        (finish_reason "abort") if the client goes away first."""
+        try:
+            events = await self._started(request, stream)
+        except ClientDisconnected:
+            log(None, "abort")
+            raise
+        return events, time.monotonic() - started
+
     async def _started(self, request: Request, stream: RequestStream) -> Events:
         """The stream's events, once the first has arrived: admission errors are still a 4xx, not SSE."""
         events = stream.events()
@@ -234,13 +246,8 @@ class OpenAIServing:
             attach(response["choices"], trackers)
             return response
 
-        try:
-            events = await self._started(request, stream)
-        except ClientDisconnected:
-            log(None, "abort")
-            raise
+        events, ttft = await self._started_or_log_abort(request, stream, log, started)
         include_usage, continuous = _usage_options(body)
-        ttft = time.monotonic() - started
         parsers = [ToolCallParser(tool_names) if tool_names else None for _ in choices]
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
@@ -330,13 +337,8 @@ class OpenAIServing:
             attach(response["choices"], trackers)
             return response
 
-        try:
-            events = await self._started(request, stream)
-        except ClientDisconnected:
-            log(None, "abort")
-            raise
+        events, ttft = await self._started_or_log_abort(request, stream, log, started)
         include_usage, continuous = _usage_options(body)
-        ttft = time.monotonic() - started
 
         def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
             if continuous and usage_ is None:
