@@ -34,9 +34,10 @@ class Settings(BaseSettings):
     # otherwise a local directory, a hub id, or a .gguf file path.
     target: str | None = None
     target_dtype: DType = "float32"
-    # `draft`: None = no draft model (the `draft` method is then unavailable); "target" = the
-    # target's weights loaded again in `draft_dtype` (the default until a trained small draft exists).
-    draft: str | None = "target"
+    # `draft`: a draft model for method `draft` (None = none: the method is then unavailable); "target" =
+    # the target's weights loaded again in `draft_dtype` (opt-in: on CPU a bf16 copy costs more than the
+    # fp32 target, so the default speculates with the shipped draft head instead).
+    draft: str | None = None
     draft_dtype: DType = "bfloat16"
     # `draft_head`: a trained EAGLE-style head (a directory with model.safetensors + config.json, made
     # by `python -m server distill`). "auto" = the head shipped for the built-in target when `target`
