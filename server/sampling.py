@@ -86,7 +86,7 @@ class BatchSampling:
         if any_repetition and prompts is None:
             raise ValueError("a repetition penalty needs the rows' prompts")
         return cls(
-            temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            temperature=t([p.temperature if not p.greedy else 1.0 for p in params]),
             top_k=t([p.top_k for p in params], torch.long),
             top_p=t([p.top_p for p in params]),
             min_p=t([p.min_p for p in params]),

@@ -11,6 +11,7 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 Origin = Literal["accepted", "recovered", "bonus", "plain"]  # where an emitted token came from
 DEFAULT_METHOD = "auto"  # the method of a request that names none (`Settings.speculation`'s default too)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (logits / T would overflow fp32 near 1e-38)
 DEFAULT_NUM_TOKENS = 8  # K: the most draft tokens per step (`Settings.num_speculative_tokens`'s default)
 
 
@@ -62,7 +63,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing fp32 logits by it would overflow to inf (the
+        limit of sampling as T -> 0 is the argmax)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

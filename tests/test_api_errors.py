@@ -200,3 +200,31 @@ async def test_unknown_routes_and_methods(client):
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = await client.get(CHAT)
     assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+async def test_values_the_engine_cannot_take_are_400s_and_neighbours_are_unharmed(tiny_engine_factory):
+    """Numbers past what the sampler represents, and text with half a character, are refused at the edge
+    with the field named; nothing reaches the engine, so other requests are untouched."""
+    async with running_app(tiny_engine_factory) as (_, c):
+        check_error(await c.post(CHAT, json=chat_body(top_k=2**63)), 400, "top_k")
+        check_error(await c.post(CHAT, json=chat_body(seed=2**64)), 400, "seed")
+        lone = '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}' % MODEL
+        r = await c.post(CHAT, content=lone, headers={"Content-Type": "application/json"})
+        check_error(r, 400, None, None, "surrogate")
+        r = await c.post(COMP, content='{"model": "%s", "prompt": "x\\udfffy", "max_tokens": 4}' % MODEL,
+                         headers={"Content-Type": "application/json"})
+        check_error(r, 400, None, None, "surrogate")
+        ok = await c.post(CHAT, json=chat_body(temperature=0))
+        assert ok.status_code == 200
+
+
+async def test_a_temperature_that_would_underflow_samples_greedily(tiny_engine_factory):
+    """1e-40 is inside the documented range; dividing logits by it would overflow fp32. The limit of
+    sampling as T -> 0 is the argmax, which is what such a request gets."""
+    async with running_app(tiny_engine_factory) as (_, c):
+        texts = []
+        for t in (0, 1e-40, 1e-300):
+            r = await c.post(CHAT, json=chat_body("Count: 1 2 3", max_tokens=12, temperature=t))
+            assert r.status_code == 200
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        assert texts[0] == texts[1] == texts[2]

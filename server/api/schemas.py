@@ -19,11 +19,37 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from server.speculation.registry import BUILTIN
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` that is not valid UTF-8 text (None when all are)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {}  # field -> values (besides null) that change nothing
     _inert: ClassVar[frozenset[str]] = frozenset()  # fields accepted with any value: they cannot change output
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        """Text the tokenizer cannot take is bad input: a lone UTF-16 surrogate (half of a character, as
+        JSON's \\ud800 escapes can write) is not a Unicode character."""
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'a string'} holds a lone UTF-16 surrogate (half of a character): not text")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -77,12 +103,13 @@ class _GenerationBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1, description="most tokens to generate per choice")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1")
     top_p: float | None = Field(default=None, ge=0, le=1, description="nucleus; 0 = greedy")
-    top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1, description="extension: 0 or -1 disables")
     min_p: float | None = Field(default=None, ge=0, le=1, description="extension: 0 disables")
     repetition_penalty: float | None = Field(default=None, gt=0, description="extension: 1 disables")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
-    seed: int | None = Field(
-        default=None, description="reproducible sampling; choice i uses seed + i; a negative seed means unseeded"
+    seed: int | None = Field(  # bounded so seed + i fits the 64-bit generator for every choice
+        default=None, ge=-(2**63), le=2**63 - 17,
+        description="reproducible sampling; choice i uses seed + i; a negative seed means unseeded",
     )
     stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings")
     n: int | None = Field(default=None, ge=1, le=16, description="choices to generate")
