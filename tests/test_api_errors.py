@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.api_helpers import MODEL, chat_body, running_app
@@ -208,12 +210,11 @@ async def test_values_the_engine_cannot_take_are_400s_and_neighbours_are_unharme
     async with running_app(tiny_engine_factory) as (_, c):
         check_error(await c.post(CHAT, json=chat_body(top_k=2**63)), 400, "top_k")
         check_error(await c.post(CHAT, json=chat_body(seed=2**64)), 400, "seed")
-        lone = '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}' % MODEL
-        r = await c.post(CHAT, content=lone, headers={"Content-Type": "application/json"})
-        check_error(r, 400, None, None, "surrogate")
-        r = await c.post(COMP, content='{"model": "%s", "prompt": "x\\udfffy", "max_tokens": 4}' % MODEL,
-                         headers={"Content-Type": "application/json"})
-        check_error(r, 400, None, None, "surrogate")
+        json_ = {"Content-Type": "application/json"}  # json.dumps writes a lone surrogate as a \\udXXX escape
+        lone = json.dumps(chat_body("a\ud800b", max_tokens=4))
+        check_error(await c.post(CHAT, content=lone, headers=json_), 400, None, None, "surrogate")
+        lone = json.dumps({"model": MODEL, "prompt": "x\udfffy", "max_tokens": 4})
+        check_error(await c.post(COMP, content=lone, headers=json_), 400, None, None, "surrogate")
         ok = await c.post(CHAT, json=chat_body(temperature=0))
         assert ok.status_code == 200
 
