@@ -7,6 +7,8 @@ empirical frequencies with it. The same test must fail for a deliberately wrong 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -53,16 +55,20 @@ def exact_two_token_marginals(target) -> tuple[torch.Tensor, torch.Tensor]:
 def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     target, draft, head_dir = pair
     engine = Engine(target, draft, Settings.load(max_batch_size=256, draft_head=str(head_dir)))
+    return first_two_token_counts(
+        engine, PROMPT, method, lambda i: SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+    )
+
+
+def first_two_token_counts(
+    engine: Engine, prompt: tuple[int, ...], method: str, params: Callable[[int], SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each token came first and second over SAMPLES requests of `prompt` (`params(i)` for
+    request i) with `method`, K = 2, run in batches of 250."""
     counts = torch.zeros(2, VOCAB)
     for start in range(0, SAMPLES, 250):
         for i in range(start, min(start + 250, SAMPLES)):
-            engine.add_request(
-                GenerationRequest(
-                    f"s{i}", PROMPT,
-                    SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True),
-                    SpeculationParams(method, 2),
-                )
-            )
+            engine.add_request(GenerationRequest(f"s{i}", prompt, params(i), SpeculationParams(method, 2)))
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
             for out in engine.step().outputs:

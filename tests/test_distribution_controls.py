@@ -11,9 +11,9 @@ from scipy.stats import chisquare
 from server.config import Settings
 from server.engine.engine import Engine
 from server.sampling import BatchSampling, probabilities
-from server.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import SamplingParams
 from tests.models import as_loaded, perturbed, tiny_llama
-from tests.test_distribution import P_VALUE
+from tests.test_distribution import P_VALUE, first_two_token_counts
 
 VOCAB = 64
 EOS = 2
@@ -79,19 +79,7 @@ def p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
 def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     target, draft = pair
     engine = Engine(target, draft, Settings.load(max_batch_size=256))
-    counts = torch.zeros(2, VOCAB)
-    for start in range(0, SAMPLES, 250):
-        for i in range(start, min(start + 250, SAMPLES)):
-            params = SamplingParams(**{**PARAMS.__dict__, "seed": i})
-            engine.add_request(GenerationRequest(f"s{i}", PROMPT, params, SpeculationParams(method, 2)))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step().outputs:
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-        for toks in tokens.values():
-            counts[0, toks[0]] += 1
-            counts[1, toks[1]] += 1
-    return counts[0], counts[1]
+    return first_two_token_counts(engine, PROMPT, method, lambda i: SamplingParams(**{**PARAMS.__dict__, "seed": i}))
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "none"])
