@@ -228,3 +228,4 @@ class StepResult:
     seq_stats: list[SeqStepStats]
     prefill_tokens: int = 0  # prompt tokens prefilled this step
     duration_s: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why: rows whose step raised (they left)

@@ -116,3 +116,28 @@ def clean_hidden(model, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), hidden]: the base model's final-norm output of a fresh, cache-free forward."""
     with torch.inference_mode():
         return model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0].float()
+
+
+def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_and_growth(tiny_target):
+    """What a failed engine step did to a cache is undone exactly, and compaction waits meanwhile."""
+    model = tiny_target.model
+    runner = ModelRunner(model)
+    runner.join(["a", "b"], [[5, 17, 99, 4], [300, 301]])
+    runner.forward([[8, 9, 10], [302]])
+    runner.rollback(0, 2)
+    before = runner.forward([[11], [12]]).logits
+    runner.rollback(0, 1)
+    runner.rollback(1, 1)  # back to where `before` was computed from
+    kv = runner.kv
+    ckpt = kv.checkpoint()
+    for _ in range(40):  # enough holes that compaction would run, and the buffers grow
+        runner.forward([[7] * 4, [6] * 3])
+        runner.rollback(0, 4)
+        runner.rollback(1, 3)
+    runner.join(["c"], [[1, 2, 3]])
+    assert kv.length > ckpt.capacity and len(kv) == 3
+    kv.restore(ckpt)
+    assert kv.rows == ["a", "b"] and kv.length == ckpt.length and kv.positions == ckpt.positions
+    torch.testing.assert_close(runner.forward([[11], [12]]).logits, before)
+    kv.release()
+    kv.maybe_compact()  # runs again once released

@@ -13,6 +13,7 @@ import copy
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,7 @@ from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
 from server.model.attention import use_gqa_attention
+from server.model.kv_cache import BatchKV, KVCheckpoint
 from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, raw_logprobs
@@ -81,6 +83,7 @@ class Engine:
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
         self._seed_source = random.SystemRandom()
+        self._faulty_steps = 0  # consecutive steps in which every row failed (see `FAULTY_STEPS`)
 
     # ---- the scheduler's interface -------------------------------------------------------------
     @property
@@ -116,10 +119,16 @@ class Engine:
             if seq.request_id in self.running:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
-        hidden = self.runner.join([s.request_id for s in seqs], prompts, hidden=self.planner.needs_hidden)
+        ids = [s.request_id for s in seqs]
+        hidden = self.runner.join(ids, prompts, hidden=self.planner.needs_hidden)
+        try:
+            self.planner.join(seqs, hidden)
+        except BaseException:
+            self.planner.leave(seqs)  # all or nothing: no half-joined rows stay behind
+            self.runner.leave(set(ids))
+            raise
         for seq in seqs:
             self.running[seq.request_id] = seq
-        self.planner.join(seqs, hidden)
         self._prefill_tokens += sum(len(p) for p in prompts)
 
     def abort_request(self, request_id: str) -> None:
@@ -127,13 +136,19 @@ class Engine:
         self._leave({request_id})
 
     def step(self) -> StepResult:
-        """One speculative step for the batch, and what it produced."""
+        """One speculative step for the batch, and what it produced.
+
+        A row whose part of the step raises fails alone (`StepResult.failed`, and it leaves the batch);
+        its neighbours' step goes through as if it had never been there. Raises `EngineFault` when a
+        failure cannot be pinned on rows (the engine itself is broken: the scheduler stops serving).
+        """
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
-        seq_stats = self._speculative_step(outputs) if self.running else []
-        self._leave({o.request_id for o in outputs if o.finished})
+        failed: dict[str, str] = {}
+        seq_stats = self._isolated_step(outputs, failed) if self.running else []
+        self._leave({o.request_id for o in outputs if o.finished} | set(failed))
         prefill, self._prefill_tokens = self._prefill_tokens, 0
-        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started)
+        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed)
 
     # ---- joining and leaving -------------------------------------------------------------------
     def _sequence(self, request: GenerationRequest) -> Sequence:
@@ -157,43 +172,116 @@ class Engine:
         for seq in leaving:
             del self.running[seq.request_id]
 
-    # ---- one speculative step ------------------------------------------------------------------
-    def _speculative_step(self, outputs: list[RequestOutput]) -> list[SeqStepStats]:
+    # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
+    def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, str]) -> list[SeqStepStats]:
+        """Plan, verify and sample for every row; when that raises, undo it (`_Checkpoint`), find the
+        rows that fail on their own (each row's step tried alone, undone again), and redo the step with
+        those rows held back (they feed nothing, draft nothing, sample nothing). Committing is per row:
+        a row whose commit raises fails alone (rows commit independently)."""
         seqs = [self.running[rid] for rid in self.runner.rows]
-        plan = self.planner.plan(seqs)  # propose
+        ckpt = self._checkpoint(seqs)
+        try:
+            try:
+                verified = self._verify(seqs, frozenset())
+            except Exception as exc:
+                ckpt.restore()
+                failed.update(self._culprits(seqs, ckpt, exc))
+                hold = frozenset(failed)
+                try:
+                    verified = self._verify(seqs, hold) if len(hold) < len(seqs) else None
+                except Exception as again:
+                    why = f"a step failed again without the rows that fail alone: {_describe(again)}"
+                    raise EngineFault(why) from again
+        finally:
+            ckpt.release()
+        stats = self._commit(verified, outputs, failed) if verified is not None else []
+        self._faulty_steps = self._faulty_steps + 1 if failed and not stats else 0
+        if self._faulty_steps >= FAULTY_STEPS:
+            last = next(iter(failed.values()))
+            raise EngineFault(f"{FAULTY_STEPS} steps in a row failed every row they ran; last: {last}")
+        return stats
 
+    def _checkpoint(self, seqs: list[Sequence]) -> _Checkpoint:
+        return _Checkpoint(
+            self.runner.kv, self.runner.kv.checkpoint(), self.planner, self.planner.checkpoint(),
+            [(s.generator, s.generator.get_state()) for s in seqs],
+        )
+
+    def _culprits(self, seqs: list[Sequence], ckpt: _Checkpoint, exc: Exception) -> dict[str, str]:
+        """Request id -> why, for the rows whose step fails alone (the state is restored after each try).
+        Raises `EngineFault` when the failure is the engine's: no row fails alone, or every row of a
+        batch of several does."""
+        if len(seqs) == 1:
+            log.warning("step failed for request %s: %s", seqs[0].request_id, _describe(exc), exc_info=exc)
+            return {seqs[0].request_id: _describe(exc)}
+        ids = [s.request_id for s in seqs]
+        bad: dict[str, str] = {}
+        for rid in ids:
+            try:
+                self._verify(seqs, frozenset(ids) - {rid})
+            except Exception as alone:
+                log.warning("step failed for request %s alone: %s", rid, _describe(alone), exc_info=alone)
+                bad[rid] = _describe(alone)
+            finally:
+                ckpt.restore()
+        if not bad:
+            raise EngineFault(f"a step failed but no row fails alone: {_describe(exc)}") from exc
+        if len(bad) == len(ids):
+            raise EngineFault(f"every row of a batch of {len(ids)} fails alone: {_describe(exc)}") from exc
+        return bad
+
+    def _verify(self, seqs: list[Sequence], hold: frozenset[str]) -> _Verified:
+        """Propose, verify the drafts in one target pass and run the rejection sampler, for the rows not
+        in `hold`. Changes only what `_Checkpoint` restores (caches, proposers, generators)."""
+        plan = self.planner.plan(seqs, hold)  # propose
+        active = [b for b, s in enumerate(seqs) if s.request_id not in hold]
         # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions.
-        fed = [[seq.last_token, *row.drafts] for seq, row in zip(seqs, plan.rows, strict=True)]
+        fed = [[seq.last_token, *row.drafts] if seq.request_id not in hold else []
+               for seq, row in zip(seqs, plan.rows, strict=True)]
         started = time.perf_counter()
         out = self.runner.forward(fed, hidden=self.planner.needs_hidden)
-        logits = out.logits  # [batch, K+1, vocab]
+        pick = torch.tensor(active, device=self.device) if len(active) < len(seqs) else None
+        logits = out.logits if pick is None else out.logits.index_select(0, pick)  # [active, K+1, vocab]
+        hidden = out.hidden if pick is None or out.hidden is None else out.hidden.index_select(0, pick)
+        rows = [plan.rows[b] for b in active]
+        kept = [seqs[b] for b in active]
+        drafts = [r.drafts for r in rows]
         sampling = BatchSampling.from_params(
-            [s.sampling for s in seqs], self.device, generated=[len(s.output_ids) for s in seqs],
-            eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in seqs],
+            [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
+            eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],
         )  # min_tokens and repetition_penalty need each row's history
-        counts = self._token_counts(seqs, plan.drafts, logits.shape[1]) if sampling.any_penalty else None
-        p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
-        verdict = rejection_sample(plan.drafts, p, plan.q, [s.generator for s in seqs], sampling.greedy.tolist())
+        counts = self._token_counts(kept, drafts, logits.shape[1]) if sampling.any_penalty else None
+        p = probabilities(logits, sampling, counts)  # [active, K+1, vocab]
+        gens = [s.generator for s in kept]
+        verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
         self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))
+        return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)
 
+    def _commit(self, v: _Verified, outputs: list[RequestOutput], failed: dict[str, str]) -> list[SeqStepStats]:
+        """Roll back the rejected drafts and commit what each verified row emitted; a row whose commit
+        raises joins `failed` (its state is dropped when it leaves; the other rows never read it)."""
         stats = []
-        for b, (seq, row) in enumerate(zip(seqs, plan.rows, strict=True)):
-            k, accepted, emitted = len(row.drafts), verdict.accepted[b], verdict.tokens[b]
-            self.runner.rollback(b, k - accepted)  # the one place target rollback happens
-            hidden = out.hidden[b, : accepted + 1] if out.hidden is not None else None  # the committed fed tokens
-            self.planner.commit(seq, row, emitted, hidden)
-            sources = _sources(row, accepted, seq.stats.decode_steps)
-            self._record(seq, row, accepted)
-            stats.append(
-                SeqStepStats(seq.request_id, seq.mode, row.proposer or "none", k, accepted, len(emitted),
-                             k > 0 and accepted == k)
-            )
-            logprobs = self._logprobs(logits[b], emitted, seq.sampling.logprobs)
-            kept = self._append(seq, emitted)
-            outputs.append(
-                self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None, sources[:kept])
-            )
+        for i, (b, seq, row) in enumerate(zip(v.cache_rows, v.seqs, v.rows, strict=True)):
+            try:
+                k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
+                self.runner.rollback(b, k - accepted)  # the one place target rollback happens
+                hidden = v.hidden[i, : accepted + 1] if v.hidden is not None else None  # the committed fed tokens
+                self.planner.commit(seq, row, emitted, hidden)
+                sources = _sources(row, accepted, seq.stats.decode_steps)
+                self._record(seq, row, accepted)
+                step_stats = SeqStepStats(seq.request_id, seq.mode, row.proposer or "none", k, accepted, len(emitted),
+                                          k > 0 and accepted == k)
+                logprobs = self._logprobs(v.logits[i], emitted, seq.sampling.logprobs)
+                kept = self._append(seq, emitted)
+                output = self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None,
+                                      sources[:kept])
+            except Exception as exc:
+                log.warning("commit failed for request %s: %s", seq.request_id, _describe(exc), exc_info=exc)
+                failed[seq.request_id] = _describe(exc)
+                continue
+            stats.append(step_stats)
+            outputs.append(output)
         return stats
 
     def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
@@ -270,6 +358,53 @@ class Engine:
             stats=stats,
             sources=sources,
         )
+
+
+FAULTY_STEPS = 3  # consecutive steps in which every row failed: the engine, not its requests, is broken
+
+
+class EngineFault(RuntimeError):
+    """A step failed in a way no row explains: the engine's state cannot be trusted any more."""
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """A step up to the sampler's verdict, for its active rows (index i), in the target cache's order."""
+
+    cache_rows: list[int]  # row i's index in the target cache
+    seqs: list[Sequence]
+    rows: list[RowPlan]
+    logits: torch.Tensor  # [active, K+1, vocab]
+    hidden: torch.Tensor | None  # [active, K+1, hidden] when a proposer reads the target's features
+    accepted: list[int]
+    tokens: list[list[int]]  # emitted: accepted drafts + the recovered or bonus token
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What planning, verifying and sampling change, as it was before a step: the target cache, the
+    proposers (their caches and pending tokens) and every row's random stream. Sequences themselves
+    change only when committing, after this is released."""
+
+    kv: BatchKV
+    kv_state: KVCheckpoint
+    planner: Planner
+    planner_state: dict[str, object]
+    generators: list[tuple[torch.Generator, torch.Tensor]]
+
+    def restore(self) -> None:
+        self.kv.restore(self.kv_state)
+        self.planner.restore(self.planner_state)
+        for gen, state in self.generators:
+            gen.set_state(state)
+
+    def release(self) -> None:
+        self.kv.release()
+        self.planner.release()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 def _sources(row: RowPlan, accepted: int, step: int) -> list[TokenSource]:

@@ -15,6 +15,7 @@ its new columns: nothing proportional to the context is copied per step.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -70,6 +71,25 @@ class _BufferLayer(CacheLayerMixin):
         return -1
 
 
+@dataclass(frozen=True)
+class KVCheckpoint:
+    """A `BatchKV`'s bookkeeping at one moment, and references to its buffers then (not copies).
+
+    Restoring it is exact because nothing after the checkpoint rewrites columns below its `length`:
+    forwards write only new columns, growth and membership changes allocate new buffers, rollback
+    touches only the keep mask (copied here), and compaction (which moves columns in place) is
+    deferred while a checkpoint is held.
+    """
+
+    rows: list[str]
+    length: int
+    capacity: int
+    keep: torch.Tensor  # a copy
+    positions: list[int]
+    recent: list[deque[int]]
+    buffers: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]  # per layer: keys, values, initialized
+
+
 class _BatchCache(Cache):
     def __init__(self, owner: BatchKV, num_layers: int) -> None:
         super().__init__(layers=[_BufferLayer(owner) for _ in range(num_layers)])
@@ -93,6 +113,7 @@ class BatchKV:
         self.positions: list[int] = []  # live tokens per row = next RoPE position
         self._recent: list[deque[int]] = []  # per row: columns of its latest live tokens
         self.cache = _BatchCache(self, self.num_layers)
+        self._held = False  # a checkpoint is held: compaction waits (it moves columns in place)
 
     # ---- queries -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -179,9 +200,46 @@ class BatchKV:
         fresh.keep = torch.zeros(len(request_ids), fresh.capacity, dtype=torch.bool, device=self.device)
         return fresh
 
+    # ---- checkpoints: a step that fails is undone exactly (server/engine/engine.py) ---------------
+    def checkpoint(self) -> KVCheckpoint:
+        """The cache as it is now; `restore` returns to it, `release` forgets it. Cheap: the keep mask
+        and per-row lists are copied, buffers only referenced."""
+        self._held = True
+        return KVCheckpoint(
+            rows=list(self.rows),
+            length=self.length,
+            capacity=self.capacity,
+            keep=self.keep.clone(),
+            positions=list(self.positions),
+            recent=[deque(r, maxlen=r.maxlen) for r in self._recent],
+            buffers=[
+                (getattr(layer, "keys", None), getattr(layer, "values", None), layer.is_initialized)
+                for layer in self.cache.layers
+            ],
+        )
+
+    def restore(self, ckpt: KVCheckpoint) -> None:
+        """Return to `ckpt` (taken by `checkpoint` on this cache, with no `release` since); it stays held,
+        so the same checkpoint can be restored again."""
+        self.rows, self.length, self.capacity = list(ckpt.rows), ckpt.length, ckpt.capacity
+        self.keep = ckpt.keep.clone()
+        self.positions = list(ckpt.positions)
+        self._recent = [deque(r, maxlen=r.maxlen) for r in ckpt.recent]
+        for layer, (keys, values, initialized) in zip(self.cache.layers, ckpt.buffers, strict=True):
+            if initialized:
+                layer.keys, layer.values = keys, values
+            layer.is_initialized = initialized
+
+    def release(self) -> None:
+        """Forget the checkpoint: compaction may run again."""
+        self._held = False
+
     # ---- compaction ------------------------------------------------------------------------------
     def maybe_compact(self) -> None:
-        """Squeeze holes out once they outnumber the live columns (amortised: rare and O(cache))."""
+        """Squeeze holes out once they outnumber the live columns (amortised: rare and O(cache)).
+        Deferred while a checkpoint is held."""
+        if self._held:
+            return
         longest = max(self.positions, default=0)
         if self.length - longest > max(64, longest):
             self.compact()

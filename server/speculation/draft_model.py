@@ -44,6 +44,10 @@ class DraftModelProposer(ModelProposer):
         for rid in request_ids:
             self.pending[rid] = self.pending[rid][-1:]
 
+    @staticmethod
+    def _copy_pending(pending: dict[str, list[int]]) -> dict[str, list[int]]:
+        return {rid: list(tokens) for rid, tokens in pending.items()}
+
     def leave(self, request_ids: set[str]) -> None:
         self.runner.leave(request_ids)
         for rid in request_ids:

@@ -80,6 +80,10 @@ class EagleProposer(ModelProposer):
             # hidden row t is the target's feature at prompt token t (t < n - 1); its pair is token t + 1
             self.pending[seq.request_id] = _Pending([hidden], list(tokens[1 : 1 + hidden.shape[0]]))
 
+    @staticmethod
+    def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:
+        return {rid: _Pending(list(p.features), list(p.tokens)) for rid, p in pending.items()}
+
     def leave(self, request_ids: set[str]) -> None:
         self.runner.leave(request_ids)
         for rid in request_ids:

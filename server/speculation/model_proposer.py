@@ -4,12 +4,16 @@ cache entered lazily, the rows' order, the draft distribution q and one draft to
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, sample
 from server.speculation.proposer import Proposal, Proposer, SequenceView
+from server.types import SamplingParams
+
+_IDLE = SamplingParams(temperature=0.0)  # what rows that draft nothing this step are "sampled" with (q unused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,24 @@ class ModelProposer(Proposer):
     runner: ModelRunner
     vocab_size: int
     forwards: int = 0  # forwards of the proposer's model so far (tests and the bench read it)
+    pending: dict[str, Any]  # per request: what the cache has not been fed yet (the subclass's shape)
+
+    # ---- checkpoints (a failed step is undone: proposer.py) -----------------------------------------
+    def checkpoint(self) -> object:
+        return self.runner.kv.checkpoint(), self._copy_pending(self.pending), self.forwards
+
+    def restore(self, state: object) -> None:
+        kv, pending, forwards = state  # type: ignore[misc]
+        self.runner.kv.restore(kv)
+        self.pending, self.forwards = self._copy_pending(pending), forwards
+
+    def release(self) -> None:
+        self.runner.kv.release()
+
+    @staticmethod
+    def _copy_pending(pending: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `pending` that `propose` cannot change through (the subclass knows its shape)."""
+        raise NotImplementedError
 
     def _start(self, request_ids: list[str]) -> None:
         """Bring sequences that draft for the first time into the cache (lazily: a sequence that never
@@ -43,8 +65,13 @@ class ModelProposer(Proposer):
         if starting:
             self._start(starting)
         rows = [by_id[rid][0] for rid in self.runner.rows]
-        params = [dataclasses.replace(s.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-                  for s in rows]
+        # Rows that draft nothing this step are sampled with neutral params: their q is never used, and a
+        # row held back after a failed step (engine.py) must not make its neighbours' drafting fail.
+        params = [
+            dataclasses.replace(s.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+            if by_id[s.request_id][1] > 0 else _IDLE
+            for s in rows
+        ]
         return DraftRows(
             seqs=rows,
             ks=[by_id[s.request_id][1] for s in rows],

@@ -94,12 +94,16 @@ class Planner:
             self.policy.forget(s.request_id)
 
     # ---- one step ------------------------------------------------------------------------------
-    def plan(self, seqs: list[PlannedSequence]) -> StepPlan:
+    def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset()) -> StepPlan:
         """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
-        drafts of the model proposers chosen."""
-        offers = self._lookahead(seqs)
-        choices = [self._choose(s, offers.get(b, {}), len(seqs)) for b, s in enumerate(seqs)]
-        auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO}
+        drafts of the model proposers chosen. Rows in `hold` (request ids) take no part: no proposer
+        looks at them (model proposers ask them for K = 0) and they draft nothing."""
+        offers = self._lookahead(seqs, hold)
+        choices = [
+            (None, 0) if s.request_id in hold else self._choose(s, offers.get(b, {}), len(seqs))
+            for b, s in enumerate(seqs)
+        ]
+        auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO and s.request_id not in hold}
         if len(seqs) > 1 and auto_rows:
             self._widen(seqs, choices, auto_rows, offers)
         rows: list[RowPlan] = []
@@ -107,6 +111,19 @@ class Planner:
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
         return StepPlan(self._draft_with_models(seqs, choices, rows))
+
+    # ---- undoing a failed step (server/engine/engine.py) ------------------------------------------
+    def checkpoint(self) -> dict[str, object]:
+        """Every proposer's state before a step (see `Proposer.checkpoint`)."""
+        return {name: p.checkpoint() for name, p in self.proposers.items()}
+
+    def restore(self, states: dict[str, object]) -> None:
+        for name, proposer in self.proposers.items():
+            proposer.restore(states[name])
+
+    def release(self) -> None:
+        for proposer in self.proposers.values():
+            proposer.release()
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`."""
@@ -126,13 +143,13 @@ class Planner:
         self.policy.observe(seq.request_id, row.proposer, len(row.drafts), len(emitted) - 1, row.level, seq.sampled)
 
     # ---- planning steps ------------------------------------------------------------------------
-    def _lookahead(self, seqs: list[PlannedSequence]) -> dict[int, RowOffers]:
+    def _lookahead(self, seqs: list[PlannedSequence], hold: frozenset[str]) -> dict[int, RowOffers]:
         """Row -> lookahead proposer -> (its drafts for the row's most drafts, their confidence level)."""
         offers: dict[int, RowOffers] = {}
         for name, proposer in self.proposers.items():
             if not proposer.traits.lookahead:
                 continue
-            rows = [b for b, s in enumerate(seqs) if _uses(s, name)]
+            rows = [b for b, s in enumerate(seqs) if _uses(s, name) and s.request_id not in hold]
             if not rows:
                 continue
             found = proposer.propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])

@@ -16,6 +16,11 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    appended to seq (a stop may drop some of them from the output afterwards).
 4. `leave(request_ids)`: finished or aborted.
 
+A step that fails is undone (server/engine/engine.py): the planner takes every proposer's `checkpoint()`
+before planning, and `restore(state)` returns the proposer to it (then the step is planned again, with
+the rows that failed held back: asked with K = 0); `release()` ends it. A proposer whose `propose`
+changes nothing that `restore` must undo keeps the defaults.
+
 Hidden states are the output of the target's base model after its final norm (what its LM head reads),
 so hidden row i predicts the token after fed token i.
 """
@@ -102,6 +107,16 @@ class Proposer(ABC):
         self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None
     ) -> None:
         """What the target kept of this step (see the module docstring)."""
+
+    def checkpoint(self) -> object:
+        """The state a failed step's `propose` calls may have changed (None: propose changes nothing)."""
+        return None
+
+    def restore(self, state: object) -> None:  # noqa: B027 - optional hook
+        """Return to `state` (from `checkpoint`, not yet released); it stays valid for another restore."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """The step went through: forget the checkpoint."""
 
 
 @dataclass(frozen=True)
