@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         from server.api.serve import serve as run_server
 
         settings = _settings(args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name")
-        run_server(settings)
-        return 0
+        return run_server(settings)  # 1 when the engine worker died (a supervisor restarts the server)
     if args.command == "distill":
         from server.draft_head.distill import distill_cli
 

@@ -14,8 +14,12 @@ The scheduler is the one owner of the waiting queue, the running set and pending
 only holds the batch it is given. Admission control happens in `submit`: a request the engine
 cannot run (`ServingLimits.check`) is `RequestRejected` at once, and at most `max_waiting`
 sequences may wait beyond the free batch slots, otherwise `QueueFull` (the API answers 429).
-An aborted request (client gone) leaves the batch at the next step boundary. A step that raises
-fails the sequences it was running (they get `EngineError`) and the worker carries on.
+An aborted request (client gone) leaves the batch at the next step boundary. A sequence the engine
+fails alone (`StepResult.failed`: its part of a step raised) gets `EngineError`, with its API
+request's other sequences; the others carry on. Anything that escapes the engine's isolation (a step
+that raises, a BaseException, a bug in this loop) kills the worker: every waiting and running
+request gets `EngineError`, new ones `ShuttingDown`, and `on_fatal` tells the server, which answers
+503 on /health and exits non-zero for its supervisor to restart it (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -130,13 +134,17 @@ class Scheduler:
         max_waiting: int,
         limits: ServingLimits | None = None,
         metrics: SchedulerMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`limits`: what the engine can run; requests are checked against them in `submit`."""
+        """`limits`: what the engine can run; requests are checked against them in `submit`.
+        `on_fatal(exc)`: called on the event loop once the worker has died (see the module docstring)."""
         self._engine = engine
         self._limits = limits
         self._max_batch_size = max_batch_size
         self._max_waiting = max_waiting
         self._metrics = metrics
+        self._on_fatal = on_fatal
+        self.fatal: BaseException | None = None  # what killed the worker, once it has died
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._waiting: deque[_Seq] = deque()
@@ -175,6 +183,8 @@ class Scheduler:
         stream = RequestStream([r.request_id for r in requests])
         now = time.monotonic()
         with self._lock:
+            if self.fatal is not None:
+                raise ShuttingDown("the engine failed; the server is restarting")
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
             free = max(0, self._max_batch_size - len(self._running))
@@ -232,6 +242,30 @@ class Scheduler:
     # ---- worker thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # noqa: BLE001 - whatever it is, the worker is gone: say so
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The worker cannot go on: fail everything in flight, refuse what comes, tell the server."""
+        log.critical("the engine worker died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        with self._lock:
+            self.fatal = exc
+            self._accepting = False
+            lost = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        error = EngineError(f"the engine failed and the server is restarting: {type(exc).__name__}: {exc}"[:500])
+        for seq in {id(s.stream): s for s in lost}.values():
+            self._send(seq.stream, error)
+        if self._on_fatal is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_fatal, exc)
+            except RuntimeError:
+                pass  # the event loop is closed: the server is going away anyway
+
+    def _loop_forever(self) -> None:
         while True:
             with self._lock:
                 aborts, self._aborts = self._aborts, []
@@ -251,11 +285,7 @@ class Scheduler:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            try:
-                self._deliver(self._engine.step())
-            except Exception as exc:
-                log.exception("engine step failed; failing the running requests")
-                self._fail_running(exc)
+            self._deliver(self._engine.step())  # raising here is fatal: the engine isolates row failures
 
     def _call_engine(self, fn: Callable[[str], None], request_id: str) -> None:
         try:
@@ -299,19 +329,16 @@ class Scheduler:
         self._send(seq.stream, exc)
         self.abort(seq.stream)
 
-    def _fail_running(self, exc: Exception) -> None:
-        with self._lock:
-            failed = list(self._running.values())
-            self._running.clear()
-        for seq in failed:
-            self._call_engine(self._engine.abort_request, seq.request.request_id)
-            self._send(seq.stream, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
-
     def _deliver(self, result: StepResult) -> None:
         now = time.monotonic()
         metrics = self._metrics
         if metrics is not None:
             metrics.observe_step(result)
+        for rid, why in result.failed.items():  # the engine failed these alone (they left its batch)
+            with self._lock:
+                seq = self._running.get(rid)
+            if seq is not None:
+                self._drop(seq, EngineError(f"generation failed for this request: {why}"))
         for out in result.outputs:
             with self._lock:
                 seq = self._running.get(out.request_id)

@@ -2,7 +2,9 @@
 
 Each step emits one token per running request: token t+1 of a request is `(prompt[-1] + t + 1) % 1000 + 300`
 (plain word pieces of the SmolLM2 vocabulary). It records every step's batch so tests can check
-admission and aborts at step boundaries. `fail_on` prompt ids make `step()` raise (a bug), and
+admission and aborts at step boundaries. A request whose last prompt id is `fail_on` fails alone in its
+first step (`StepResult.failed`, as the engine reports a row whose step raised), `fatal_on` makes
+`step()` raise (what escapes the engine's isolation), and
 prompts longer than `max_context` are refused by `add_requests` with ValueError (the engine trusts the
 scheduler's check; the fake refuses so the scheduler's handling of a refusal can be tested).
 """
@@ -35,7 +37,15 @@ def fake_token(req: GenerationRequest, t: int) -> int:
 
 
 class FakeEngine:
-    def __init__(self, tokenizer, *, step_s: float = 0.0, max_context: int = 1_000_000, fail_on: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        step_s: float = 0.0,
+        max_context: int = 1_000_000,
+        fail_on: int | None = None,
+        fatal_on: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.max_context = max_context
@@ -43,6 +53,7 @@ class FakeEngine:
         self.draft_name = None
         self.step_s = step_s
         self.fail_on = fail_on
+        self.fatal_on = fatal_on
         self.running: dict[str, _Running] = {}
         self.batches: list[list[str]] = []  # request ids of each step
         self.aborted: list[str] = []
@@ -71,8 +82,12 @@ class FakeEngine:
     def step(self) -> StepResult:
         time.sleep(self.step_s)
         self.batches.append(list(self.running))
-        if self.fail_on is not None and any(r.req.prompt_token_ids[-1] == self.fail_on for r in self.running.values()):
+        last = {rid: r.req.prompt_token_ids[-1] for rid, r in self.running.items()}
+        if self.fatal_on is not None and self.fatal_on in last.values():
             raise RuntimeError("boom")
+        failed = {rid: "ValueError: boom" for rid, token in last.items() if token == self.fail_on}
+        for rid in failed:
+            del self.running[rid]
         outputs, seq_stats = [], []
         for rid, run in list(self.running.items()):
             tok = fake_token(run.req, len(run.tokens))
@@ -87,4 +102,4 @@ class FakeEngine:
             source = TokenSource("plain", None, run.stats.decode_steps - 1)
             outputs.append(RequestOutput(rid, [tok], text, None, done, "length" if done else None, run.stats, [source]))
             seq_stats.append(SeqStepStats(rid, run.stats.method, "none", 0, 0, 1, False))
-        return StepResult(outputs, seq_stats)
+        return StepResult(outputs, seq_stats, failed=failed)

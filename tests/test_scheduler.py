@@ -103,11 +103,34 @@ async def test_engine_refusal_is_delivered_as_request_rejected(make_scheduler):
     assert len((await collect(sched.submit([req("ok", 2)])))[0]) == 2
 
 
-async def test_failing_step_fails_its_requests_and_the_worker_survives(make_scheduler):
-    sched, _ = make_scheduler(fail_on=666)
+async def test_a_sequence_the_engine_fails_alone_fails_its_request_and_no_other(make_scheduler):
+    sched, engine = make_scheduler(fail_on=666, step_s=0.002)
+    good = sched.submit([req("good", 6)])
+    bad = sched.submit([req("bad-0", 4, last=666), req("bad-1", 50)])  # n=2: the sibling goes too
     with pytest.raises(EngineError, match="boom"):
-        await collect(sched.submit([req("bad", 4, last=666)]))
-    assert len((await collect(sched.submit([req("good", 3)])))[0]) == 3
+        await collect(bad)
+    assert len((await collect(good))[0]) == 6
+    assert len((await collect(sched.submit([req("after", 3)])))[0]) == 3
+    assert "bad-1" in engine.aborted and sched.fatal is None
+
+
+async def test_a_step_that_raises_kills_the_worker_and_fails_everything_in_flight(tokenizer):
+    died: list[BaseException] = []
+    engine = FakeEngine(tokenizer, fatal_on=666, step_s=0.002)
+    sched = Scheduler(engine, max_batch_size=1, max_waiting=8, on_fatal=died.append)
+    sched.start()
+    running = sched.submit([req("running", 1000)])
+    await anext(running.events())
+    sched.submit([req("fatal", 3, last=666)])  # batch full: both wait
+    waiting = sched.submit([req("waiting", 3)])
+    sched.abort(running)  # the fatal one joins at the next step boundary and the step raises
+    with pytest.raises(EngineError, match="restarting"):
+        await collect(waiting)
+    await asyncio.sleep(0.05)
+    assert [type(e) for e in died] == [RuntimeError] and isinstance(sched.fatal, RuntimeError)
+    with pytest.raises(ShuttingDown, match="engine failed"):
+        sched.submit([req("late", 2)])
+    await sched.shutdown(0)
 
 
 async def test_shutdown_finishes_work_within_grace_then_refuses(make_scheduler):

@@ -2,7 +2,10 @@
 
 The first signal stops admitting (new requests get 503, `/health` turns 503), lets running requests
 finish for up to `settings.shutdown_grace_s`, aborts what is left, then lets uvicorn close the
-connections and exit with status 0. A second signal exits at once.
+connections and exit with status 0. A second signal exits at once. When the engine worker dies
+(`ServerState` turns `broken`: /health 503, in-flight requests already have their errors), uvicorn
+shuts down the same way and `serve` returns 1, so a supervisor (Kubernetes, docker's restart policy)
+starts a fresh process.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        state.on_broken = self._engine_died
+
+    def _engine_died(self) -> None:
+        log.critical("the engine worker died: shutting down with exit status 1 for a supervisor to restart")
+        self.exit_code = 1
+        self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -53,8 +63,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; returns after a clean drain."""
+def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0 after a clean drain) or until the engine worker dies
+    (returns 1)."""
     app = create_app(settings, engine_factory)
     config = uvicorn.Config(
         app,
@@ -64,4 +75,6 @@ def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> No
         timeout_graceful_shutdown=5,
         access_log=True,
     )
-    DrainingServer(config, app.state.specula).run()
+    server = DrainingServer(config, app.state.specula)
+    server.run()
+    return server.exit_code

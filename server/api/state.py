@@ -1,7 +1,10 @@
-"""The server's lifecycle: loading (models load in a background thread) -> ready -> draining.
+"""The server's lifecycle: loading (models load in a background thread) -> ready -> draining, or
+ready -> broken when the engine worker dies.
 
 `ServerState` is the one object routes read. While the engine loads, `/health` and the API answer
-503; once loaded it owns the scheduler, the metrics and the `OpenAIServing` handlers.
+503; once loaded it owns the scheduler, the metrics and the `OpenAIServing` handlers. When the worker
+dies (scheduler.py) the state turns `broken` (503 everywhere) and `on_broken` (set by serve.py) makes
+the process exit non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from server.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-Status = Literal["loading", "ready", "failed", "draining"]
+Status = Literal["loading", "ready", "failed", "draining", "broken"]
 EngineFactory = Callable[[Settings], Any]  # returns a server.engine.engine.Engine
 
 
@@ -38,6 +41,7 @@ class ServerState:
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
         self._ready = asyncio.Event()
+        self.on_broken: Callable[[], None] | None = None  # called once the engine worker has died
 
     async def load(self) -> None:
         """Build the engine in a daemon thread (never blocking the loop), then start the scheduler."""
@@ -79,6 +83,7 @@ class ServerState:
             max_waiting=s.max_waiting,
             limits=engine.limits,
             metrics=self.metrics,
+            on_fatal=self._engine_died,
         )
         self.scheduler.start()
         info = ModelInfo(
@@ -95,6 +100,12 @@ class ServerState:
         self._ready.set()
         log.info("ready: serving %s (speculation %s, K=%d)", info.name, method, s.num_speculative_tokens)
 
+    def _engine_died(self, exc: BaseException) -> None:
+        """The worker died (its requests have their errors): 503 from now on, and exit if serving."""
+        self.status, self.error = "broken", f"the engine failed: {type(exc).__name__}: {exc}"[:500]
+        if self.on_broken is not None:
+            self.on_broken()
+
     async def wait_ready(self, timeout: float | None = None) -> Status:
         """Wait until loading has ended (ready or failed); returns the status."""
         await asyncio.wait_for(self._ready.wait(), timeout)
@@ -104,7 +115,11 @@ class ServerState:
         """The handlers, or a 503 while loading, after a failed load, or while draining."""
         if self.status == "ready" and self.serving is not None:
             return self.serving
-        reason = {"loading": "the model is still loading", "draining": "the server is shutting down"}
+        reason = {
+            "loading": "the model is still loading",
+            "draining": "the server is shutting down",
+            "broken": "the engine failed; the server is restarting",
+        }
         message = reason.get(self.status, f"the model failed to load: {self.error}")
         raise APIError(503, message, code="model_not_ready" if self.status == "loading" else self.status)
 
