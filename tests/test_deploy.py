@@ -44,6 +44,7 @@ def test_compose_paths_exist_and_wire_the_stack() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     build = services["specula"]["build"]
+    assert services["specula"]["restart"] in ("always", "unless-stopped", "on-failure")  # exit 1 = restart
     assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).is_file()
     for name, svc in services.items():
         for volume in svc.get("volumes", []):
@@ -118,6 +119,7 @@ def test_k8s_manifests() -> None:
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    assert pod["spec"].get("restartPolicy", "Always") == "Always"  # a dead engine worker exits 1: restart it
     (container,) = pod["spec"]["containers"]
     port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
