@@ -33,14 +33,21 @@ def thread_env(threads: int | None) -> dict[str, str]:
 
 @contextmanager
 def live_server(
-    extra_args: list[str], threads: int | None, log_path: Path, timeout_s: float = 180.0
+    extra_args: list[str],
+    threads: int | None,
+    log_path: Path,
+    timeout_s: float = 180.0,
+    procs: list[subprocess.Popen] | None = None,
 ) -> Iterator[str]:
-    """Yields the server's base URL once healthy; SIGTERMs it (and waits) afterwards."""
+    """Yields the server's base URL once healthy; SIGTERMs it (and waits) afterwards. The process is
+    appended to `procs` when given (its pid, its exit status)."""
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=thread_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        if procs is not None:
+            procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout_s

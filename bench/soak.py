@@ -1,0 +1,296 @@
+"""`make soak`: mixed traffic against a live server for a bounded time, then idle; what it served.
+
+Each of `--clients` concurrent clients loops until the deadline, picking one kind of request at a
+time (seeded): plain chat and text completions, streams read to the end, streams aborted after two
+chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the context; a multi-megabyte body)
+and bad fields (out-of-range numbers, unknown models, a lone UTF-16 surrogate...). It reports requests
+served, statuses per kind, p50/p95 latency of the completed ones, and the server's RSS every second
+(after warm-up, peak, and after `--idle-s` seconds without traffic). It fails (exit 1) on any 5xx, any
+lost request (no status, a stream without `[DONE]`, a timeout), or a server that does not drain.
+
+    python -m bench.soak --seconds 600                    # the built-in model, 10 minutes
+    python -m bench.soak --target DIR --seconds 45        # any model directory (the tests: a tiny one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.server_proc import live_server
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORDS = "the quick brown fox jumps over the lazy dog while specula drafts and verifies tokens".split()
+
+# kind -> share of the traffic
+MIX = {
+    "chat": 0.25,
+    "completion": 0.15,
+    "stream": 0.15,
+    "stream_abort": 0.1,
+    "n2_seeded": 0.05,
+    "oversized_prompt": 0.05,
+    "oversized_body": 0.05,
+    "bad_field": 0.2,
+}
+BAD_FIELDS: list[dict[str, Any]] = [
+    {"temperature": -1},
+    {"temperature": 1e-300},  # valid: greedy in the limit
+    {"top_p": 2},
+    {"top_k": 2**63},
+    {"seed": 2**64},
+    {"n": 0},
+    {"max_tokens": -5},
+    {"model": "no-such-model"},
+    {"logprobs": True, "top_logprobs": 100},
+    {"speculation": {"method": "nope"}},
+    {"messages": []},
+    {"messages": [{"role": "user", "content": "half an emoji \ud83d here"}]},
+    {"stop": ["x"] * 100},
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the traffic is sized to: the served model's name, its context in tokens, the big body's size."""
+
+    model: str
+    context: int
+    body_mb: float
+
+
+@dataclass
+class Outcome:
+    kind: str
+    # HTTP status; "aborted" (by us, on purpose), "stream_error" (an error event mid-stream) or "lost"
+    # (no answer, a stream cut without [DONE], a timeout)
+    status: int | str
+    latency_s: float
+
+
+@dataclass
+class Report:
+    seconds: float
+    clients: int
+    requests: int
+    served: int  # 2xx answered in full
+    statuses: dict[str, dict[str, int]]  # kind -> status -> count
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, RSS MiB)
+    rss_after_warmup_mb: float = 0.0
+    rss_peak_mb: float = 0.0
+    rss_idle_mb: float = 0.0
+    drained: bool = False  # running and waiting gauges back to 0 after the traffic
+    problems: list[str] = field(default_factory=list)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process (Linux /proc), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pid: int, every_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s, self.started = pid, every_s, time.monotonic()
+        self.series: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.series.append((round(time.monotonic() - self.started, 1), round(rss_mb(self.pid), 1)))
+            except OSError:
+                return
+            self.stop.wait(self.every_s)
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def build(kind: str, rng: random.Random, target: Target) -> tuple[str, dict[str, Any] | bytes]:
+    """(path, JSON body or raw bytes) for one request of `kind`."""
+    model = target.model
+    chat = {"model": model, "messages": [{"role": "user", "content": prompt(rng, rng.randint(3, 40))}],
+            "max_tokens": rng.randint(4, 48)}
+    if kind == "chat":
+        return "/v1/chat/completions", {**chat, "temperature": rng.choice([0, 0.7])}
+    if kind == "completion":
+        return "/v1/completions", {"model": model, "prompt": prompt(rng, rng.randint(3, 60)),
+                                   "max_tokens": rng.randint(4, 48), "temperature": 0}
+    if kind in ("stream", "stream_abort"):
+        return "/v1/chat/completions", {**chat, "stream": True, "max_tokens": rng.randint(16, 64)}
+    if kind == "n2_seeded":
+        return "/v1/chat/completions", {**chat, "n": 2, "temperature": 0.9, "seed": rng.randint(0, 1000)}
+    if kind == "oversized_prompt":  # more tokens than the context: 400
+        return "/v1/completions", {"model": model, "prompt": prompt(rng, 2 * target.context), "max_tokens": 4}
+    if kind == "oversized_body":  # a multi-megabyte body: 400 (too long) or 413 (over the body limit)
+        big = "a " * int(target.body_mb * 2**19)
+        return "/v1/completions", json.dumps({"model": model, "prompt": big, "max_tokens": 4}).encode()
+    bad = dict(rng.choice(BAD_FIELDS))
+    body = {**chat, **bad}
+    return "/v1/chat/completions", json.dumps(body).encode()  # json.dumps keeps a lone surrogate as \\ud83d
+
+
+async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, target: Target) -> Outcome:
+    path, body = build(kind, rng, target)
+    started = time.monotonic()
+    kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    try:
+        if kind.startswith("stream"):
+            async with client.stream("POST", path, **kwargs) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return Outcome(kind, r.status_code, time.monotonic() - started)
+                chunks, done = 0, False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    if line.startswith('data: {"error"'):
+                        return Outcome(kind, "stream_error", time.monotonic() - started)
+                    chunks += 1
+                    if kind == "stream_abort" and chunks == 2:
+                        return Outcome(kind, "aborted", time.monotonic() - started)
+                return Outcome(kind, 200 if done else "lost", time.monotonic() - started)
+        r = await client.post(path, **kwargs)
+        if r.status_code == 200 and not r.json().get("choices"):
+            return Outcome(kind, "lost", time.monotonic() - started)
+        return Outcome(kind, r.status_code, time.monotonic() - started)
+    except httpx.HTTPError:
+        return Outcome(kind, "lost", time.monotonic() - started)
+
+
+async def traffic(url: str, target: Target, clients: int, seconds: float, seed: int) -> list[Outcome]:
+    deadline = time.monotonic() + seconds
+    kinds, weights = list(MIX), list(MIX.values())
+    outcomes: list[Outcome] = []
+
+    async def client_loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            while time.monotonic() < deadline:
+                outcomes.append(await one(client, rng.choices(kinds, weights)[0], rng, target))
+
+    await asyncio.gather(*(client_loop(i) for i in range(clients)))
+    return outcomes
+
+
+def gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = {}
+    for line in text.splitlines():
+        for name in ("specula_requests_running", "specula_requests_waiting"):
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def summarize(outcomes: list[Outcome], seconds: float, clients: int) -> Report:
+    statuses: dict[str, Counter[str]] = {}
+    for o in outcomes:
+        statuses.setdefault(o.kind, Counter())[str(o.status)] += 1
+    done = sorted(o.latency_s for o in outcomes if o.status == 200)
+    p50 = statistics.median(done) if done else None
+    p95 = done[min(len(done) - 1, int(0.95 * len(done)))] if done else None
+    problems = [f"{k}: {n} x {s}" for k, c in statuses.items() for s, n in c.items()
+                if s in ("lost", "stream_error") or (s.isdigit() and int(s) >= 500)]
+    return Report(seconds, clients, len(outcomes), len(done), {k: dict(c) for k, c in statuses.items()}, p50, p95,
+                  problems=problems)
+
+
+def soak(
+    server_args: list[str], *, seconds: float, clients: int, idle_s: float, warmup_s: float, seed: int,
+    log_path: Path, context: int = 2048, body_mb: float = 3.0, threads: int | None = None,
+    progress: Callable[[str], None] = print,
+) -> Report:
+    """Start a server with `server_args`, warm it up, run the traffic, idle; the report."""
+    procs: list[Any] = []
+    with live_server(server_args, threads, log_path, procs=procs) as url:
+        sampler = RssSampler(procs[0].pid)
+        sampler.start()
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        target = Target(model, context, body_mb)
+        progress(f"warm-up {warmup_s:.0f} s")
+        asyncio.run(traffic(url, target, clients, warmup_s, seed + 1))
+        warm = rss_mb(procs[0].pid)
+        progress(f"traffic {seconds:.0f} s, {clients} clients")
+        report = summarize(asyncio.run(traffic(url, target, clients, seconds, seed)), seconds, clients)
+        progress(f"idle {idle_s:.0f} s")
+        time.sleep(idle_s)
+        report.rss_idle_mb = rss_mb(procs[0].pid)
+        load = gauges(url)
+        report.drained = load.get("specula_requests_running") == 0 and load.get("specula_requests_waiting") == 0
+        if not report.drained:
+            report.problems.append(f"not drained after the traffic: {load}")
+        if httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            report.problems.append("/health is not 200 after the traffic")
+        sampler.stop.set()
+        sampler.join()
+    report.rss_mb = sampler.series
+    report.rss_after_warmup_mb = round(warm, 1)
+    report.rss_peak_mb = max((r for _, r in sampler.series), default=0.0)
+    report.rss_idle_mb = round(report.rss_idle_mb, 1)
+    return report
+
+
+def format_report(r: Report) -> str:
+    ms = lambda s: f"{1000 * s:.0f} ms" if s is not None else "-"  # noqa: E731
+    lines = [
+        f"soak: {r.requests} requests in {r.seconds:.0f} s from {r.clients} clients; {r.served} served (2xx, whole)",
+        f"latency of served requests: p50 {ms(r.latency_p50_s)}, p95 {ms(r.latency_p95_s)}",
+        "statuses by kind:",
+        *[f"  {kind:<17} {dict(sorted(c.items()))}" for kind, c in sorted(r.statuses.items())],
+        f"RSS: {r.rss_after_warmup_mb:.0f} MiB after warm-up, peak {r.rss_peak_mb:.0f} MiB, "
+        f"{r.rss_idle_mb:.0f} MiB after idle ({r.rss_idle_mb / max(r.rss_after_warmup_mb, 1e-9):.2f}x warm-up)",
+        f"drained: {r.drained}; problems: {r.problems or 'none'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=300, help="traffic duration (default 300)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--idle-s", type=float, default=30, help="idle time after the traffic before the last RSS")
+    p.add_argument("--warmup-s", type=float, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the server")
+    p.add_argument("--context", type=int, default=2048, help="the server's context (sizes the oversized prompts)")
+    p.add_argument("--body-mb", type=float, default=3.0, help="size of the oversized bodies")
+    p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    p.add_argument("server_args", nargs="*", help="passed to `python -m server serve` (after --)")
+    args = p.parse_args(argv)
+    report = soak(args.server_args, seconds=args.seconds, clients=args.clients, idle_s=args.idle_s,
+                  warmup_s=args.warmup_s, seed=args.seed, log_path=args.out.with_suffix(".log"),
+                  context=args.context, body_mb=args.body_mb, threads=args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(asdict(report), indent=1) + "\n")
+    print(format_report(report))
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
