@@ -3,6 +3,7 @@ states) of a clean forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.model.runner import ModelRunner
@@ -118,8 +119,8 @@ def clean_hidden(model, tokens: list[int]) -> torch.Tensor:
         return model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0].float()
 
 
-def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_and_growth(tiny_target):
-    """What a failed engine step did to a cache is undone exactly, and compaction waits meanwhile."""
+def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_growth_and_compaction(tiny_target):
+    """What a failed engine step did to a cache is undone exactly, even when the step compacted it."""
     model = tiny_target.model
     runner = ModelRunner(model)
     runner.join(["a", "b"], [[5, 17, 99, 4], [300, 301]])
@@ -130,14 +131,52 @@ def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_and_growth(tiny_
     runner.rollback(1, 1)  # back to where `before` was computed from
     kv = runner.kv
     ckpt = kv.checkpoint()
-    for _ in range(40):  # enough holes that compaction would run, and the buffers grow
+    capacity = kv.capacity
+    for _ in range(40):  # enough holes that compaction runs, and the buffers grow
         runner.forward([[7] * 4, [6] * 3])
         runner.rollback(0, 4)
         runner.rollback(1, 3)
     runner.join(["c"], [[1, 2, 3]])
-    assert kv.length > ckpt.capacity and len(kv) == 3
+    assert kv.capacity > capacity and len(kv) == 3 and kv._compactions > ckpt.compactions
     kv.restore(ckpt)
-    assert kv.rows == ["a", "b"] and kv.length == ckpt.length and kv.positions == ckpt.positions
+    assert kv.rows == ["a", "b"] and kv.positions == ckpt.positions
     torch.testing.assert_close(runner.forward([[11], [12]]).logits, before)
-    kv.release()
-    kv.maybe_compact()  # runs again once released
+    runner.rollback(0, 1)
+    runner.rollback(1, 1)
+    kv.restore(ckpt)  # again, without a compaction in between
+    torch.testing.assert_close(runner.forward([[11], [12]]).logits, before)
+
+
+def test_a_budgeted_cache_is_allocated_once_and_stays_exact_through_joins_leaves_and_compaction(tiny_target):
+    """With a budget (token slots), storage is allocated up front and never reallocated: joins, leaves,
+    capacity changes and compaction move rows and columns inside it, and logits stay exact."""
+    from server.model.kv_cache import KVBudgetExceeded
+
+    model = tiny_target.model
+    runner = ModelRunner(model, kv_slots=600)
+    stores = [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in runner.kv.cache.layers]
+    history = {"a": [5, 17, 99, 4], "b": [300, 301]}
+    runner.join(["a", "b"], [history["a"], history["b"]])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(30):
+        if step == 5:
+            history["c"] = list(range(20, 60))
+            runner.join(["c"], [history["c"]])
+        if step == 12:
+            runner.leave({"a"})
+            del history["a"]
+        if step == 18:
+            history["d"] = list(range(400, 470))
+            runner.join(["d"], [history["d"]])
+        rows = runner.rows
+        fed = [[1000 + step + b] + [7, 8, 9][: int(torch.randint(0, 4, (1,), generator=gen))] for b in range(len(rows))]
+        logits = runner.forward(fed).logits
+        for b, rid in enumerate(rows):
+            expect = clean_logits(model, history[rid] + fed[b][:1])
+            torch.testing.assert_close(logits[b, 0], expect, atol=1e-4, rtol=1e-4)
+            runner.rollback(b, len(fed[b]) - 1)
+            history[rid] += fed[b][:1]
+    assert len(runner.rows) * runner.kv.capacity <= 600
+    assert [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in runner.kv.cache.layers] == stores
+    with pytest.raises(KVBudgetExceeded):
+        runner.join(["e", "f"], [list(range(200)), list(range(200))])  # 5 rows x 200 columns > 600 slots

@@ -181,19 +181,16 @@ class Engine:
         seqs = [self.running[rid] for rid in self.runner.rows]
         ckpt = self._checkpoint(seqs)
         try:
+            verified = self._verify(seqs, frozenset())
+        except Exception as exc:
+            ckpt.restore()
+            failed.update(self._culprits(seqs, ckpt, exc))
+            hold = frozenset(failed)
             try:
-                verified = self._verify(seqs, frozenset())
-            except Exception as exc:
-                ckpt.restore()
-                failed.update(self._culprits(seqs, ckpt, exc))
-                hold = frozenset(failed)
-                try:
-                    verified = self._verify(seqs, hold) if len(hold) < len(seqs) else None
-                except Exception as again:
-                    why = f"a step failed again without the rows that fail alone: {_describe(again)}"
-                    raise EngineFault(why) from again
-        finally:
-            ckpt.release()
+                verified = self._verify(seqs, hold) if len(hold) < len(seqs) else None
+            except Exception as again:
+                why = f"a step failed again without the rows that fail alone: {_describe(again)}"
+                raise EngineFault(why) from again
         stats = self._commit(verified, outputs, failed) if verified is not None else []
         self._faulty_steps = self._faulty_steps + 1 if failed and not stats else 0
         if self._faulty_steps >= FAULTY_STEPS:
@@ -384,7 +381,7 @@ class _Verified:
 class _Checkpoint:
     """What planning, verifying and sampling change, as it was before a step: the target cache, the
     proposers (their caches and pending tokens) and every row's random stream. Sequences themselves
-    change only when committing, after this is released."""
+    change only when committing, after the last restore."""
 
     kv: BatchKV
     kv_state: KVCheckpoint
@@ -397,10 +394,6 @@ class _Checkpoint:
         self.planner.restore(self.planner_state)
         for gen, state in self.generators:
             gen.set_state(state)
-
-    def release(self) -> None:
-        self.kv.release()
-        self.planner.release()
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,19 +1,26 @@
 """The KV cache of a running batch, and the one place where rejected tokens are rolled back.
 
-This module is bookkeeping only (columns, keep mask, positions, membership, compaction); running
-the model over it (masks, position ids, the forward) is `runner.py`'s job.
+This module is bookkeeping only (columns, keep mask, positions, membership, compaction, storage);
+running the model over it (masks, position ids, the forward) is `runner.py`'s job.
 
-Layout: all rows share one column space. Each forward appends W columns to every
-row; row b's new tokens occupy the first n_b of them and the rest are holes. A per-row boolean
-`keep` mask says which columns hold that row's live tokens, and each row carries its own logical
-position (the number of live tokens), so RoPE positions stay exact whatever the holes. Rolling back
-a rejected draft token is bookkeeping only: its column becomes a hole. Holes are compacted away when
-they outgrow the live tokens. Buffers are preallocated and grow by doubling, so a step writes only
-its new columns: nothing proportional to the context is copied per step.
+Layout: all rows share one column space. Each forward appends W columns to every row; row b's new
+tokens occupy the first n_b of them and the rest are holes. A per-row boolean `keep` mask says which
+columns hold that row's live tokens, and each row carries its own logical position (the number of
+live tokens), so RoPE positions stay exact whatever the holes. Rolling back a rejected draft token is
+bookkeeping only: its column becomes a hole. Holes are compacted away when they outgrow the live
+tokens, or when a forward would not fit otherwise.
+
+Storage: per layer, one flat buffer for keys and one for values; `keys`/`values` are views
+[rows, kv_heads, capacity, head_dim] of its start, so a step writes only its new columns and nothing
+proportional to the context is copied per step. Joins, leaves and capacity changes move rows and
+columns inside the buffer (`_relayout`). Without a budget the buffer grows (doubling) as needed. With
+a budget (`slots`: token slots, from `kv_cache_memory`) it is allocated and zeroed once, up front, and
+never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/engine.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,8 +30,56 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 _RECENT = 64  # columns remembered per row for rollback (more than any step ever rolls back)
 
 
+class KVBudgetExceeded(RuntimeError):
+    """A budgeted cache was asked for more than its slots (admission should have prevented it)."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token of one model's cache holds per layer: keys [kv_heads, head_dim] and values
+    [kv_heads, value_dim] in `dtype`."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.kv_heads * (self.head_dim + self.value_dim) * size
+
+    @classmethod
+    def of(cls, config: object, dtype: torch.dtype) -> KVShape:
+        """From a Hugging Face (Llama-like) config."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, head_dim, dtype)
+
+
+@dataclass(frozen=True)
+class KVCheckpoint:
+    """A `BatchKV`'s bookkeeping at one moment (server/engine/engine.py undoes a failed step with it).
+
+    Buffers are not copied: nothing after the checkpoint loses the data of the live columns then.
+    Forwards write only new columns; growth and membership changes move columns without reordering
+    them; rollback (within a step, of that step's tokens only) touches the keep mask; compaction
+    reorders columns but keeps each row's live tokens in order, so after one the checkpoint's live
+    tokens are each row's first `positions[b]` columns.
+    """
+
+    rows: list[str]
+    length: int
+    keep: torch.Tensor  # a copy, [rows, its capacity]
+    positions: list[int]
+    recent: list[deque[int]]
+    compactions: int
+
+
 class _BufferLayer(CacheLayerMixin):
-    """One decoder layer's keys/values: buffers [batch, kv_heads, capacity, head_dim] written in place."""
+    """One decoder layer's keys/values: views [batch, kv_heads, capacity, head_dim] of flat buffers."""
 
     is_compileable = False
     is_sliding = False
@@ -32,34 +87,42 @@ class _BufferLayer(CacheLayerMixin):
     def __init__(self, owner: BatchKV) -> None:
         super().__init__()
         self.owner = owner
+        self.key_store: torch.Tensor | None = None  # flat
+        self.value_store: torch.Tensor | None = None
+        self.heads = self.head_dim = self.value_dim = 0
+
+    def allocate(self, heads: int, head_dim: int, value_dim: int, like: torch.Tensor, slots: int) -> None:
+        """Zeroed flat buffers of `slots` tokens (zeroing makes a budget's pages resident at once)."""
+        self.heads, self.head_dim, self.value_dim = heads, head_dim, value_dim
+        self.key_store = torch.zeros(slots * heads * head_dim, dtype=like.dtype, device=like.device)
+        self.value_store = torch.zeros(slots * heads * value_dim, dtype=like.dtype, device=like.device)
+        self.is_initialized = True
+        self.view(len(self.owner.rows), self.owner.capacity)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.key_store is None else self.key_store.numel() // (self.heads * self.head_dim)
+
+    def view(self, rows: int, capacity: int) -> None:
+        h = self.heads
+        self.keys = self.key_store[: rows * h * capacity * self.head_dim].view(rows, h, capacity, self.head_dim)
+        self.values = self.value_store[: rows * h * capacity * self.value_dim].view(rows, h, capacity, self.value_dim)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, d = key_states.shape
-        cap = max(self.owner.capacity, 16)
-        self.keys = key_states.new_zeros(b, h, cap, d)
-        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
-        self.is_initialized = True
+        owner = self.owner
+        slots = owner.slots or len(owner.rows) * owner.capacity
+        self.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states, slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.owner.length
         end = start + key_states.shape[-2]
-        if end > self.keys.shape[-2]:
-            self._grow(end)
+        if end > self.owner.capacity:
+            raise KVBudgetExceeded("a forward wrote past the reserved columns (runner.forward reserves them)")
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
         return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def _grow(self, needed: int) -> None:
-        cap = self.keys.shape[-2]
-        while cap < needed:
-            cap *= 2
-        keys = self.keys.new_zeros(*self.keys.shape[:2], cap, self.keys.shape[-1])
-        values = self.values.new_zeros(*self.values.shape[:2], cap, self.values.shape[-1])
-        keys[:, :, : self.keys.shape[-2]] = self.keys
-        values[:, :, : self.values.shape[-2]] = self.values
-        self.keys, self.values = keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.length + query_length, 0
@@ -70,24 +133,38 @@ class _BufferLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-
-@dataclass(frozen=True)
-class KVCheckpoint:
-    """A `BatchKV`'s bookkeeping at one moment, and references to its buffers then (not copies).
-
-    Restoring it is exact because nothing after the checkpoint rewrites columns below its `length`:
-    forwards write only new columns, growth and membership changes allocate new buffers, rollback
-    touches only the keep mask (copied here), and compaction (which moves columns in place) is
-    deferred while a checkpoint is held.
-    """
-
-    rows: list[str]
-    length: int
-    capacity: int
-    keep: torch.Tensor  # a copy
-    positions: list[int]
-    recent: list[deque[int]]
-    buffers: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]  # per layer: keys, values, initialized
+    def relayout(self, rows_from: list[int], capacity: int, rows: int, cols: int) -> None:
+        """Row i < len(rows_from) of the new layout [rows, heads, capacity] takes columns [:cols] of old row
+        rows_from[i] (ascending); rows after that are left for the caller. Moves inside the buffer
+        when it is big enough (in an order that never overwrites a block not yet moved), else into a
+        new, bigger buffer."""
+        old_k, old_v = self.keys, self.values
+        needed = rows * capacity
+        if needed > self.slots:
+            if self.owner.slots is not None:
+                raise KVBudgetExceeded(f"{rows} rows x {capacity} columns exceed the cache's {self.owner.slots} slots")
+            like = self.key_store
+            self.key_store = like.new_zeros(needed * self.heads * self.head_dim)
+            self.value_store = like.new_zeros(needed * self.heads * self.value_dim)
+            self.view(rows, capacity)
+            for i, b in enumerate(rows_from):
+                self.keys[i, :, :cols] = old_k[b, :, :cols]
+                self.values[i, :, :cols] = old_v[b, :, :cols]
+            return
+        # In place. 1: rows move down at the old capacity (a destination block lies below its source).
+        for i, b in enumerate(rows_from):
+            if i != b:
+                old_k[i, :, :cols] = old_k[b, :, :cols]
+                old_v[i, :, :cols] = old_v[b, :, :cols]
+        n, cap = len(rows_from), old_k.shape[2]
+        self.view(rows, capacity)
+        if capacity != cap and n and cols:
+            # 2: a new stride per (row, head) block. Growing, blocks move up: last first; shrinking, down:
+            # first first. Each block is cloned, as its old and new places may overlap.
+            blocks = [(r, h) for r in range(n) for h in range(self.heads)]
+            for r, h in reversed(blocks) if capacity > cap else blocks:
+                self.keys[r, h, :cols] = old_k[r, h, :cols].clone()
+                self.values[r, h, :cols] = old_v[r, h, :cols].clone()
 
 
 class _BatchCache(Cache):
@@ -98,14 +175,20 @@ class _BatchCache(Cache):
 class BatchKV:
     """KV cache for the rows of one model's running batch.
 
-    Rows are identified by request id. The model runner (`runner.py`) writes a forward's new columns
-    through `cache` and then calls `advance`; `rollback` turns a row's most recent tokens into holes;
-    `add_rows`/`remove_rows` change the batch between steps (the only operations that copy the cache).
+    Rows are identified by request id. The model runner (`runner.py`) reserves a forward's columns
+    (`reserve`), writes them through `cache` and then calls `advance`; `rollback` turns a row's most
+    recent tokens into holes; `add_rows`/`remove_rows` change the batch between steps.
+
+    `slots` (a budget in tokens: rows x capacity never exceed it) with `shape` allocates the storage
+    once, now; without, storage is allocated at the first forward and grows as needed.
     """
 
-    def __init__(self, num_layers: int, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, device: torch.device, slots: int | None = None, shape: KVShape | None = None
+    ) -> None:
         self.device = device
         self.num_layers = num_layers
+        self.slots = slots
         self.rows: list[str] = []
         self.length = 0  # columns used (shared by all rows)
         self.capacity = 16
@@ -113,7 +196,15 @@ class BatchKV:
         self.positions: list[int] = []  # live tokens per row = next RoPE position
         self._recent: list[deque[int]] = []  # per row: columns of its latest live tokens
         self.cache = _BatchCache(self, self.num_layers)
-        self._held = False  # a checkpoint is held: compaction waits (it moves columns in place)
+        self._compactions = 0
+        if slots is not None:
+            if shape is None:
+                raise ValueError("a budgeted cache needs the model's KV shape")
+            self.capacity = slots
+            self.keep = torch.zeros(0, slots, dtype=torch.bool, device=self.device)
+            like = torch.empty(0, dtype=shape.dtype, device=device)
+            for layer in self.cache.layers:
+                layer.allocate(shape.kv_heads, shape.head_dim, shape.value_dim, like, slots)
 
     # ---- queries -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -126,7 +217,19 @@ class BatchKV:
     def live_tokens(self) -> int:
         return sum(self.positions)
 
-    # ---- after a forward -------------------------------------------------------------------------
+    # ---- a forward -------------------------------------------------------------------------------
+    def reserve(self, width: int) -> None:
+        """Make room for a forward that appends `width` columns: compact holes when they outgrow the
+        live tokens or when that is what makes it fit, grow when needed (within the budget)."""
+        longest = max(self.positions, default=0)
+        if self.length - longest > max(64, longest):
+            self.compact()
+        if self.length + width <= self.capacity:
+            return
+        if self.slots is not None and self.length + width > self.slots // max(len(self), 1):
+            self.compact()
+        self._ensure_capacity(self.length + width)
+
     def advance(self, counts: list[int], width: int) -> None:
         """Record a forward that appended `width` columns, of which row b's first `counts[b]` are real."""
         self._ensure_capacity(self.length + width)
@@ -148,51 +251,54 @@ class BatchKV:
 
     # ---- batch membership ------------------------------------------------------------------------
     def add_rows(self, other: BatchKV) -> None:
-        """Append `other`'s rows (prefilled separately) to this batch. Copies both caches once."""
-        if not self.rows:
-            self._adopt(other)
-            return
+        """Append `other`'s rows (prefilled separately, unbudgeted) to this batch: one copy of them."""
+        rows = len(self) + len(other)
+        if self.slots is not None and max(self.length, other.length) > self.slots // rows:
+            self.compact()  # the batch's columns must fit the budget's share of each row
         length = max(self.length, other.length)
-        self._ensure_capacity(length)
-        other._ensure_capacity(length)
-        cap = max(self.capacity, other.capacity)
-        self._resize(cap)
-        other._resize(cap)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            if not (mine.is_initialized or theirs.is_initialized):
-                continue  # neither side has run a forward yet: buffers are created lazily
-            like = mine if mine.is_initialized else theirs
-            mine.keys = torch.cat([_rows_of(mine, len(self), like.keys), _rows_of(theirs, len(other), like.keys)])
-            mine.values = torch.cat(
-                [_rows_of(mine, len(self), like.values, "values"), _rows_of(theirs, len(other), like.values, "values")]
-            )
-            mine.is_initialized = True
-        self.keep = torch.cat([self.keep, other.keep], dim=0)
+        capacity = self._capacity_for(length, rows)
+        mine = list(range(len(self)))
+        for layer, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            if not theirs.is_initialized:  # they prefilled nothing: their rows are all holes
+                if layer.is_initialized:
+                    layer.relayout(mine, capacity, rows, self.length)
+                continue
+            if not layer.is_initialized:
+                layer.allocate(theirs.heads, theirs.head_dim, theirs.value_dim, theirs.key_store, rows * capacity)
+            layer.relayout(mine, capacity, rows, self.length)
+            layer.keys[len(self) :, :, : other.length] = theirs.keys[:, :, : other.length]
+            layer.values[len(self) :, :, : other.length] = theirs.values[:, :, : other.length]
+        self.keep = torch.cat([_columns(self.keep, capacity), _columns(other.keep, capacity)])
+        self.capacity = capacity
         self.length = length  # columns past a row's own length are holes in its keep mask
         self.rows += other.rows
         self.positions += other.positions
         self._recent += other._recent
 
     def remove_rows(self, request_ids: set[str]) -> None:
-        """Drop rows (finished or aborted). Copies the cache once; nothing when none match."""
+        """Drop rows (finished or aborted): the rows after them move down; nothing when none match."""
         stay = [b for b, rid in enumerate(self.rows) if rid not in request_ids]
         if len(stay) == len(self.rows):
             return
-        index = torch.tensor(stay, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
-        self.keep = self.keep.index_select(0, index)
+                layer.relayout(stay, self.capacity, len(stay), self.length)
+        self.keep = self.keep[stay].clone()
         self.rows = [self.rows[b] for b in stay]
         self.positions = [self.positions[b] for b in stay]
         self._recent = [self._recent[b] for b in stay]
         if not self.rows:
             self.length = 0
             self.keep[:] = False
+            if self.slots is None:  # an idle unbudgeted cache holds no memory
+                for layer in self.cache.layers:
+                    layer.key_store = layer.value_store = None
+                    layer.is_initialized = False
+                self.capacity = 16
+                self.keep = torch.zeros(0, self.capacity, dtype=torch.bool, device=self.device)
 
     def new_rows(self, request_ids: list[str]) -> BatchKV:
-        """An empty cache for rows about to be prefilled and then merged with `add_rows`."""
+        """An empty, unbudgeted cache for rows about to be prefilled and then merged with `add_rows`."""
         fresh = BatchKV(self.num_layers, self.device)
         fresh.rows = list(request_ids)
         fresh.positions = [0] * len(request_ids)
@@ -200,51 +306,53 @@ class BatchKV:
         fresh.keep = torch.zeros(len(request_ids), fresh.capacity, dtype=torch.bool, device=self.device)
         return fresh
 
-    # ---- checkpoints: a step that fails is undone exactly (server/engine/engine.py) ---------------
+    # ---- checkpoints: a failed step is undone exactly (server/engine/engine.py) ------------------
     def checkpoint(self) -> KVCheckpoint:
-        """The cache as it is now; `restore` returns to it, `release` forgets it. Cheap: the keep mask
-        and per-row lists are copied, buffers only referenced."""
-        self._held = True
+        """The cache's bookkeeping now (see `KVCheckpoint`); cheap: the keep mask and per-row lists."""
         return KVCheckpoint(
             rows=list(self.rows),
             length=self.length,
-            capacity=self.capacity,
             keep=self.keep.clone(),
             positions=list(self.positions),
             recent=[deque(r, maxlen=r.maxlen) for r in self._recent],
-            buffers=[
-                (getattr(layer, "keys", None), getattr(layer, "values", None), layer.is_initialized)
-                for layer in self.cache.layers
-            ],
+            compactions=self._compactions,
         )
 
     def restore(self, ckpt: KVCheckpoint) -> None:
-        """Return to `ckpt` (taken by `checkpoint` on this cache, with no `release` since); it stays held,
-        so the same checkpoint can be restored again."""
-        self.rows, self.length, self.capacity = list(ckpt.rows), ckpt.length, ckpt.capacity
-        self.keep = ckpt.keep.clone()
+        """Return to `ckpt`. Since it was taken, rows may only have been appended (a proposer's lazy
+        join), never removed; it can be restored again."""
+        n = len(ckpt.rows)
+        assert self.rows[:n] == ckpt.rows, "rows left the cache since the checkpoint"
+        if len(self.rows) > n:  # rows that joined since: the first n rows stay where they are
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.view(n, self.capacity)
+            self.rows = self.rows[:n]
+        keep = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
+        if self._compactions != ckpt.compactions:  # the checkpoint's live tokens are each row's first
+            keep = torch.arange(self.capacity, device=self.device)[None, :] < torch.tensor(
+                ckpt.positions, dtype=torch.long, device=self.device
+            ).reshape(n, 1)
+            self.length = max(ckpt.positions, default=0)
+            self._recent = [deque(range(max(0, p - _RECENT), p), maxlen=_RECENT) for p in ckpt.positions]
+        else:
+            cols = min(self.capacity, ckpt.keep.shape[1])
+            keep[:, :cols] = ckpt.keep[:, :cols]
+            self.length = ckpt.length
+            self._recent = [deque(r, maxlen=r.maxlen) for r in ckpt.recent]
+        self.keep = keep
         self.positions = list(ckpt.positions)
-        self._recent = [deque(r, maxlen=r.maxlen) for r in ckpt.recent]
-        for layer, (keys, values, initialized) in zip(self.cache.layers, ckpt.buffers, strict=True):
-            if initialized:
-                layer.keys, layer.values = keys, values
-            layer.is_initialized = initialized
-
-    def release(self) -> None:
-        """Forget the checkpoint: compaction may run again."""
-        self._held = False
 
     # ---- compaction ------------------------------------------------------------------------------
     def maybe_compact(self) -> None:
-        """Squeeze holes out once they outnumber the live columns (amortised: rare and O(cache)).
-        Deferred while a checkpoint is held."""
-        if self._held:
-            return
+        """Squeeze holes out once they outnumber the live columns (amortised: rare and O(cache))."""
         longest = max(self.positions, default=0)
         if self.length - longest > max(64, longest):
             self.compact()
 
     def compact(self) -> None:
+        """Move each row's live columns to its first columns, in order (one row at a time, so the extra
+        memory is one row's keys and values)."""
         if not self.rows:
             return
         keep = self.keep[:, : self.length]
@@ -253,9 +361,9 @@ class BatchKV:
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :longest]  # [batch, longest]
         for layer in self.cache.layers:
             if layer.is_initialized:
-                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                layer.keys[:, :, :longest] = layer.keys.gather(2, idx)
-                layer.values[:, :, :longest] = layer.values.gather(2, idx)
+                for b in range(len(self.rows)):
+                    layer.keys[b, :, :longest] = layer.keys[b, :, order[b]]
+                    layer.values[b, :, :longest] = layer.values[b, :, order[b]]
         new_keep = keep.gather(1, order)
         # A live column's new index is its rank among the row's live columns.
         rank = torch.cumsum(keep.to(torch.long), dim=1) - 1  # [batch, length]
@@ -264,36 +372,45 @@ class BatchKV:
         self.keep[:] = False
         self.keep[:, :longest] = new_keep
         self.length = longest
+        self._compactions += 1
 
     # ---- storage ---------------------------------------------------------------------------------
+    def _capacity_for(self, needed: int, rows: int) -> int:
+        """Columns per row for `rows` rows needing `needed` columns: doubling (amortised), within the budget."""
+        cap = self.capacity
+        while cap < needed:
+            cap *= 2
+        if self.slots is not None:
+            cap = min(cap, self.slots // max(rows, 1)) if needed <= self.slots // max(rows, 1) else needed
+            if rows * cap > self.slots:
+                raise KVBudgetExceeded(f"{rows} rows need {needed} columns each: over the {self.slots} slots")
+        return cap
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
-            cap = self.capacity
-            while cap < needed:
-                cap *= 2
-            self._resize(cap)
+            self._resize(self._capacity_for(needed, len(self)))
 
     def _resize(self, cap: int) -> None:
-        """Grow the keep mask and the KV buffers to `cap` columns (doubling keeps this amortised O(1))."""
-        if cap <= self.capacity:
+        """Give every row `cap` columns (moving them inside the storage, or into a bigger one)."""
+        if cap == self.capacity:
             return
-        keep = torch.zeros(self.keep.shape[0], cap, dtype=torch.bool, device=self.device)
-        keep[:, : self.capacity] = self.keep
-        self.keep = keep
+        rows = list(range(len(self)))
         for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.shape[-2] < cap:
-                layer._grow(cap)
+            if layer.is_initialized:
+                layer.relayout(rows, cap, len(rows), min(self.length, cap))
+        self.keep = _columns(self.keep, cap)
         self.capacity = cap
 
-    def _adopt(self, other: BatchKV) -> None:
-        self.rows, self.positions, self._recent = other.rows, other.positions, other._recent
-        self.keep, self.length, self.capacity = other.keep, other.length, other.capacity
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys, mine.values, mine.is_initialized = theirs.keys, theirs.values, theirs.is_initialized
+
+def _columns(keep: torch.Tensor, cap: int) -> torch.Tensor:
+    """A keep mask cut or padded (with holes) to `cap` columns."""
+    out = torch.zeros(keep.shape[0], cap, dtype=torch.bool, device=keep.device)
+    cols = min(cap, keep.shape[1])
+    out[:, :cols] = keep[:, :cols]
+    return out
 
 
-def _rows_of(layer: _BufferLayer, rows: int, like: torch.Tensor, which: str = "keys") -> torch.Tensor:
-    """A layer's buffer, or zeros shaped like `like` for `rows` rows when it never ran a forward."""
-    if layer.is_initialized:
-        return getattr(layer, which)
-    return like.new_zeros(rows, *like.shape[1:])
+def slots_for(budget_bytes: int, shapes: list[KVShape]) -> int:
+    """Token slots a budget buys when every cache in `shapes` holds the same number of tokens."""
+    per_token = sum(s.bytes_per_token for s in shapes)
+    return max(0, math.floor(budget_bytes / per_token)) if per_token else 0

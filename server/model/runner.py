@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from server.model.kv_cache import BatchKV
+from server.model.kv_cache import BatchKV, KVShape
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -38,11 +38,18 @@ class ModelRunner:
     head's decoder: hidden states only, its final output as `hidden`).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, kv_slots: int | None = None) -> None:
+        """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed."""
         self.model = model
         self.device = model.device
         self.has_lm_head = model.get_output_embeddings() is not None
-        self.kv = BatchKV(model.config.num_hidden_layers, model.device)
+        shape = self.kv_shape(model) if kv_slots is not None else None
+        self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
+
+    @staticmethod
+    def kv_shape(model: PreTrainedModel) -> KVShape:
+        """What one token of this model's cache holds."""
+        return KVShape.of(model.config, model.dtype)
 
     @property
     def rows(self) -> list[str]:
@@ -59,12 +66,12 @@ class ModelRunner:
         """
         kv = self.kv
         assert len(inputs) == len(kv.rows), "one input list per row"
-        kv.maybe_compact()  # here, so every cache (target and drafts) keeps its holes bounded
         batch = len(kv.rows)
         counts = [len(x) for x in inputs]
         width = max(counts, default=0)
         if batch == 0 or width == 0:
             raise ValueError("forward needs at least one new input")
+        kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
         feed = self._feed(inputs, width)
         steps = torch.arange(width, device=self.device)
         position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]

@@ -45,9 +45,6 @@ class ModelProposer(Proposer):
         self.runner.kv.restore(kv)
         self.pending, self.forwards = self._copy_pending(pending), forwards
 
-    def release(self) -> None:
-        self.runner.kv.release()
-
     @staticmethod
     def _copy_pending(pending: dict[str, Any]) -> dict[str, Any]:
         """A copy of `pending` that `propose` cannot change through (the subclass knows its shape)."""

@@ -121,10 +121,6 @@ class Planner:
         for name, proposer in self.proposers.items():
             proposer.restore(states[name])
 
-    def release(self) -> None:
-        for proposer in self.proposers.values():
-            proposer.release()
-
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`."""
         self.policy.cost.observe_verify(tokens, seconds)

@@ -18,8 +18,8 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
 
 A step that fails is undone (server/engine/engine.py): the planner takes every proposer's `checkpoint()`
 before planning, and `restore(state)` returns the proposer to it (then the step is planned again, with
-the rows that failed held back: asked with K = 0); `release()` ends it. A proposer whose `propose`
-changes nothing that `restore` must undo keeps the defaults.
+the rows that failed held back: asked with K = 0). A proposer whose `propose` changes nothing that
+`restore` must undo keeps the defaults.
 
 Hidden states are the output of the target's base model after its final norm (what its LM head reads),
 so hidden row i predicts the token after fed token i.
@@ -113,10 +113,7 @@ class Proposer(ABC):
         return None
 
     def restore(self, state: object) -> None:  # noqa: B027 - optional hook
-        """Return to `state` (from `checkpoint`, not yet released); it stays valid for another restore."""
-
-    def release(self) -> None:  # noqa: B027 - optional hook
-        """The step went through: forget the checkpoint."""
+        """Return to `state` (from `checkpoint` before this step); it stays valid for another restore."""
 
 
 @dataclass(frozen=True)
