@@ -24,6 +24,35 @@ _yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", defaul
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(value: str) -> int | float:
+    """Bytes (int) from "512MiB", "1.5GB", "1073741824"; or a fraction (float) from "0.4" or "1.0" (a
+    plain number with a decimal point, in (0, 1]).
+
+    >>> parse_memory("512MiB"), parse_memory("2GB"), parse_memory("0.5")
+    (536870912, 2000000000, 0.5)
+    """
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        why = "expected bytes (e.g. 512MiB, 2GB) or a fraction in (0, 1] written with a decimal point"
+        raise ValueError(f"kv_cache_memory {value!r}: {why}") from None
+    if unit not in _UNITS:
+        raise ValueError(f"kv_cache_memory {value!r}: unknown unit {unit!r} (B, KB, MB, GB, KiB, MiB, GiB)")
+    if not unit and "." in number:
+        if not 0 < amount <= 1:
+            raise ValueError(f"kv_cache_memory {value!r}: a fraction of free memory must be in (0, 1]")
+        return amount
+    if amount * _UNITS[unit] < 1:
+        raise ValueError(f"kv_cache_memory {value!r} must be positive")
+    return int(amount * _UNITS[unit])
+
 
 class Settings(BaseSettings):
     """Everything the server and CLI read. Build it with `Settings.load(config_file, **overrides)`."""
@@ -63,6 +92,10 @@ class Settings(BaseSettings):
     max_waiting: int = Field(default=64, ge=0)
     max_model_len: int | None = Field(default=None, ge=16)  # None = the model's own context
     default_max_tokens: int = Field(default=256, ge=1)
+    # The KV cache budget: bytes ("512MiB", "2GB", 1073741824) or a fraction in (0, 1] of the device's free
+    # memory at start-up (MemAvailable on CPU). Sizes the caches once, up front (server/model/kv_cache.py);
+    # requests wait for room and one that could never fit is a 400. None: caches grow as needed.
+    kv_cache_memory: str | None = None
 
     # HTTP.
     host: str = "127.0.0.1"
@@ -77,6 +110,15 @@ class Settings(BaseSettings):
     def _none(cls, value: str | None) -> str | None:
         """"none" (from a flag or the environment, which cannot say null) means no draft model / head."""
         return None if value is None or value.strip().lower() in ("", "none", "null") else value
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _memory(cls, value: object) -> str | None:
+        """Checked here (a typo fails at start-up); `parse_memory` gives the number."""
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        parse_memory(str(value))
+        return str(value).strip()
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

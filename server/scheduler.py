@@ -4,8 +4,8 @@ The event loop calls `submit`/`abort`/`shutdown`; one dedicated worker thread ow
 runs `admit -> step -> deliver` forever:
 
 * **admit** (at a step boundary): apply pending aborts, then move waiting sequences into the engine
-  while fewer than `max_batch_size` are running. Sequences join and leave while others are
-  mid-generation.
+  while fewer than `max_batch_size` are running and the engine `fits` them (its KV budget).
+  Sequences join and leave while others are mid-generation.
 * **step**: one `engine.step()` for everything running.
 * **deliver**: each `RequestOutput` goes to its request's `RequestStream` through
   `loop.call_soon_threadsafe`, so the event loop never blocks on model work.
@@ -46,6 +46,7 @@ class SchedulerEngine(Protocol):
     def step(self) -> StepResult: ...
     def has_unfinished(self) -> bool: ...
     def kv_cache_usage(self) -> float: ...
+    def fits(self, requests: list[GenerationRequest]) -> bool: ...  # room in the KV budget to join now
 
 
 class SchedulerMetrics(Protocol):
@@ -187,6 +188,11 @@ class Scheduler:
                 raise ShuttingDown("the engine failed; the server is restarting")
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
+            if len(requests) > self._max_batch_size + self._max_waiting:
+                raise RequestRejected(
+                    f"this request has {len(requests)} sequences (n x prompts); the server holds at most "
+                    f"{self._max_batch_size + self._max_waiting} at once (max_batch_size + max_waiting)"
+                )
             free = max(0, self._max_batch_size - len(self._running))
             if len(self._waiting) + len(requests) > self._max_waiting + free:
                 raise QueueFull(
@@ -271,6 +277,8 @@ class Scheduler:
                 aborts, self._aborts = self._aborts, []
                 admitted: list[_Seq] = []
                 while self._waiting and len(self._running) < self._max_batch_size:
+                    if not self._engine.fits([s.request for s in admitted] + [self._waiting[0].request]):
+                        break  # the KV budget is full: it waits (first come, first served)
                     seq = self._waiting.popleft()
                     self._running[seq.request.request_id] = seq
                     admitted.append(seq)

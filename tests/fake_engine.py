@@ -76,6 +76,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def fits(self, requests) -> bool:
+        return True  # no KV budget
+
     def kv_cache_usage(self) -> float:
         return len(self.running) / 100
 

@@ -51,6 +51,9 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def fits(self, requests) -> bool:
+        return True  # no KV budget
+
     def kv_cache_usage(self) -> float:
         return 0.0
 

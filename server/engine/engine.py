@@ -22,8 +22,9 @@ from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
 from server.model.attention import use_gqa_attention
-from server.model.kv_cache import BatchKV, KVCheckpoint
+from server.model.kv_cache import BatchKV, KVCheckpoint, slots_for
 from server.model.loading import LoadedModel, load_draft_like, load_model
+from server.model.memory import HeapTrimmer, budget_bytes
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, raw_logprobs
 from server.speculation.adaptive import CostModel
@@ -67,13 +68,13 @@ class Engine:
         for loaded in (target, draft):
             if loaded is not None:
                 use_gqa_attention(loaded.model)
-        self.runner = ModelRunner(target.model)
         self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost)
-        self.limits = ServingLimits(
-            max_context=settings.max_model_len or target.max_context,
-            vocab_size=self.vocab_size,
-            methods=self.planner.methods,
-        )
+        self.kv_slots = self._kv_slots(target, settings)  # the KV budget in tokens per cache, or None
+        self.runner = ModelRunner(target.model, self.kv_slots)
+        max_context = settings.max_model_len or target.max_context
+        if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
+            max_context = min(max_context, self.kv_slots - ROW_SLACK)
+        self.limits = ServingLimits(max_context=max_context, vocab_size=self.vocab_size, methods=self.planner.methods)
         if settings.speculation not in self.limits.methods:
             raise ValueError(
                 f"the configured speculation method {settings.speculation!r} cannot run on this server "
@@ -84,6 +85,7 @@ class Engine:
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
         self._seed_source = random.SystemRandom()
         self._faulty_steps = 0  # consecutive steps in which every row failed (see `FAULTY_STEPS`)
+        self._trim_heap = HeapTrimmer()
 
     # ---- the scheduler's interface -------------------------------------------------------------
     @property
@@ -102,8 +104,24 @@ class Engine:
         return bool(self.running)
 
     def kv_cache_usage(self) -> float:
-        """Live KV tokens as a fraction of what `max_batch_size` full-context rows would hold."""
-        return self.runner.kv.live_tokens / (self.settings.max_batch_size * self.max_context)
+        """With a KV budget: the fraction of it the running rows hold (rows x the largest reservation,
+        what admission counts: see `fits`). Without: live KV tokens as a fraction of what
+        `max_batch_size` full-context rows would hold."""
+        if self.kv_slots is None:
+            return self.runner.kv.live_tokens / (self.settings.max_batch_size * self.max_context)
+        need = [_reservation(s.request) for s in self.running.values()]
+        return len(need) * max(need, default=0) / self.kv_slots
+
+    def fits(self, requests: list[GenerationRequest]) -> bool:
+        """Whether `requests` can join the running batch now within the KV budget (always, without one).
+
+        The cache's rows share one column space (server/model/kv_cache.py), so a batch needs rows x its
+        longest row's reservation (prompt + max_tokens + ROW_SLACK: one step's columns) token slots.
+        """
+        if self.kv_slots is None:
+            return True
+        need = [_reservation(s.request) for s in self.running.values()] + [_reservation(r) for r in requests]
+        return len(need) * max(need, default=0) <= self.kv_slots
 
     def add_request(self, request: GenerationRequest) -> None:
         """Join a request to the batch now (see `add_requests`)."""
@@ -150,6 +168,25 @@ class Engine:
         prefill, self._prefill_tokens = self._prefill_tokens, 0
         return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed)
 
+    # ---- the KV budget -------------------------------------------------------------------------
+    def _kv_slots(self, target: LoadedModel, settings: Settings) -> int | None:
+        """Token slots `kv_cache_memory` buys when the target's cache and every model proposer's cache
+        hold as many tokens each (the proposers' caches grow on demand within about that share)."""
+        if settings.kv_cache_memory is None:
+            return None
+        budget = budget_bytes(settings.kv_cache_memory, self.device)
+        shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
+        slots = slots_for(budget, shapes)
+        if slots < ROW_SLACK + 16:
+            per_token = sum(s.bytes_per_token for s in shapes)
+            raise ValueError(
+                f"kv_cache_memory {settings.kv_cache_memory!r} ({budget} bytes) holds {slots} tokens at "
+                f"{per_token} bytes per token; at least {ROW_SLACK + 16} are needed"
+            )
+        log.info("KV budget %s: %d bytes = %d tokens (%d bytes per token over %d caches)",
+                 settings.kv_cache_memory, budget, slots, sum(s.bytes_per_token for s in shapes), len(shapes))
+        return slots
+
     # ---- joining and leaving -------------------------------------------------------------------
     def _sequence(self, request: GenerationRequest) -> Sequence:
         sampling = request.sampling
@@ -171,6 +208,8 @@ class Engine:
         self.planner.leave(leaving)
         for seq in leaving:
             del self.running[seq.request_id]
+        if not self.running:
+            self._trim_heap()  # idle: a burst's freed buffers go back to the OS (RSS falls back)
 
     # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
     def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, str]) -> list[SeqStepStats]:
@@ -357,6 +396,7 @@ class Engine:
         )
 
 
+ROW_SLACK = 33  # KV columns a row may need beyond its prompt + max_tokens: one step's (K <= 32, + 1)
 FAULTY_STEPS = 3  # consecutive steps in which every row failed: the engine, not its requests, is broken
 
 
@@ -394,6 +434,11 @@ class _Checkpoint:
         self.planner.restore(self.planner_state)
         for gen, state in self.generators:
             gen.set_state(state)
+
+
+def _reservation(request: GenerationRequest) -> int:
+    """The KV columns a row may need: its prompt, its max_tokens, and one step's columns."""
+    return len(request.prompt_token_ids) + request.sampling.max_tokens + ROW_SLACK
 
 
 def _describe(exc: BaseException) -> str:

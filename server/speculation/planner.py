@@ -16,7 +16,10 @@ from typing import Protocol
 
 import torch
 
+from server.model.kv_cache import KVShape
+from server.model.runner import ModelRunner
 from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
+from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 
@@ -71,6 +74,10 @@ class Planner:
     def methods(self) -> tuple[str, ...]:
         """The methods this server can run (proposers that could not be built here are left out)."""
         return (PLAIN, *self.proposers, AUTO)
+
+    def cache_shapes(self) -> list[KVShape]:
+        """What one token costs in each model proposer's own KV cache (for the KV budget's share)."""
+        return [ModelRunner.kv_shape(p.runner.model) for p in self.proposers.values() if isinstance(p, ModelProposer)]
 
     @property
     def needs_hidden(self) -> bool:
