@@ -1,15 +1,17 @@
 """`make soak`: mixed traffic against a live server for a bounded time, then idle; what it served.
 
 Each of `--clients` concurrent clients loops until the deadline, picking one kind of request at a
-time (seeded): plain chat and text completions, streams read to the end, streams aborted after two
-chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the context; a multi-megabyte body)
-and bad fields (out-of-range numbers, unknown models, a lone UTF-16 surrogate...). It reports requests
-served, statuses per kind, p50/p95 latency of the completed ones, and the server's RSS every second
-(after warm-up, peak, and after `--idle-s` seconds without traffic). It fails (exit 1) on any 5xx, any
-lost request (no status, a stream without `[DONE]`, a timeout), or a server that does not drain.
+time (seeded): chat and text completions (some with prompts of 300-1500 words), streams read to the
+end, streams aborted after two chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the
+context; a multi-megabyte body) and bad fields (out-of-range numbers, unknown models, a lone UTF-16
+surrogate...). It reports requests served, statuses per kind, p50/p95 latency of the completed ones,
+and the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
+traffic). It fails (exit 1) on any 5xx, any lost request (no status, a stream without `[DONE]`, a
+timeout), or a server that does not drain. Server settings come from the environment
+(`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server serve`).
 
     python -m bench.soak --seconds 600                    # the built-in model, 10 minutes
-    python -m bench.soak --target DIR --seconds 45        # any model directory (the tests: a tiny one)
+    python -m bench.soak -- --target DIR --served-model-name tiny   # any model directory
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ WORDS = "the quick brown fox jumps over the lazy dog while specula drafts and ve
 
 # kind -> share of the traffic
 MIX = {
-    "chat": 0.25,
+    "chat": 0.2,
+    "long_prompt": 0.05,
     "completion": 0.15,
     "stream": 0.15,
     "stream_abort": 0.1,
@@ -133,6 +136,10 @@ def build(kind: str, rng: random.Random, target: Target) -> tuple[str, dict[str,
             "max_tokens": rng.randint(4, 48)}
     if kind == "chat":
         return "/v1/chat/completions", {**chat, "temperature": rng.choice([0, 0.7])}
+    if kind == "long_prompt":  # 300-1500 words (about as many tokens), within half the context
+        words = rng.randint(min(300, target.context // 4), min(1500, target.context // 2))
+        return "/v1/completions", {"model": model, "prompt": prompt(rng, words), "max_tokens": rng.randint(8, 64),
+                                   "temperature": 0}
     if kind == "completion":
         return "/v1/completions", {"model": model, "prompt": prompt(rng, rng.randint(3, 60)),
                                    "max_tokens": rng.randint(4, 48), "temperature": 0}

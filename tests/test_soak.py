@@ -23,6 +23,6 @@ def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp
         assert set(report.statuses[kind]) <= {"400", "413"}, text
     assert all(s in ("200", "400", "404", "413", "422") for s in report.statuses["bad_field"]), text
     assert set(report.statuses["stream_abort"]) == {"aborted"}, text
-    for kind in ("chat", "completion", "stream", "n2_seeded"):
+    for kind in ("chat", "long_prompt", "completion", "stream", "n2_seeded"):
         assert set(report.statuses[kind]) == {"200"}, text
     assert report.served > 0 and report.rss_peak_mb > 0
