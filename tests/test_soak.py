@@ -6,9 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.soak import MIX, format_report, soak
+from server.model.runner import ModelRunner
 
 
-def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp_path: Path):
+def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp_path: Path, monkeypatch):
+    # A KV budget of 1500 tokens: two long prompts (300-512 words) fill it, so admission waits at times.
+    per_token = ModelRunner.kv_shape(tiny_target.model).bytes_per_token
+    monkeypatch.setenv("SPECULA_KV_CACHE_MEMORY", str(1500 * per_token))  # the server process reads it
     model_dir = tmp_path / "tiny"
     tiny_target.model.save_pretrained(model_dir)
     tiny_target.tokenizer.save_pretrained(model_dir)

@@ -159,12 +159,11 @@ class _BufferLayer(CacheLayerMixin):
         n, cap = len(rows_from), old_k.shape[2]
         self.view(rows, capacity)
         if capacity != cap and n and cols:
-            # 2: a new stride per (row, head) block. Growing, blocks move up: last first; shrinking, down:
-            # first first. Each block is cloned, as its old and new places may overlap.
-            blocks = [(r, h) for r in range(n) for h in range(self.heads)]
-            for r, h in reversed(blocks) if capacity > cap else blocks:
-                self.keys[r, h, :cols] = old_k[r, h, :cols].clone()
-                self.values[r, h, :cols] = old_v[r, h, :cols].clone()
+            # 2: a new row stride. Growing, rows move up: last first; shrinking, down: first first, so no
+            # row is overwritten before it moved. Each row is cloned, as its old and new places may overlap.
+            for r in reversed(range(n)) if capacity > cap else range(n):
+                self.keys[r, :, :cols] = old_k[r, :, :cols].clone()
+                self.values[r, :, :cols] = old_v[r, :, :cols].clone()
 
 
 class _BatchCache(Cache):
