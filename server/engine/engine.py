@@ -20,6 +20,7 @@ from server.config import Settings
 from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
+from server.grammar import Grammars
 from server.model.attention import use_gqa_attention
 from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.runner import ModelRunner
@@ -78,6 +79,7 @@ class Engine:
                 f"(available: {', '.join(self.limits.methods)})"
             )
         self.eos_ids = _eos_ids(target)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
         self._seed_source = random.SystemRandom()
@@ -146,7 +148,8 @@ class Engine:
             accepted_per_position=[0] * request.speculation.k,
         )
         detok = IncrementalDetokenizer.for_request(self.tokenizer, list(request.prompt_token_ids), sampling)
-        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats)
+        grammar = self.grammars.state(request.grammar) if request.grammar is not None else None
+        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar)
 
     def _leave(self, request_ids: set[str]) -> None:
         leaving = [self.running[rid] for rid in request_ids if rid in self.running]
@@ -172,7 +175,7 @@ class Engine:
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in seqs],
         )  # min_tokens and repetition_penalty need each row's history
         counts = self._token_counts(seqs, plan.drafts, logits.shape[1]) if sampling.any_penalty else None
-        p = probabilities(logits, sampling, counts)  # [batch, K+1, vocab]
+        p = probabilities(logits, sampling, counts, self._allowed(seqs, plan.drafts, logits.shape[1]))  # [batch, K+1, vocab]
         verdict = rejection_sample(plan.drafts, p, plan.q, [s.generator for s in seqs], sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
         self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))
@@ -190,11 +193,38 @@ class Engine:
                              k > 0 and accepted == k)
             )
             logprobs = self._logprobs(logits[b], emitted, seq.sampling.logprobs)
+            if seq.grammar is not None:
+                emitted = self._follow_grammar(seq, emitted)
             kept = self._append(seq, emitted)
             outputs.append(
                 self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None, sources[:kept])
             )
         return stats
+
+    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor | None:
+        """[batch, W, vocab] bool: what each constrained row's grammar allows at each verify position
+        (None when no row is constrained)."""
+        if all(seq.grammar is None for seq in seqs):
+            return None
+        allowed = torch.ones(len(seqs), width, self.vocab_size, dtype=torch.bool)
+        for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+            if seq.grammar is not None:
+                allowed[b, : len(d) + 1] = seq.grammar.masks(d)
+        return allowed.to(self.device)
+
+    def _follow_grammar(self, seq: Sequence, emitted: list[int]) -> list[int]:
+        """Advance a constrained sequence's grammar through the step's tokens. The output ends at the
+        token that completes the grammar (finish "stop"); what the step drew after it is dropped, so
+        the output is the one plain constrained decoding gives."""
+        assert seq.grammar is not None
+        for i, token in enumerate(emitted):
+            if not seq.grammar.advance([token]):  # p was 0 outside the grammar: a bug, never bad input
+                raise RuntimeError(f"request {seq.request_id}: the grammar refused token {token}: {seq.grammar.error}")
+            if seq.grammar.done:
+                if not (token in self.eos_ids and not seq.sampling.ignore_eos):
+                    seq.finish_reason = "stop"  # complete: nothing but EOS could follow
+                return emitted[: i + 1]
+        return emitted
 
     def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
         """[batch, W, vocab]: generated tokens before each verify position (drafts before it included)."""
