@@ -52,15 +52,16 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._ll, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return GrammarState(matcher, self.vocab_size)
+        return GrammarState(matcher, self.vocab_size, self._eos)
 
 
 class GrammarState:
     """One sequence's position in its grammar (after its committed output)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: Collection[int] = ()) -> None:
         self._m = matcher
         self._vocab = vocab_size
+        self._eos = frozenset(eos_ids)
 
     @property
     def done(self) -> bool:
@@ -81,16 +82,20 @@ class GrammarState:
 
     def masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """[len(drafts) + 1, vocab] bool: the tokens allowed at each verify position; the matcher is
-        left where it was. Positions after the first forbidden draft allow everything: verification
-        never reaches them (p is 0 at the forbidden token, so it is rejected)."""
+        left where it was. Positions after the first forbidden draft, or after an EOS draft, allow
+        everything: what is drawn there never reaches the output (a forbidden token has p = 0 and is
+        rejected; an accepted EOS ends the sequence)."""
         out = torch.ones(len(drafts) + 1, self._vocab, dtype=torch.bool)
         valid = self.valid_prefix(drafts)
+        consumed = 0
         for j in range(valid + 1):
             out[j] = self._allowed()
-            if j < valid:
-                self._m.consume_token(drafts[j])
-        if valid:
-            self._m.rollback(valid)
+            if j == valid or drafts[j] in self._eos:  # llguidance cannot roll back past a consumed EOS
+                break
+            self._m.consume_token(drafts[j])
+            consumed += 1
+        if consumed:
+            self._m.rollback(consumed)
         return out
 
     def advance(self, tokens: Sequence[int]) -> bool:

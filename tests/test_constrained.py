@@ -19,8 +19,10 @@ import torch
 from scipy.stats import chisquare
 
 import server.speculation.planner as planner_module
+from server.api.structured import JSON_STYLE
 from server.config import Settings
 from server.engine.engine import Engine
+from server.grammar import Grammars
 from server.speculation.planner import FORCED, RowPlan
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import request
@@ -40,7 +42,7 @@ SCHEMA = {
 
 
 def json_grammar(schema: dict) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # the API's style
 
 
 def run_constrained(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[list[int], str, object]]:
@@ -105,6 +107,21 @@ def test_min_tokens_never_leaves_a_complete_grammar_without_a_token(tiny_engine_
                             min_tokens=30), SpeculationParams("auto", 4), grammar)
     (tokens, text, _), = run_constrained(tiny_engine_factory(), [req]).values()
     assert json.loads(text) in ({"ok": True}, {"ok": False})
+
+
+def test_masks_leave_the_grammar_where_it_was_even_after_an_eos_draft(tokenizer):
+    """Verify positions are scored by walking the grammar through the drafts and back; a draft that
+    ends with EOS (n-gram and suffix drafts copy it from earlier outputs) must not shift the state."""
+    eos = tokenizer.eos_token_id
+    state = Grammars(tokenizer, len(tokenizer), {eos}).state(json_grammar(SCHEMA))
+    text = tokenizer.encode('{"color": "red", "count": 7, "ok": true, "name": "ab"}', add_special_tokens=False)
+    masks = state.masks([*text, eos])
+    assert masks.shape == (len(text) + 2, len(tokenizer))
+    assert all(bool(masks[j, t]) for j, t in enumerate(text)) and bool(masks[len(text), eos])
+    assert int(masks[0].sum()) < len(tokenizer) // 100, "the first position allows only JSON openers"
+    assert state.valid_prefix(text) == len(text), "the grammar is back at the start"
+    assert state.advance(text[:5]) and state.valid_prefix(text[5:]) == len(text) - 5
+    assert state.masks([99999 % len(tokenizer)])[1].all(), "after a forbidden draft: never reached, all allowed"
 
 
 # ---- the planner's rule for drafts the grammar forbids ------------------------------------------------

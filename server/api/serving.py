@@ -21,6 +21,7 @@ from fastapi import Request, Response
 from sse_starlette import EventSourceResponse
 
 from server.api import responses as R
+from server.api.chat_template import tool_call_format
 from server.api.errors import APIError, ClientDisconnected
 from server.api.origins import OriginTracker, attach, origin_trackers
 from server.api.prompts import (
@@ -32,6 +33,7 @@ from server.api.prompts import (
     tool_stops,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.structured import request_grammar
 from server.api.tool_calls import ToolCallParser
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
@@ -220,8 +222,9 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
+        grammar = request_grammar(body, tool_call_format(self.info.tokenizer))
         requests = generation_requests(
-            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body)
+            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body), grammar
         )
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
@@ -304,7 +307,9 @@ class OpenAIServing:
         started = time.monotonic()
         prompts = completion_prompt_ids(self.info, body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = generation_requests(self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt")
+        requests = generation_requests(
+            self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt", (), request_grammar(body)
+        )
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]

@@ -175,7 +175,8 @@ class Engine:
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in seqs],
         )  # min_tokens and repetition_penalty need each row's history
         counts = self._token_counts(seqs, plan.drafts, logits.shape[1]) if sampling.any_penalty else None
-        p = probabilities(logits, sampling, counts, self._allowed(seqs, plan.drafts, logits.shape[1]))  # [batch, K+1, vocab]
+        allowed = self._allowed(seqs, plan.drafts, logits.shape[1])  # constrained rows' grammars
+        p = probabilities(logits, sampling, counts, allowed)  # [batch, K+1, vocab]
         verdict = rejection_sample(plan.drafts, p, plan.q, [s.generator for s in seqs], sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
         self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))

@@ -124,7 +124,8 @@ class Planner:
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
         rows = self._draft_with_models(seqs, choices, rows)
-        return StepPlan([self._constrain(s, r) if s.grammar is not None else r for s, r in zip(seqs, rows, strict=True)])
+        rows = [self._constrain(s, r) if s.grammar is not None else r for s, r in zip(seqs, rows, strict=True)]
+        return StepPlan(rows)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`."""
