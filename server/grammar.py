@@ -34,7 +34,7 @@ class GrammarError(ValueError):
 
 class Grammars:
     """Builds matchers for one tokenizer. The llguidance view of the tokenizer costs about half a
-    second to build, so it is made once, on the first constrained request."""
+    second to build, so it is made once: at start-up (`warm`) or on the first constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Collection[int]) -> None:
         """`vocab_size`: the width of the target's logits (masks are that wide; ids beyond the
@@ -45,10 +45,14 @@ class Grammars:
         self._eos = sorted(eos_ids)
         self._ll: llguidance.LLTokenizer | None = None
 
-    def state(self, grammar: str) -> GrammarState:
+    def warm(self) -> None:
+        """Build the tokenizer view now (the server does at start-up, so no request waits for it)."""
         if self._ll is None:  # ids past the tokenizer's (padded logits) exist for the matcher but never match
             n_vocab = self.vocab_size if self.vocab_size > len(self._tokenizer) else None
             self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=n_vocab, eos_token=self._eos)
+
+    def state(self, grammar: str) -> GrammarState:
+        self.warm()
         matcher = llguidance.LLMatcher(self._ll, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())

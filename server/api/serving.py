@@ -34,7 +34,7 @@ from server.api.prompts import (
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.structured import request_grammar
-from server.api.tool_calls import ToolCallParser
+from server.api.tool_calls import ToolCallParser, merged
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
 from server.types import GenerationRequest, RequestOutput, RequestStats
@@ -266,7 +266,7 @@ class OpenAIServing:
                 return [{"content": out.text}] if out.text else []
             pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
             text = "".join(d.content for d in pieces if d.content is not None)
-            calls = [d.to_openai() for d in pieces if d.index is not None]
+            calls = [d.to_openai() for d in merged([d for d in pieces if d.index is not None])]
             return ([{"content": text}] if text else []) + ([{"tool_calls": calls}] if calls else [])
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
