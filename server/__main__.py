@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     serve.add_argument("--max-batch-size", type=int, default=None)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--record-traffic", default=None, metavar="DIR",
+        help="write finished requests' prompts and outputs as JSONL into DIR (for distill --traffic); off by default",
+    )
 
     gen = sub.add_parser("generate", help="generate once from a prompt and print acceptance stats")
     _add_model_flags(gen)
@@ -62,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from server.api.serve import serve as run_server
 
-        settings = _settings(args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name")
+        settings = _settings(
+            args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name", "record_traffic"
+        )
         run_server(settings)
         return 0
     if args.command == "distill":

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # Time the target's verify passes and the model proposers at start-up (or read the timings stored in
     # cache_dir for this model, dtype, device and thread count), so `auto` plans with real costs at once.
     calibrate: bool = True
+    # Write each finished request's prompt and output as JSONL into this directory, for training a draft
+    # head on real traffic (`python -m server distill --traffic DIR`; server/traffic.py). Off (None) by default.
+    record_traffic: Path | None = None
 
     # Limits.
     max_batch_size: int = Field(default=8, ge=1, le=256)

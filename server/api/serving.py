@@ -37,6 +37,7 @@ from server.api.structured import request_grammar
 from server.api.tool_calls import ToolCallParser, merged
 from server.request_log import log_request
 from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
+from server.traffic import TrafficRecorder
 from server.types import GenerationRequest, RequestOutput, RequestStats
 
 T = TypeVar("T")
@@ -88,9 +89,22 @@ def _usage_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[boo
 class OpenAIServing:
     """Chat and text completions over one scheduler and one model."""
 
-    def __init__(self, info: ModelInfo, scheduler: Scheduler) -> None:
+    def __init__(self, info: ModelInfo, scheduler: Scheduler, recorder: TrafficRecorder | None = None) -> None:
         self.info = info
         self.scheduler = scheduler
+        self.recorder = recorder  # `record_traffic`: finished choices written for draft-head training
+
+    def _record(
+        self, prompts: list[dict[str, Any]], requests: list[GenerationRequest], choices: list[R.Choice]
+    ) -> None:
+        """Each choice that finished by itself or at max_tokens, with its prompt (`prompts[i]` for
+        choice i) and the text of every token it generated (tool calls included)."""
+        if self.recorder is None:
+            return
+        for prompt, req, c in zip(prompts, requests, choices, strict=True):
+            if c.finish_reason in ("stop", "length", "tool_calls"):
+                text = self.info.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                self.recorder.record(prompt, req.prompt_token_ids, text, c.token_ids)
 
     # ---- shared plumbing -------------------------------------------------------------------
 
@@ -235,6 +249,9 @@ class OpenAIServing:
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, len(prompt), started, ttft, finish_reason)
+            if finish_reason is None:
+                messages = [m.model_dump(exclude_none=True) for m in body.messages]
+                self._record([{"messages": messages}] * len(choices), requests, choices)
 
         stream = self._submit(requests)
         if not body.stream:
@@ -319,6 +336,10 @@ class OpenAIServing:
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, prompt_tokens, started, ttft, finish_reason)
+            if finish_reason is None:  # choice i answers prompt i // n; token-id prompts are kept as ids only
+                n = body.n or 1
+                texts = [{"prompt": p} if isinstance(p, str) else {} for p in body.prompt]
+                self._record([texts[i // n] for i in range(len(choices))], requests, choices)
 
         stream = self._submit(requests)
         if not body.stream:

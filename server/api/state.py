@@ -19,6 +19,7 @@ from server.api.serving import OpenAIServing
 from server.config import Settings
 from server.metrics import Metrics
 from server.scheduler import Scheduler
+from server.traffic import TrafficRecorder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
+        self.recorder: TrafficRecorder | None = None
         self._ready = asyncio.Event()
 
     async def load(self) -> None:
@@ -89,7 +91,8 @@ class ServerState:
             default_num_tokens=s.num_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
-        self.serving = OpenAIServing(info, self.scheduler)
+        self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
+        self.serving = OpenAIServing(info, self.scheduler, self.recorder)
         self.engine = engine
         self.status = "ready"
         self._ready.set()
@@ -124,6 +127,8 @@ class ServerState:
         self.begin_drain()
         if self.scheduler is not None:
             await self.scheduler.shutdown(self.settings.shutdown_grace_s)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: Exception | None) -> None:
