@@ -26,7 +26,7 @@ from server.grammar import Grammars
 from server.speculation.planner import FORCED, RowPlan
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import request
-from tests.test_distribution import P_VALUE, PROMPT, SAMPLES, VOCAB, pair  # noqa: F401  (fixture)
+from tests.test_distribution import P_VALUE, PROMPT, VOCAB, first_two_token_counts, pair  # noqa: F401
 
 SCHEMA = {
     "type": "object",
@@ -196,19 +196,10 @@ def constrained_counts(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]: 
     target, draft, head_dir = pair
     engine = Engine(target, draft, Settings.load(max_batch_size=256, draft_head=str(head_dir)))
     grammar = llguidance.LLMatcher.grammar_from_regex(ALTERNATING)
-    counts = torch.zeros(2, VOCAB)
-    for start in range(0, SAMPLES, 250):
-        for i in range(start, min(start + 250, SAMPLES)):
-            sp = SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
-            engine.add_request(GenerationRequest(f"s{i}", PROMPT, sp, SpeculationParams(method, 2), grammar))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step().outputs:
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-        for toks in tokens.values():
-            counts[0, toks[0]] += 1
-            counts[1, toks[1]] += 1
-    return counts[0], counts[1]
+    return first_two_token_counts(
+        engine, PROMPT, method, lambda i: SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True),
+        grammar,
+    )
 
 
 def chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
