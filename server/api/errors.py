@@ -119,7 +119,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
-        return respond(APIError(exc.status_code, message))
+        code = "request_too_large" if exc.status_code == 413 else None  # a streamed body passed the limit
+        return respond(APIError(exc.status_code, message, code=code))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, _: ClientDisconnected) -> Response:

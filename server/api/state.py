@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from server.api.errors import APIError
+from server.api.offload import Offload
 from server.api.prompts import ModelInfo
 from server.api.serving import OpenAIServing
 from server.config import Settings
@@ -37,6 +38,7 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
+        self.offload = Offload()  # parsing and tokenizing off the event loop
         self._ready = asyncio.Event()
 
     async def load(self) -> None:
@@ -89,7 +91,7 @@ class ServerState:
             default_num_tokens=s.num_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
-        self.serving = OpenAIServing(info, self.scheduler)
+        self.serving = OpenAIServing(info, self.scheduler, self.offload)
         self.engine = engine
         self.status = "ready"
         self._ready.set()
