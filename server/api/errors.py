@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.request_log import capped
+
 log = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
@@ -125,7 +127,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, _: ClientDisconnected) -> Response:
         # Nobody reads this answer; not an error of the server, so not counted as one.
-        log.info("client disconnected before its answer was ready: %s %s", request.method, request.url.path)
+        path = capped(request.url.path)
+        log.info("client disconnected before its answer was ready: %s %s", request.method, path)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
