@@ -22,6 +22,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from server.api.app import create_app
+from server.api.openapi import OPERATIONS
 from server.config import Settings
 from tests.live_server import live_server
 
@@ -63,6 +64,11 @@ def test_generation_routes_document_every_status_they_answer_and_never_422():
     assert set(metrics["200"]["content"]) == {"text/plain"} and set(metrics) == {"200", "503"}
     models = doc["components"]["schemas"]["ModelList"]
     assert models["properties"]["data"]["items"]["$ref"].endswith("/Model")
+
+
+def test_every_route_in_the_document_is_described_by_the_table():
+    doc = _doc()
+    assert {(path, method) for path, methods in doc["paths"].items() for method in methods} == set(OPERATIONS)
 
 
 def test_401_is_documented_only_where_a_key_is_required():
