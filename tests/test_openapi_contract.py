@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -30,6 +30,22 @@ MODEL = "tiny-target"
 EXAMPLES = 12  # per operation and generation mode: a fixed, small number keeps the run to seconds
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 ERROR_REF = "#/components/schemas/ErrorResponse"
+CHUNK_REF = "#/components/schemas/ChatCompletionChunk"
+# Requests every run sends besides the generated ones: streams (each SSE event checked against its schema),
+# logprobs and per-token origins, so those answers' schemas are exercised whatever hypothesis draws.
+EXPLICIT: dict[str, list[dict[str, Any]]] = {
+    "/v1/chat/completions": [
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True, "n": 2,
+         "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True, "include_speculation": True}},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1,
+         "speculation": {"method": "draft", "num_tokens": 2, "include_tokens": True}},
+    ],
+    "/v1/completions": [
+        {"prompt": ["Hi", [1, 2, 3]], "max_tokens": 3, "stream": True, "logprobs": 2,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True, "include_speculation": True}},
+        {"prompt": "Hi", "max_tokens": 3, "logprobs": 1, "n": 2, "speculation": {"include_tokens": True}},
+    ],
+}
 
 
 def _doc(**overrides: Any) -> dict[str, Any]:
@@ -53,9 +69,10 @@ def test_generation_routes_document_every_status_they_answer_and_never_422():
         assert "text/event-stream" in content
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert body.endswith("Request")
-    assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"][
-        "schema"
-    ]["$ref"].endswith("/ChatCompletionChunk")
+    event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    data = event["schema"]["else"]["properties"]["data"]
+    assert data["contentMediaType"] == "application/json"
+    assert {s["$ref"] for s in data["contentSchema"]["anyOf"]} == {CHUNK_REF, ERROR_REF}
     assert _statuses(doc, "/v1/models", "get") == {"200", "401", "503"}
     assert _statuses(doc, "/v1/models/{model_id}", "get") == {"200", "401", "404", "503"}
     text = str(doc)
@@ -105,28 +122,30 @@ def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fuzz(operation: Any, url: str, statuses: set[int]) -> None:
-    """EXAMPLES positive and negative cases of one operation against `url`, each answer checked."""
+    """EXAMPLES positive and negative cases of one operation, plus its EXPLICIT ones, against `url`,
+    each answer checked."""
     strategy = st.one_of(
         operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
         operation.as_strategy(generation_mode=GenerationMode.NEGATIVE),
     )
 
-    @settings(
-        max_examples=EXAMPLES,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.explicit, Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=strategy)
     def check(case: Any) -> None:
         _capped(case)
         response = case.call(base_url=url, timeout=60)
         statuses.add(response.status_code)
         case.validate_response(response, checks=CHECKS)
 
-    check()
+    test = given(case=strategy)(check)
+    for body in EXPLICIT.get(operation.path, []):
+        test = example(case=operation.Case(body={"model": MODEL, **body}, media_type="application/json"))(test)
+    settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )(test)()
 
 
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(tiny_target, tiny_draft):

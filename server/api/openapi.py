@@ -38,10 +38,7 @@ ERRORS: dict[int, str] = {
     503: "The model is loading, failed to load, or the server is shutting down.",
 }
 
-STREAM = (
-    "JSON; with `stream: true`, a `text/event-stream` of `data: <chunk>` events (the schema shown), ending "
-    "with `data: [DONE]`."
-)
+STREAM = "JSON; with `stream: true`, a `text/event-stream` of `data: <chunk as JSON>` events, then `data: [DONE]`."
 
 
 @dataclass(frozen=True)
@@ -61,19 +58,36 @@ def _ref(model: type[BaseModel]) -> dict[str, Any]:
     return {"schema": {"$ref": REF.format(model=model.__name__)}}
 
 
+def _sse(model: type[BaseModel]) -> dict[str, Any]:
+    """An event stream whose events carry `model` (or an error) as JSON text in `data`, then `[DONE]`.
+    Before OpenAPI 3.2's `itemSchema`, a `text/event-stream` media type's `schema` describes one event."""
+    payload = {"anyOf": [_ref(model)["schema"], _ref(S.ErrorResponse)["schema"]]}
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {
+        "schema": {
+            "type": "object",
+            "description": f"One server-sent event: `data` is a {model.__name__} (or, after a failure, an "
+            "ErrorResponse) as JSON text; the last event's `data` is `[DONE]`.",
+            "required": ["data"],
+            "if": {"properties": {"data": {"const": "[DONE]"}}},
+            "else": {"properties": {"data": json_data}},
+        }
+    }
+
+
 HEALTH = _ref(S.Health)
 GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/chat/completions", "post"): Operation(
-        {"application/json": _ref(S.ChatCompletion), "text/event-stream": _ref(S.ChatCompletionChunk)},
+        {"application/json": _ref(S.ChatCompletion), "text/event-stream": _sse(S.ChatCompletionChunk)},
         GENERATION_ERRORS,
         "api",
         ChatCompletionRequest,
         STREAM,
     ),
     ("/v1/completions", "post"): Operation(
-        {"application/json": _ref(S.Completion), "text/event-stream": _ref(S.Completion)},
+        {"application/json": _ref(S.Completion), "text/event-stream": _sse(S.Completion)},
         GENERATION_ERRORS,
         "api",
         CompletionRequest,
