@@ -345,12 +345,23 @@ class ChatCompletionRequest(_GenerationBody):
         return self
 
 
+_NONEMPTY_STR: dict[str, Any] = {"type": "string", "minLength": 1}
+_INT: dict[str, Any] = {"type": "integer"}
+
+
+def _list(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": 1}
+
+
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions. Each prompt (string or token ids) gets `n` choices."""
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
-    prompt: Any = Field(description="a string, a list of strings, token ids, or a list of token id lists")
+    prompt: Any = Field(
+        description="a string, a list of strings, token ids, or a list of token id lists",
+        json_schema_extra={"anyOf": [_NONEMPTY_STR, _list(_NONEMPTY_STR), _list(_INT), _list(_list(_INT))]},
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="logprobs of the top N alternatives")
 
     @field_validator("prompt")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from server.api.errors import APIError
+from server.api.offload import Offload
 from server.api.prompts import ModelInfo
 from server.api.serving import OpenAIServing
 from server.config import Settings
@@ -39,6 +40,7 @@ class ServerState:
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
         self.recorder: TrafficRecorder | None = None
+        self.offload = Offload()  # parsing and tokenizing off the event loop
         self._ready = asyncio.Event()
 
     async def load(self) -> None:
@@ -92,7 +94,7 @@ class ServerState:
             default_max_tokens=s.default_max_tokens,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
-        self.serving = OpenAIServing(info, self.scheduler, self.recorder)
+        self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)
         self.engine = engine
         self.status = "ready"
         self._ready.set()
