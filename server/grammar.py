@@ -29,7 +29,8 @@ import torch
 
 
 class GrammarError(ValueError):
-    """A grammar llguidance cannot build a matcher for (a message meant for the client)."""
+    """A grammar llguidance cannot build a matcher for, or cannot follow (a lexer or parser limit hit
+    mid-way, e.g. the regex `a{99999999}`); a message meant for the client."""
 
 
 class Grammars:
@@ -91,6 +92,8 @@ class GrammarState:
         rejected; an accepted EOS ends the sequence)."""
         out = torch.ones(len(drafts) + 1, self._vocab, dtype=torch.bool)
         valid = self.valid_prefix(drafts)
+        if self._m.is_error():
+            raise GrammarError(f"the grammar could not be followed: {self.error.splitlines()[0]}")
         consumed = 0
         for j in range(valid + 1):
             out[j] = self._allowed()

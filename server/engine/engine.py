@@ -20,7 +20,7 @@ from server.config import Settings
 from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
-from server.grammar import Grammars
+from server.grammar import GrammarError, Grammars
 from server.model.attention import use_gqa_attention
 from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.runner import ModelRunner
@@ -219,8 +219,8 @@ class Engine:
         the output is the one plain constrained decoding gives."""
         assert seq.grammar is not None
         for i, token in enumerate(emitted):
-            if not seq.grammar.advance([token]):  # p was 0 outside the grammar: a bug, never bad input
-                raise RuntimeError(f"request {seq.request_id}: the grammar refused token {token}: {seq.grammar.error}")
+            if not seq.grammar.advance([token]):  # p was 0 outside the grammar: a limit hit, never a wrong draw
+                raise GrammarError(f"the grammar could not be followed: {seq.grammar.error.splitlines()[0]}")
             if seq.grammar.done:
                 if not (token in self.eos_ids and not seq.sampling.ignore_eos):
                     seq.finish_reason = "stop"  # complete: nothing but EOS could follow
