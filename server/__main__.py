@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from server.config import Settings
 from server.speculation.registry import BUILTIN
@@ -27,6 +28,17 @@ def _settings(args: argparse.Namespace, *names: str) -> Settings:
     return Settings.load(args.config, **overrides)
 
 
+def _read_key_file(parser: argparse.ArgumentParser, path: str) -> str:
+    """The API key in `path` (surrounding whitespace stripped); a usage error if unreadable or empty."""
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        parser.error(f"--api-key-file {path}: {exc.strerror}")
+    if not key:
+        parser.error(f"--api-key-file {path}: the file is empty")
+    return key
+
+
 _MODEL_FIELDS = (
     "target", "draft", "draft_head", "target_dtype", "draft_dtype", "device", "speculation", "num_speculative_tokens",
 )
@@ -40,9 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_flags(serve)
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file", default=None, help="require `Authorization: Bearer KEY`, KEY read from this file"
+    )
+    key.add_argument(
+        "--api-key", default=None, help="the same with KEY on the command line (visible in `ps`: prefer "
+        "--api-key-file or SPECULA_API_KEY)"
+    )
+    serve.add_argument(
+        "--protect-metrics", action="store_true", default=None, help="/metrics, /docs, /openapi.json need the key too"
+    )
+    serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413")
     serve.add_argument("--max-batch-size", type=int, default=None)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--record-traffic", default=None, metavar="DIR",
+        help="write finished requests' prompts and outputs as JSONL into DIR (for distill --traffic); off by default",
+    )
 
     gen = sub.add_parser("generate", help="generate once from a prompt and print acceptance stats")
     _add_model_flags(gen)
@@ -62,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from server.api.serve import serve as run_server
 
-        settings = _settings(args, *_MODEL_FIELDS, "host", "port", "api_key", "max_batch_size", "served_model_name")
+        if args.api_key_file is not None:
+            args.api_key = _read_key_file(parser, args.api_key_file)
+        settings = _settings(
+            args, *_MODEL_FIELDS, "host", "port", "api_key", "protect_metrics", "max_request_body_bytes",
+            "max_batch_size", "served_model_name", "record_traffic",
+        )
         return run_server(settings)  # 1 when the engine worker died (a supervisor restarts the server)
     if args.command == "distill":
         from server.draft_head.distill import distill_cli

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # Time the target's verify passes and the model proposers at start-up (or read the timings stored in
     # cache_dir for this model, dtype, device and thread count), so `auto` plans with real costs at once.
     calibrate: bool = True
+    # Write each finished request's prompt and output as JSONL into this directory, for training a draft
+    # head on real traffic (`python -m server distill --traffic DIR`; server/traffic.py). Off (None) by default.
+    record_traffic: Path | None = None
 
     # Limits.
     max_batch_size: int = Field(default=8, ge=1, le=256)
@@ -100,7 +103,13 @@ class Settings(BaseSettings):
     # HTTP.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    api_key: str | None = None
+    # The key `/v1/*` requires (`Authorization: Bearer <key>`); None = open. Pass it as SPECULA_API_KEY or with
+    # `serve --api-key-file PATH`: a `--api-key` flag is visible to every user in `ps`.
+    api_key: str | None = Field(default=None, repr=False)
+    protect_metrics: bool = False  # true: /metrics, /docs, /redoc and /openapi.json need the key too
+    # Request bodies above this many bytes are answered 413 before they are read (Content-Length) or as
+    # soon as the streamed bytes pass it (chunked bodies).
+    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
@@ -124,6 +133,8 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
+        if self.protect_metrics and not self.api_key:
+            raise ValueError("protect_metrics needs an api_key (SPECULA_API_KEY or serve --api-key-file)")
         head = self.resolved_draft_head()
         if head is not None and not (head / "config.json").is_file():
             raise ValueError(f"draft_head {str(head)!r} is not a draft head directory (no config.json)")

@@ -13,6 +13,16 @@ import logging
 from server.types import RequestStats
 
 LOGGER = logging.getLogger("specula.request")
+MAX_FIELD_CHARS = 200  # a string field longer than this is cut (clients choose `user`; a 1 MB one made a 1 MB line)
+
+
+def capped(value: str, limit: int = MAX_FIELD_CHARS) -> str:
+    """`value`, or its first `limit` characters and a marker saying how many were cut.
+
+    >>> capped("x" * 205)[-24:]
+    'xxxxxxx...[5 more chars]'
+    """
+    return value if len(value) <= limit else f"{value[:limit]}...[{len(value) - limit} more chars]"
 
 
 def request_record(
@@ -26,7 +36,8 @@ def request_record(
 ) -> dict[str, object]:
     """The fields of a finished request's log line (times in seconds, rounded to the millisecond).
 
-    `user` (the OpenAI `user` field) is included only when the client sent one.
+    `user` (the OpenAI `user` field) is included only when the client sent one. Every string field is
+    `capped` (at `MAX_FIELD_CHARS`), so no client can make a line longer than a few kilobytes.
     """
     record: dict[str, object] = {
         "id": request_id,
@@ -45,7 +56,7 @@ def request_record(
     }
     if user is not None:
         record["user"] = user
-    return record
+    return {k: capped(v) if isinstance(v, str) else v for k, v in record.items()}
 
 
 def format_request_line(record: dict[str, object]) -> str:

@@ -9,9 +9,10 @@ the row's output plus its first j drafts, so what depends on the history (penalt
 computed for that history. p at every position is then exactly what plain decoding would use there,
 which keeps speculation lossless whatever the request asks for.
 
-Order (vLLM's): repetition, frequency and presence penalties on the raw logits -> logit_bias ->
-EOS/stop tokens masked while fewer than min_tokens tokens precede the position -> (greedy: argmax) ->
-temperature -> min_p -> top_k and top_p -> softmax.
+Order (vLLM's): repetition, frequency and presence penalties on the raw logits -> logit_bias -> the
+grammar's mask (constrained decoding: server/grammar.py) -> EOS/stop tokens masked while fewer than
+min_tokens tokens precede the position (unless the grammar allows nothing else there) -> (greedy:
+argmax) -> temperature -> min_p -> top_k and top_p -> softmax.
 """
 
 from __future__ import annotations
@@ -107,12 +108,17 @@ class BatchSampling:
 
 
 def probabilities(
-    logits: torch.Tensor, sampling: BatchSampling, token_counts: torch.Tensor | None = None
+    logits: torch.Tensor,
+    sampling: BatchSampling,
+    token_counts: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [batch, W, vocab] -> probabilities [batch, W, vocab] after the request's processing.
 
     `token_counts` [batch, W, vocab] counts, for each position, the tokens generated before it
     (drafted ones included); needed only when some row has a presence, frequency or repetition penalty.
+    `allowed` [batch, W, vocab] bool: the tokens each position's grammar allows (constrained rows;
+    True everywhere for the others); p is 0 elsewhere.
     """
     logits = logits.float()
     if sampling.any_penalty:
@@ -122,6 +128,8 @@ def probabilities(
         rows, ids, values = sampling.bias
         logits = logits.clone() if not sampling.any_penalty else logits
         logits[rows, :, ids] += values[:, None]  # (row, token) pairs are unique: no accumulation needed
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if sampling.banned is not None:
         logits = _mask_early_stops(logits, sampling)
     if bool(sampling.greedy.all()):
@@ -153,7 +161,8 @@ def _penalised(logits: torch.Tensor, sampling: BatchSampling, counts: torch.Tens
 
 
 def _mask_early_stops(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
-    """-inf for EOS/stop tokens at each position preceded by fewer than min_tokens output tokens.
+    """-inf for EOS/stop tokens at each position preceded by fewer than min_tokens output tokens,
+    except where that would leave no token at all (a grammar that allows only EOS: it wins).
 
     Position j of row b follows generated[b] + j tokens (its output plus the drafts before j)."""
     assert sampling.banned is not None
@@ -161,10 +170,11 @@ def _mask_early_stops(logits: torch.Tensor, sampling: BatchSampling) -> torch.Te
     width = logits.shape[1]
     before = sampling.generated[:, None] + torch.arange(width, device=logits.device)  # [batch, W]
     early = before < sampling.min_tokens[:, None]  # [batch, W]
-    logits = logits.clone()
-    current = logits[rows, :, ids]  # [n, W]
-    logits[rows, :, ids] = current.masked_fill(early[rows], float("-inf"))
-    return logits
+    masked = logits.clone()
+    current = masked[rows, :, ids]  # [n, W]
+    masked[rows, :, ids] = current.masked_fill(early[rows], float("-inf"))
+    nothing_left = torch.isneginf(masked).all(dim=-1, keepdim=True)  # [batch, W, 1]
+    return torch.where(nothing_left, logits, masked)
 
 
 def _min_p(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:

@@ -12,8 +12,9 @@ runs `admit -> step -> deliver` forever:
 
 The scheduler is the one owner of the waiting queue, the running set and pending aborts; the engine
 only holds the batch it is given. Admission control happens in `submit`: a request the engine
-cannot run (`ServingLimits.check`) is `RequestRejected` at once, and at most `max_waiting`
-sequences may wait beyond the free batch slots, otherwise `QueueFull` (the API answers 429).
+cannot run (`ServingLimits.check`) is `RequestRejected` at once, as is one with more sequences than
+an idle server admits (`NeverFits`, a 400: retrying cannot help); at most `max_waiting` sequences may
+wait beyond the free batch slots, otherwise `QueueFull` (the API answers 429).
 An aborted request (client gone) leaves the batch at the next step boundary. A sequence the engine
 fails alone (`StepResult.failed`: its part of a step raised) gets `EngineError`, with its API
 request's other sequences; the others carry on. Anything that escapes the engine's isolation (a step
@@ -69,6 +70,11 @@ class ShuttingDown(Exception):
 
 class RequestRejected(ValueError):
     """The engine refused a request as invalid (its message is meant for the client)."""
+
+
+class NeverFits(RequestRejected):
+    """One request holds more sequences than an idle server admits (`Scheduler.check_fits`): retrying
+    cannot help, unlike `QueueFull`."""
 
 
 class EngineError(RuntimeError):
@@ -172,9 +178,25 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def capacity(self) -> int:
+        """The most sequences one request may hold: every batch slot plus the waiting room."""
+        return self._max_batch_size + self._max_waiting
+
+    def check_fits(self, num_sequences: int) -> None:
+        """Raise `NeverFits` when a request of `num_sequences` (n x prompts) could not be admitted even by
+        an idle server; the one place this limit is checked (`submit` calls it too)."""
+        if num_sequences > self.capacity:
+            raise NeverFits(
+                f"this request holds {num_sequences} sequences (n x prompts) but this server admits at most "
+                f"{self.capacity} at once (max_batch_size {self._max_batch_size} + max_waiting "
+                f"{self._max_waiting}); send fewer choices or prompts per request"
+            )
+
     def submit(self, requests: Sequence[GenerationRequest]) -> RequestStream:
-        """Queue the sequences of one API request (all or none). Raises `RequestRejected`, `QueueFull`,
-        `ShuttingDown`."""
+        """Queue the sequences of one API request (all or none). Raises `RequestRejected` (`NeverFits` when
+        it is larger than an idle server admits), `QueueFull`, `ShuttingDown`."""
+        self.check_fits(len(requests))
         if self._limits is not None:
             for r in requests:
                 try:
@@ -188,11 +210,6 @@ class Scheduler:
                 raise ShuttingDown("the engine failed; the server is restarting")
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(requests) > self._max_batch_size + self._max_waiting:
-                raise RequestRejected(
-                    f"this request has {len(requests)} sequences (n x prompts); the server holds at most "
-                    f"{self._max_batch_size + self._max_waiting} at once (max_batch_size + max_waiting)"
-                )
             free = max(0, self._max_batch_size - len(self._running))
             if len(self._waiting) + len(requests) > self._max_waiting + free:
                 raise QueueFull(

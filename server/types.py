@@ -99,6 +99,9 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    # Constrained decoding: the grammar the output must follow, in llguidance's serialized form (the API
+    # builds it from response_format or a forced tool_choice: server/api/structured.py); None: free text.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)

@@ -61,14 +61,18 @@ def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def first_two_token_counts(
-    engine: Engine, prompt: tuple[int, ...], method: str, params: Callable[[int], SamplingParams]
+    engine: Engine,
+    prompt: tuple[int, ...],
+    method: str,
+    params: Callable[[int], SamplingParams],
+    grammar: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How often each token came first and second over SAMPLES requests of `prompt` (`params(i)` for
-    request i) with `method`, K = 2, run in batches of 250."""
+    request i, constrained by `grammar` if given) with `method`, K = 2, run in batches of 250."""
     counts = torch.zeros(2, VOCAB)
     for start in range(0, SAMPLES, 250):
         for i in range(start, min(start + 250, SAMPLES)):
-            engine.add_request(GenerationRequest(f"s{i}", prompt, params(i), SpeculationParams(method, 2)))
+            engine.add_request(GenerationRequest(f"s{i}", prompt, params(i), SpeculationParams(method, 2), grammar))
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
             for out in engine.step().outputs:

@@ -91,12 +91,12 @@ def test_typed_exceptions(client, server):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
         client.chat.completions.create(
             model=MODEL,
             messages=HELLO,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-            tool_choice="required",
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=HELLO)

@@ -51,6 +51,12 @@ CASES = [
         [],
     ),
     ('<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}', None, [("f", '{"x": [1, 2]}')]),  # cut by a stop
+    (  # cut by max_tokens inside the closing tag: what it wrote of the tag is not part of the arguments
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "f", '
+        '"arguments": {"x": 2}}\n</tool_c',
+        None,
+        [("f", '{"x": 1}'), ("f", '{"x": 2}')],
+    ),
     ("  \n", "  \n", []),
 ]
 
@@ -192,6 +198,9 @@ def test_sdk_tool_calls_streamed(scripted):
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert all(v["id"].startswith("call_") for v in calls.values())
     assert pieces > 2 * len(calls)  # arguments arrived in several pieces, not whole
+    for c in chunks:  # one entry per call per chunk, as OpenAI sends them (some clients read only the first)
+        indexes = [d.index for d in (c.choices[0].delta.tool_calls or [])] if c.choices else []
+        assert len(indexes) == len(set(indexes)), indexes
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

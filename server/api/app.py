@@ -6,10 +6,12 @@ Routes (all errors in OpenAI's shape, see `errors.py`):
 * `GET /v1/models`, `GET /v1/models/{id}`.
 * `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
 * `GET /metrics`: Prometheus exposition.
-* `GET /docs`, `GET /openapi.json`: OpenAPI docs.
+* `GET /docs`, `GET /redoc`, `GET /openapi.json`: OpenAPI docs (`openapi.py`: every status each route answers).
 * `GET /`: the playground page (`playground.py`), its files under `/static/`.
 
-With `settings.api_key` set, `/v1/*` needs `Authorization: Bearer <key>` (else 401). CORS origins come
+With `settings.api_key` set, `/v1/*` needs `Authorization: Bearer <key>` (else 401); with `protect_metrics`
+too, so do `/metrics` and the docs. Request bodies over `max_request_body_bytes` get 413 (`body_limit.py`)
+and are parsed off the event loop (`bodies.py`). CORS origins come
 from `settings.cors_origins`. The model loads in a background thread at start-up.
 """
 
@@ -25,7 +27,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
+from server.api.bodies import read_body
+from server.api.body_limit import BodyLimit
 from server.api.errors import APIError, install_error_handlers
+from server.api.openapi import install_openapi
 from server.api.playground import install_playground
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.state import EngineFactory, ServerState
@@ -57,17 +62,29 @@ def require_api_key(request: Request) -> None:
         )
 
 
+def require_api_key_if_protected(request: Request) -> None:
+    """`require_api_key` for /metrics and the docs when `settings.protect_metrics` (default: open, so
+    Prometheus scrapes without a key)."""
+    if get_state(request).settings.protect_metrics:
+        require_api_key(request)
+
+
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
+# The bodies are parsed and validated off the event loop (bodies.py); `openapi.py` documents them.
 @v1.post("/chat/completions", summary="Chat completion (JSON or SSE stream)")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    return await get_state(request).require_serving().chat(body, request)
+async def chat_completions(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_body(request, ChatCompletionRequest, state.offload)
+    return await state.require_serving().chat(body, request)
 
 
 @v1.post("/completions", summary="Text completion (JSON or SSE stream)")
-async def completions(body: CompletionRequest, request: Request) -> Any:
-    return await get_state(request).require_serving().completions(body, request)
+async def completions(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_body(request, CompletionRequest, state.offload)
+    return await state.require_serving().completions(body, request)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -110,7 +127,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if state.status == "ready" else 503)
 
 
-@ops.get("/metrics", summary="Prometheus metrics")
+@ops.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(require_api_key_if_protected)])
 async def metrics(request: Request) -> Response:
     state = get_state(request)
     if state.metrics is None:
@@ -137,9 +154,13 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
         description="OpenAI-compatible inference server with lossless speculative decoding.",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url=None,  # served by install_openapi, behind the key when protect_metrics
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.specula = state
     install_error_handlers(app, state.observe_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes, on_error=state.observe_error)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -151,4 +172,5 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
     app.include_router(v1)
     app.include_router(ops)
     install_playground(app)
+    install_openapi(app, settings, [Depends(require_api_key_if_protected)])
     return app

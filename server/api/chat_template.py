@@ -30,6 +30,12 @@ FALLBACK_INTRO = (
 SINGLE_CALL = "\nCall at most one function per reply."
 
 
+def tool_call_format(tokenizer: Any) -> str:
+    """How this model writes a tool call: "tagged" (`<tool_call>` blocks: Hermes, Qwen and our fallback)
+    or "bare" (a JSON object: templates with tool support that never mention `<tool_call>`, Llama 3.x)."""
+    return "bare" if supports_tools(tokenizer) and OPEN not in str(tokenizer.chat_template) else "tagged"
+
+
 def supports_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders a `tools` argument."""
     template = getattr(tokenizer, "chat_template", None)

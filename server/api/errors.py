@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.request_log import capped
+
 log = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
@@ -119,12 +121,14 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
-        return respond(APIError(exc.status_code, message))
+        code = "request_too_large" if exc.status_code == 413 else None  # a streamed body passed the limit
+        return respond(APIError(exc.status_code, message, code=code))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, _: ClientDisconnected) -> Response:
         # Nobody reads this answer; not an error of the server, so not counted as one.
-        log.info("client disconnected before its answer was ready: %s %s", request.method, request.url.path)
+        path = capped(request.url.path)
+        log.info("client disconnected before its answer was ready: %s %s", request.method, path)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)

@@ -177,8 +177,10 @@ def generation_requests(
     logprobs: int | None,
     param: str,
     extra_stop: tuple[str, ...] = (),
+    grammar: str | None = None,
 ) -> list[GenerationRequest]:
-    """n requests per prompt, prompt-major (choice index = prompt index * n + j); choice j seeds seed + j."""
+    """n requests per prompt, prompt-major (choice index = prompt index * n + j); choice j seeds seed + j.
+    `grammar`: what every choice's output must follow (server/api/structured.py), or None."""
     n = body.n or 1
     spec = speculation_params(info, body)
     check_token_ids(info, body)
@@ -188,5 +190,5 @@ def generation_requests(
         for j in range(n):
             seed = None if body.seed is None or body.seed < 0 else body.seed + j  # < 0: unseeded (UIs send -1)
             sampling = sampling_params(body, limit, logprobs, seed, extra_stop)
-            out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec))
+            out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec, grammar))
     return out

@@ -5,7 +5,7 @@ Field policy (docs/api.md lists every field):
 * `_inert` fields cannot change this server's output (`store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, ...): accepted with any value and dropped;
 * `_neutral` fields would change the output but are not implemented (`audio`, `prediction`,
-  `response_format` other than text, ...): accepted only with their neutral value (null or the
+  `modalities` other than text, ...): accepted only with their neutral value (null or the
   listed ones), otherwise refused with a 400 that names them, as is any unknown field (`extra="forbid"`).
 Nullable fields: a JSON `null` means "use the default".
 """
@@ -96,6 +96,33 @@ class StreamOptions(_Body):
     )
 
 
+class JSONSchemaFormat(_Body):
+    """`response_format.json_schema`: the schema the reply must follow (enforced, strict or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """text (free), json_object (any JSON object) or json_schema: decoded under a grammar
+    (server/api/structured.py), lossless under speculation."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only for type json_schema, not {self.type}")
+        return self
+
+
 class _GenerationBody(_Body):
     """Fields common to chat and text completions."""
 
@@ -129,6 +156,15 @@ class _GenerationBody(_Body):
     return_tokens_as_token_ids: bool | None = Field(
         default=None, description="extension: logprobs name tokens 'token_id:<id>'"
     )
+    # Structured output (server/api/structured.py): at most one of these.
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object or json_schema (enforced by constrained decoding)"
+    )
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension (vLLM): a JSON schema")
+    guided_regex: str | None = Field(default=None, min_length=1, description="extension (vLLM): a regex")
+    guided_choice: list[str] | None = Field(
+        default=None, min_length=1, description="extension (vLLM): the reply is one of these strings"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -149,6 +185,15 @@ class _GenerationBody(_Body):
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return v
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> _GenerationBody:
+        given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both shape the output; send one")
+        return self
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _GenerationBody:
@@ -228,17 +273,9 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments")
-    strict: bool | None = Field(default=None, description="true needs constrained decoding: not implemented (400)")
-
-    @field_validator("strict")
-    @classmethod
-    def _no_strict(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError(
-                "strict function schemas need constrained decoding, which this server does not implement; "
-                "omit strict or set it to false"
-            )
-        return v
+    strict: bool | None = Field(
+        default=None, description="true: calls of it (at the start of a reply) follow `parameters` exactly"
+    )
 
 
 class ToolDefinition(_Body):
@@ -251,12 +288,6 @@ class NamedToolChoice(_Body):
     function: dict[str, Any]
 
 
-_NOT_IMPLEMENTED_TOOL_CHOICE = (
-    "needs constrained decoding (the arguments must be valid JSON for the schema), which this server does not "
-    "implement yet; use tool_choice 'auto' (the model decides, and its calls are parsed) or 'none'"
-)
-
-
 class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions."""
 
@@ -264,7 +295,6 @@ class ChatCompletionRequest(_GenerationBody):
         {"store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
     )
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "response_format": ({"type": "text"},),
         "functions": ([],),
         "function_call": ("none", "auto"),
         "modalities": (["text"],),
@@ -281,18 +311,24 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per position")
     tools: list[ToolDefinition] | None = Field(default=None, description="functions the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        default=None, description="none, or auto (default with tools); required / a named function: 400"
+        default=None,
+        description="none, auto (default with tools), required (one or more calls), or a named function; "
+        "required and named calls are enforced by constrained decoding",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per reply")
 
     @field_validator("tool_choice")
     @classmethod
-    def _check_tool_choice(cls, v: Any) -> Any:
-        if v == "required":
-            raise ValueError(f"tool_choice 'required' {_NOT_IMPLEMENTED_TOOL_CHOICE}")
-        if isinstance(v, NamedToolChoice):
-            raise ValueError(f"a named tool_choice {_NOT_IMPLEMENTED_TOOL_CHOICE}")
+    def _named_choice(cls, v: Any) -> Any:
+        if isinstance(v, NamedToolChoice) and not isinstance(v.function.get("name"), str):
+            raise ValueError("a named tool_choice needs function.name")
         return v
+
+    @model_validator(mode="after")
+    def _choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice required or a named function needs tools")
+        return self
 
     @property
     def active_tools(self) -> list[ToolDefinition]:
@@ -309,12 +345,23 @@ class ChatCompletionRequest(_GenerationBody):
         return self
 
 
+_NONEMPTY_STR: dict[str, Any] = {"type": "string", "minLength": 1}
+_INT: dict[str, Any] = {"type": "integer"}
+
+
+def _list(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": 1}
+
+
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions. Each prompt (string or token ids) gets `n` choices."""
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
-    prompt: Any = Field(description="a string, a list of strings, token ids, or a list of token id lists")
+    prompt: Any = Field(
+        description="a string, a list of strings, token ids, or a list of token id lists",
+        json_schema_extra={"anyOf": [_NONEMPTY_STR, _list(_NONEMPTY_STR), _list(_INT), _list(_list(_INT))]},
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="logprobs of the top N alternatives")
 
     @field_validator("prompt")

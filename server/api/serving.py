@@ -21,7 +21,9 @@ from fastapi import Request, Response
 from sse_starlette import EventSourceResponse
 
 from server.api import responses as R
+from server.api.chat_template import tool_call_format
 from server.api.errors import APIError, ClientDisconnected
+from server.api.offload import Offload
 from server.api.origins import OriginTracker, attach, origin_trackers
 from server.api.prompts import (
     ModelInfo,
@@ -32,9 +34,19 @@ from server.api.prompts import (
     tool_stops,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
-from server.api.tool_calls import ToolCallParser
+from server.api.structured import request_grammar
+from server.api.tool_calls import ToolCallParser, merged
 from server.request_log import log_request
-from server.scheduler import EngineError, QueueFull, RequestRejected, RequestStream, Scheduler, ShuttingDown
+from server.scheduler import (
+    EngineError,
+    NeverFits,
+    QueueFull,
+    RequestRejected,
+    RequestStream,
+    Scheduler,
+    ShuttingDown,
+)
+from server.traffic import TrafficRecorder
 from server.types import GenerationRequest, RequestOutput, RequestStats
 
 T = TypeVar("T")
@@ -86,14 +98,44 @@ def _usage_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[boo
 class OpenAIServing:
     """Chat and text completions over one scheduler and one model."""
 
-    def __init__(self, info: ModelInfo, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        scheduler: Scheduler,
+        offload: Offload | None = None,
+        recorder: TrafficRecorder | None = None,
+    ) -> None:
+        """`offload` runs tokenization, chat templates and large responses off the event loop;
+        `recorder` (`record_traffic`) writes finished choices for draft-head training."""
         self.info = info
         self.scheduler = scheduler
+        self._offload = offload or Offload()
+        self.recorder = recorder
+
+    def _record(
+        self, prompts: list[dict[str, Any]], requests: list[GenerationRequest], choices: list[R.Choice]
+    ) -> None:
+        """Each choice that finished by itself or at max_tokens, with its prompt (`prompts[i]` for
+        choice i) and the text of every token it generated (tool calls included)."""
+        if self.recorder is None:
+            return
+        for prompt, req, c in zip(prompts, requests, choices, strict=True):
+            if c.finish_reason in ("stop", "length", "tool_calls"):
+                text = self.info.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                self.recorder.record(prompt, req.prompt_token_ids, text, c.token_ids)
 
     # ---- shared plumbing -------------------------------------------------------------------
 
     def _formatter(self, body: ChatCompletionRequest | CompletionRequest) -> R.LogprobFormatter:
         return R.LogprobFormatter(self.info.tokenizer, as_ids=bool(body.return_tokens_as_token_ids))
+
+    def _check_fits(self, num_sequences: int, param: str) -> None:
+        """400 naming `param` when the request holds more sequences than an idle server admits (checked
+        before any tokenizing; the scheduler's `check_fits` is the rule)."""
+        try:
+            self.scheduler.check_fits(num_sequences)
+        except NeverFits as exc:
+            raise APIError(400, str(exc), param=param, code="too_many_sequences") from exc
 
     def _submit(self, requests: list[GenerationRequest]) -> RequestStream:
         try:
@@ -215,13 +257,15 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | Response:
         check_model(self.info, body.model)
+        self._check_fits(body.n or 1, "n")
         started = time.monotonic()
-        prompt = chat_prompt_ids(self.info, body)
+        prompt = await self._offload(chat_prompt_ids, self.info, body)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
+        grammar = await self._offload(request_grammar, body, tool_call_format(self.info.tokenizer))  # compiles schemas
         requests = generation_requests(
-            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body)
+            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body), grammar
         )
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
@@ -232,18 +276,25 @@ class OpenAIServing:
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, len(prompt), started, ttft, finish_reason)
+            if finish_reason is None:
+                messages = [m.model_dump(exclude_none=True) for m in body.messages]
+                self._record([{"messages": messages}] * len(choices), requests, choices)
 
         stream = self._submit(requests)
         if not body.stream:
             first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
-            if tool_names:
-                for c in choices:
+
+            def build() -> dict[str, Any]:  # decodes every logprob token: off the loop
+                for c in choices if tool_names else ():
                     c.take_tool_calls(tool_names)
+                response = R.chat_completion(
+                    response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
+                )
+                attach(response["choices"], trackers)
+                return response
+
+            response = await self._offload(build)
             log(first and first - started)
-            response = R.chat_completion(
-                response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
-            )
-            attach(response["choices"], trackers)
             return response
 
         events, ttft = await self._started_or_log_abort(request, stream, log, started)
@@ -263,7 +314,7 @@ class OpenAIServing:
                 return [{"content": out.text}] if out.text else []
             pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
             text = "".join(d.content for d in pieces if d.content is not None)
-            calls = [d.to_openai() for d in pieces if d.index is not None]
+            calls = [d.to_openai() for d in merged([d for d in pieces if d.index is not None])]
             return ([{"content": text}] if text else []) + ([{"tool_calls": calls}] if calls else [])
 
         async def gen() -> AsyncIterator[dict[str, Any]]:
@@ -301,10 +352,15 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request) -> dict[str, Any] | Response:
         check_model(self.info, body.model)
+        n = body.n or 1
+        self._check_fits(len(body.prompt) * n, "n" if n > 1 else "prompt")
         started = time.monotonic()
-        prompts = completion_prompt_ids(self.info, body)
+        prompts = await self._offload(completion_prompt_ids, self.info, body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = generation_requests(self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt")
+        grammar = await self._offload(request_grammar, body)  # compiles schemas
+        requests = generation_requests(
+            self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt", (), grammar
+        )
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]
@@ -314,28 +370,36 @@ class OpenAIServing:
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, prompt_tokens, started, ttft, finish_reason)
+            if finish_reason is None:  # choice i answers prompt i // n; token-id prompts are kept as ids only
+                n = body.n or 1
+                texts = [{"prompt": p} if isinstance(p, str) else {} for p in body.prompt]
+                self._record([texts[i // n] for i in range(len(choices))], requests, choices)
 
         stream = self._submit(requests)
         if not body.stream:
             first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
             log(first and first - started)
-            response = R.text_completion(
-                response_id,
-                created,
-                self.info.name,
-                [
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "logprobs": fmt.completion(c.logprobs) if fmt else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in choices
-                ],
-                R.usage(prompt_tokens, choices, method),
-            )
-            attach(response["choices"], trackers)
-            return response
+
+            def build() -> dict[str, Any]:  # decodes every logprob token: off the loop
+                response = R.text_completion(
+                    response_id,
+                    created,
+                    self.info.name,
+                    [
+                        {
+                            "index": c.index,
+                            "text": c.text,
+                            "logprobs": fmt.completion(c.logprobs) if fmt else None,
+                            "finish_reason": c.finish_reason,
+                        }
+                        for c in choices
+                    ],
+                    R.usage(prompt_tokens, choices, method),
+                )
+                attach(response["choices"], trackers)
+                return response
+
+            return await self._offload(build)
 
         events, ttft = await self._started_or_log_abort(request, stream, log, started)
         include_usage, continuous = _usage_options(body)

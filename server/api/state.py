@@ -17,11 +17,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from server.api.errors import APIError
+from server.api.offload import Offload
 from server.api.prompts import ModelInfo
 from server.api.serving import OpenAIServing
 from server.config import Settings
 from server.metrics import Metrics
 from server.scheduler import Scheduler
+from server.traffic import TrafficRecorder
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
+        self.recorder: TrafficRecorder | None = None
+        self.offload = Offload()  # parsing and tokenizing off the event loop
         self._ready = asyncio.Event()
         self.on_broken: Callable[[], None] | None = None  # called once the engine worker has died
 
@@ -94,7 +98,8 @@ class ServerState:
             default_num_tokens=s.num_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
-        self.serving = OpenAIServing(info, self.scheduler)
+        self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
+        self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)
         self.engine = engine
         self.status = "ready"
         self._ready.set()
@@ -139,6 +144,8 @@ class ServerState:
         self.begin_drain()
         if self.scheduler is not None:
             await self.scheduler.shutdown(self.settings.shutdown_grace_s)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: Exception | None) -> None:

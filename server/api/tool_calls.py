@@ -166,8 +166,11 @@ class ToolCallParser:
         return [Delta(index=len(self.calls) - 1, arguments=piece)]
 
     def _close_block(self, block: str, terminated: bool) -> list[Delta]:
-        """The block's text without its tags: finish the streamed call, or parse it whole."""
+        """The block's text without its tags: finish the streamed call, or parse it whole. An
+        unterminated block (the reply ran out of tokens) loses what it wrote of the closing tag."""
         self._mode = "text"
+        if not terminated:
+            block = block[: len(block) - _held_tail(block, CLOSE)]
         if self._header is not None:
             region = block[self._header.end() :].strip()
             if region.endswith("}"):
@@ -210,6 +213,20 @@ class ToolCallParser:
             self.calls.append(ToolCall(_new_id(), name, arguments))
             out.append(Delta(index=len(self.calls) - 1, id=self.calls[-1].id, name=name, arguments=arguments))
         return out
+
+
+def merged(deltas: list[Delta]) -> list[Delta]:
+    """Consecutive call deltas of the same call as one (OpenAI sends one `tool_calls` entry per call per
+    chunk, and some clients read only the first: a header and an arguments piece become one entry)."""
+    out: list[Delta] = []
+    for d in deltas:
+        last = out[-1] if out else None
+        if d.index is not None and last is not None and last.index == d.index and d.id is None:
+            out[-1] = Delta(index=d.index, id=last.id, name=last.name,
+                            arguments=(last.arguments or "") + (d.arguments or ""))
+        else:
+            out.append(d)
+    return out
 
 
 def parse_whole(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:

@@ -48,24 +48,42 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def read_traffic(directory: str | Path) -> list[tuple[list[dict[str, str]], str]]:
-    """(messages, output) pairs from every `*.jsonl` under `directory`.
+@dataclass(frozen=True)
+class TrafficRecord:
+    """One recorded conversation turn. `prompt_ids` / `output_ids`: the exact tokens the server fed and
+    generated (records from `serve --record-traffic`), else None (the text is tokenized here)."""
 
-    A record is {"prompt": str, "output": str} (a single user turn) or {"messages": [{"role", "content"},
-    ...], "output": str}: the format `serve --record-traffic DIR` is to write.
+    messages: list[dict[str, str]]
+    output: str
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+
+
+def read_traffic(directory: str | Path) -> list[TrafficRecord]:
+    """Records from every `*.jsonl` under `directory` (and their rotated `*.jsonl.N` files).
+
+    A record is {"prompt": str, "output": str} (a single user turn), {"messages": [{"role", "content"},
+    ...], "output": str}, or what `serve --record-traffic` writes (server/traffic.py): either of those
+    plus "prompt_ids" and "output_ids", which are then used as they are.
     """
-    pairs = []
-    for file in sorted(Path(directory).glob("*.jsonl")):
+    records = []
+    files = sorted({*Path(directory).glob("*.jsonl"), *Path(directory).glob("*.jsonl.[0-9]*")})
+    for file in files:
         for n, line in enumerate(file.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             record = json.loads(line)
-            messages = record.get("messages") or [{"role": "user", "content": record.get("prompt")}]
             output = record.get("output")
+            prompt_ids, output_ids = record.get("prompt_ids"), record.get("output_ids")
+            if isinstance(prompt_ids, list) and isinstance(output_ids, list) and isinstance(output, str):
+                messages = record.get("messages") or [{"role": "user", "content": record.get("prompt") or ""}]
+                records.append(TrafficRecord(messages, output, prompt_ids, output_ids))
+                continue
+            messages = record.get("messages") or [{"role": "user", "content": record.get("prompt")}]
             if not isinstance(output, str) or not all(isinstance(m.get("content"), str) for m in messages):
                 raise ValueError(f"{file}:{n}: expected prompt or messages, and output (strings)")
-            pairs.append((messages, output))
-    return pairs
+            records.append(TrafficRecord(messages, output))
+    return records
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
@@ -301,18 +319,22 @@ def build_from_traffic(
     directory: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, traffic: str | Path,
     progress: bool = True,
 ) -> list[Sample]:
-    """Teacher-force every recorded (messages, output) pair once; cached as one shard in `directory`."""
+    """Teacher-force every recorded conversation once; cached as one shard in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     shard = directory / "traffic.safetensors"
     if not shard.exists():
-        pairs = read_traffic(traffic)
+        records = read_traffic(traffic)
         samples, texts = [], []
-        bar = _progress(len(pairs), "encoding traffic", progress)
-        for messages, output in pairs:
-            prompt = chat_ids(tokenizer, messages)
-            answer = tokenizer.encode(output, add_special_tokens=False) + [tokenizer.eos_token_id]
-            samples.append(teacher_force(model, prompt, answer))
-            texts.append({"prompt": messages[-1]["content"], "output": output})
+        bar = _progress(len(records), "encoding traffic", progress)
+        for r in records:
+            if r.prompt_ids is not None and r.output_ids is not None:
+                prompt, answer = r.prompt_ids, r.output_ids
+            else:
+                prompt = chat_ids(tokenizer, r.messages)
+                answer = tokenizer.encode(r.output, add_special_tokens=False) + [tokenizer.eos_token_id]
+            if answer:
+                samples.append(teacher_force(model, prompt, answer))
+                texts.append({"prompt": str(r.messages[-1].get("content")), "output": r.output})
             bar.update(1)
         bar.close()
         if not samples:

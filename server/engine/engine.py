@@ -21,6 +21,7 @@ from server.config import Settings
 from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
+from server.grammar import GrammarError, Grammars
 from server.model.attention import use_gqa_attention
 from server.model.kv_cache import BatchKV, KVCheckpoint, slots_for
 from server.model.loading import LoadedModel, load_draft_like, load_model
@@ -81,6 +82,7 @@ class Engine:
                 f"(available: {', '.join(self.limits.methods)})"
             )
         self.eos_ids = _eos_ids(target)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
         self._seed_source = random.SystemRandom()
@@ -198,7 +200,8 @@ class Engine:
             accepted_per_position=[0] * request.speculation.k,
         )
         detok = IncrementalDetokenizer.for_request(self.tokenizer, list(request.prompt_token_ids), sampling)
-        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats)
+        grammar = self.grammars.state(request.grammar) if request.grammar is not None else None
+        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar)
 
     def _leave(self, request_ids: set[str]) -> None:
         leaving = [self.running[rid] for rid in request_ids if rid in self.running]
@@ -287,7 +290,8 @@ class Engine:
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],
         )  # min_tokens and repetition_penalty need each row's history
         counts = self._token_counts(kept, drafts, logits.shape[1]) if sampling.any_penalty else None
-        p = probabilities(logits, sampling, counts)  # [active, K+1, vocab]
+        allowed = self._allowed(kept, drafts, logits.shape[1])  # constrained rows' grammars
+        p = probabilities(logits, sampling, counts, allowed)  # [active, K+1, vocab]
         gens = [s.generator for s in kept]
         verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
@@ -309,6 +313,8 @@ class Engine:
                 step_stats = SeqStepStats(seq.request_id, seq.mode, row.proposer or "none", k, accepted, len(emitted),
                                           k > 0 and accepted == k)
                 logprobs = self._logprobs(v.logits[i], emitted, seq.sampling.logprobs)
+                if seq.grammar is not None:
+                    emitted = self._follow_grammar(seq, emitted)
                 kept = self._append(seq, emitted)
                 output = self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None,
                                       sources[:kept])
@@ -319,6 +325,31 @@ class Engine:
             stats.append(step_stats)
             outputs.append(output)
         return stats
+
+    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor | None:
+        """[batch, W, vocab] bool: what each constrained row's grammar allows at each verify position
+        (None when no row is constrained)."""
+        if all(seq.grammar is None for seq in seqs):
+            return None
+        allowed = torch.ones(len(seqs), width, self.vocab_size, dtype=torch.bool)
+        for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+            if seq.grammar is not None:
+                allowed[b, : len(d) + 1] = seq.grammar.masks(d)
+        return allowed.to(self.device)
+
+    def _follow_grammar(self, seq: Sequence, emitted: list[int]) -> list[int]:
+        """Advance a constrained sequence's grammar through the step's tokens. The output ends at the
+        token that completes the grammar (finish "stop"); what the step drew after it is dropped, so
+        the output is the one plain constrained decoding gives."""
+        assert seq.grammar is not None
+        for i, token in enumerate(emitted):
+            if not seq.grammar.advance([token]):  # p was 0 outside the grammar: a limit hit, never a wrong draw
+                raise GrammarError(f"the grammar could not be followed: {seq.grammar.error.splitlines()[0]}")
+            if seq.grammar.done:
+                if not (token in self.eos_ids and not seq.sampling.ignore_eos):
+                    seq.finish_reason = "stop"  # complete: nothing but EOS could follow
+                return emitted[: i + 1]
+        return emitted
 
     def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
         """[batch, W, vocab]: generated tokens before each verify position (drafts before it included)."""
@@ -477,6 +508,7 @@ def build_engine(settings: Settings) -> Engine:
         target.name, draft.name if draft else None, target.device, time.perf_counter() - started,
     )
     engine = Engine(target, draft, settings)
+    engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
         calibrate(engine)
     return engine

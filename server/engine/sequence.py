@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.grammar import GrammarState
 from server.types import FinishReason, GenerationRequest, RequestStats, SamplingParams
 
 
@@ -18,6 +19,7 @@ class Sequence:
     stats: RequestStats
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    grammar: GrammarState | None = None  # the request's grammar, after its committed output (constrained only)
 
     @property
     def request_id(self) -> str:

@@ -23,6 +23,7 @@ from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 
+FORCED = "grammar"  # the drafter named for a row whose drafts are the tokens its grammar forces
 RowOffers = dict[str, tuple[list[int], int]]  # lookahead proposer -> (its drafts for a row, their confidence level)
 
 
@@ -36,16 +37,32 @@ class PlannedSequence(SequenceView, Protocol):
     @property
     def reproducible(self) -> bool: ...  # seeded sampling
     def num_drafts(self) -> int: ...  # the most drafts this step may carry
+    @property
+    def grammar(self) -> Constraint | None: ...  # the request's grammar (constrained decoding), or None
+
+
+class Constraint(Protocol):
+    """What the planner asks of a constrained sequence's grammar (server/grammar.py's GrammarState)."""
+
+    def valid_prefix(self, drafts: list[int]) -> int: ...  # how many leading drafts the grammar allows
+    def forced(self, limit: int) -> list[int]: ...  # up to `limit` tokens the grammar forces next
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """One row's part of a step: its proposer (None: plain decoding), drafts and their q."""
+    """One row's part of a step: its proposer (None: plain decoding; FORCED: its grammar's forced
+    tokens), drafts and their q."""
 
     proposer: str | None
     drafts: list[int]
     q: torch.Tensor | None = None  # [len(drafts), vocab] from a model proposer; None: one-hot (or no drafts)
     level: int = 0  # the drafts' confidence level (proposer.Traits.confidence_priors)
+    proposed: list[int] | None = None  # what the proposer drafted, when its grammar cut the drafts short
+
+    @property
+    def own_drafts(self) -> list[int]:
+        """The drafts the row's proposer made this step (its commit needs them all)."""
+        return self.proposed if self.proposed is not None else self.drafts
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,9 @@ class Planner:
         for b, (name, k) in enumerate(choices):
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
-        return StepPlan(self._draft_with_models(seqs, choices, rows))
+        rows = self._draft_with_models(seqs, choices, rows)
+        rows = [self._constrain(s, r) if s.grammar is not None else r for s, r in zip(seqs, rows, strict=True)]
+        return StepPlan(rows)
 
     # ---- undoing a failed step (server/engine/engine.py) ------------------------------------------
     def checkpoint(self) -> dict[str, object]:
@@ -142,7 +161,9 @@ class Planner:
         """Tell the sequence's proposers what the target kept, and `auto` how the drafts fared."""
         for name, proposer in self.proposers.items():
             if _uses(seq, name):
-                proposer.commit(seq, row.drafts if row.proposer == name else [], emitted, hidden)
+                proposer.commit(seq, row.own_drafts if row.proposer == name else [], emitted, hidden)
+        if row.proposer == FORCED:
+            return
         self.policy.observe(seq.request_id, row.proposer, len(row.drafts), len(emitted) - 1, row.level, seq.sampled)
 
     # ---- planning steps ------------------------------------------------------------------------
@@ -241,6 +262,29 @@ class Planner:
             if row.flexible:
                 k = min(width, row.flexible)
                 choices[b] = (row.proposer, k) if k else (None, 0)
+
+    def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
+        """A constrained row's drafts as its grammar allows them, or the tokens the grammar forces.
+
+        Drafts are cut at the first token the grammar forbids. A deterministic draft (q one-hot) is cut
+        before it: the sampler draws each position from p and compares, so a shorter draft changes
+        nothing but where the step ends. A draft sampled from a q of its own keeps the forbidden token
+        as its last: p is 0 there, so it is rejected and the recovered token comes from the residual
+        max(p - q, 0), as the rejection rule requires (cutting before it would draw that position from p
+        instead, and the mixture is no longer p: docs/design.md). Then, when the grammar forces more
+        tokens than the row drafts and no model drafted for it (a model's cache holds its drafts), the
+        forced tokens become the row's drafts: they cost nothing and p allows little else."""
+        grammar = seq.grammar
+        assert grammar is not None
+        valid = grammar.valid_prefix(row.drafts)
+        if valid < len(row.drafts):
+            keep = valid + 1 if row.q is not None else valid
+            q = row.q[:keep] if row.q is not None and keep else None
+            row = RowPlan(row.proposer, row.drafts[:keep], q, row.level, proposed=row.own_drafts)
+        if seq.mode == PLAIN or (row.proposer is not None and not self.proposers[row.proposer].traits.lookahead):
+            return row
+        forced = grammar.forced(seq.num_drafts())
+        return RowPlan(FORCED, forced) if len(forced) > len(row.drafts) else row
 
     def _draft_with_models(
         self, seqs: list[PlannedSequence], choices: list[tuple[str | None, int]], rows: list[RowPlan]

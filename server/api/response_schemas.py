@@ -1,0 +1,219 @@
+"""What the server answers, as pydantic models for the OpenAPI document (`openapi.py`) only.
+
+`responses.py` builds the real objects as plain dicts; these models describe them field for field
+(`extra="forbid"`: an undocumented field is a contract violation). The schemathesis test
+(tests/test_openapi_contract.py) checks live answers against the document, so the two cannot drift
+apart unnoticed. A field with a default may be absent; one without is always sent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Doc):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, rate_limit_error, ...")
+    param: str | None = Field(description="the request field at fault, e.g. `messages[0].content`")
+    code: str | None = Field(description="e.g. model_not_found, context_length_exceeded, invalid_api_key")
+
+
+class ErrorResponse(_Doc):
+    """Every non-2xx answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+class ProposerTally(_Doc):
+    draft_tokens: int
+    accepted_tokens: int
+
+
+class SpeculationUsage(_Doc):
+    """Extension: what speculation did for this request (all choices summed)."""
+
+    method: str
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    decode_steps: int
+    by_proposer: dict[str, ProposerTally] = Field(description="who drafted what (`auto` mixes proposers)")
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculation: SpeculationUsage
+
+
+class TokenOrigin(_Doc):
+    text: str
+    origin: Literal["accepted", "recovered", "bonus", "plain"]
+    proposer: str | None
+    step: int
+
+
+class ChoiceSpeculation(_Doc):
+    """Extension (opt-in): each token's origin, and the choice's figures so far."""
+
+    tokens: list[TokenOrigin]
+    draft_tokens: int
+    accepted_tokens: int
+    decode_steps: int
+
+
+class TopLogprob(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Doc):
+    content: list[TokenLogprobEntry]
+
+
+class CalledFunction(_Doc):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class AssistantToolCall(_Doc):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class AssistantMessage(_Doc):
+    role: Literal["assistant"]
+    content: str | None = Field(description="null when the reply is only tool calls")
+    tool_calls: list[AssistantToolCall] | None = None
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    speculation: ChoiceSpeculation | None = None
+
+
+class ChatCompletion(_Doc):
+    """The answer of `POST /v1/chat/completions` without `stream`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionCallDelta(_Doc):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Doc):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(_Doc):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(_Doc):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    speculation: ChoiceSpeculation | None = None
+
+
+class ChatCompletionChunk(_Doc):
+    """One `data:` event of a chat stream (`stream: true`); the stream ends with `data: [DONE]`. With
+    `stream_options.include_usage` a last chunk with empty `choices` carries `usage`; a failure after the
+    stream started is sent as one `ErrorResponse` event before `[DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Doc):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Doc):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None = Field(description="null in the stream's chunks until the choice ends")
+    speculation: ChoiceSpeculation | None = None
+
+
+class Completion(_Doc):
+    """The answer of `POST /v1/completions`, and (the same shape) each `data:` event of its stream;
+    `usage` is always there without `stream`, and in a stream only with `stream_options.include_usage`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelSpeculation(_Doc):
+    """Extension: the methods `speculation.method` accepts, and the server's defaults."""
+
+    methods: list[str]
+    default_method: str
+    default_num_tokens: int
+
+
+class Model(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    speculation: ModelSpeculation
+
+
+class ModelList(_Doc):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(_Doc):
+    status: Literal["ok", "loading", "failed", "draining"]
+    error: str | None = Field(default=None, description="why loading failed")
+
+
+DOCUMENTED = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health)

@@ -1,0 +1,179 @@
+"""Structured output and forced tool calls through the API: what clients get back validates.
+
+Tiny-model tests check the request path (response_format, vLLM's guided_* fields, streamed and not);
+the real default model checks what users do: the openai SDK's `parse()` with a pydantic model, and
+`tool_choice` required / named, with speculation on and identical to plain decoding (greedy).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from server.api.app import create_app
+from server.config import Settings
+from server.engine.engine import build_engine
+from tests.api_helpers import MODEL, chat_body, running_app, sse_json
+from tests.live_server import serve_app
+
+SMALL = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+
+
+# ---- tiny models: the request path ----------------------------------------------------------------
+async def test_json_schema_reply_validates_streamed_and_not(tiny_engine_factory):
+    fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
+    async with running_app(tiny_engine_factory) as (_, client):
+        body = chat_body(max_tokens=40, temperature=0, response_format=fmt)
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        jsonschema.validate(json.loads(choice["message"]["content"]), SMALL)
+        assert choice["finish_reason"] == "stop"
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_json(streamed.text) if c["choices"])
+        assert text == choice["message"]["content"]
+
+
+async def test_sampled_json_object_replies_parse(tiny_engine_factory):
+    async with running_app(tiny_engine_factory) as (_, client):
+        body = chat_body(max_tokens=200, temperature=1.0, seed=5, n=4, response_format={"type": "json_object"})
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            if choice["finish_reason"] == "stop":  # a random model may write a long object
+                assert isinstance(json.loads(choice["message"]["content"]), dict)
+            else:
+                assert choice["message"]["content"].startswith("{")
+
+
+async def test_guided_choice_and_regex_on_completions(tiny_engine_factory):
+    async with running_app(tiny_engine_factory) as (_, client):
+        base = {"model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 1.0, "seed": 1, "n": 3}
+        r = await client.post("/v1/completions", json={**base, "guided_choice": ["yes", "no", "maybe not"]})
+        assert r.status_code == 200, r.text
+        assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no", "maybe not"}
+        r = await client.post("/v1/completions", json={**base, "guided_regex": "[0-9]{3}-[a-z]{2}"})
+        for c in r.json()["choices"]:
+            assert len(c["text"]) == 6 and c["text"][:3].isdigit() and c["text"][3] == "-", c["text"]
+
+
+async def test_required_tool_choice_returns_calls_that_validate_streamed_and_not(tiny_engine_factory):
+    colour = {
+        "type": "function",
+        "function": {"name": "set_color", "parameters": SMALL},
+    }
+    async with running_app(tiny_engine_factory) as (_, client):
+        body = chat_body(max_tokens=120, temperature=0, tools=[colour, TIME], tool_choice="required",
+                         parallel_tool_calls=False)
+        r = await client.post("/v1/chat/completions", json=body)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        calls = choice["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] in (["set_color"], ["get_time"])
+        if calls[0]["function"]["name"] == "set_color":
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SMALL)
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [c for c in sse_json(streamed.text) if c["choices"]]
+        deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+        assert "".join(d["function"].get("arguments", "") for d in deltas) == calls[0]["function"]["arguments"]
+
+
+# ---- the real default model: what SDK users do ---------------------------------------------------
+class City(BaseModel):
+    """(Free-form numbers are left out: greedy SmolLM2-135M repeats digits until max_tokens.)"""
+
+    name: str
+    country: str
+    continent: Literal["Africa", "Americas", "Asia", "Europe", "Oceania"]
+    is_capital: bool
+
+
+@pytest.fixture(scope="module")
+def real_client():
+    app = create_app(Settings.load(device="cpu"), build_engine)
+    with serve_app(app, timeout_s=600) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def ask(client: openai.OpenAI, method: str, **kwargs):
+    return client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=120,
+        extra_body={"speculation": {"method": method}}, **kwargs,
+    )
+
+
+@pytest.mark.real_model
+def test_sdk_parse_returns_a_validated_object_with_speculation(real_client):
+    messages = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    parsed = real_client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=messages, response_format=City, temperature=0, max_tokens=120
+    )
+    message = parsed.choices[0].message
+    assert isinstance(message.parsed, City), message.content
+    plain = real_client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=messages, response_format=City, temperature=0, max_tokens=120,
+        extra_body={"speculation": {"method": "none"}},
+    )
+    assert plain.choices[0].message.content == message.content, "speculation changed the constrained output"
+    spec = parsed.usage.model_extra["speculation"]
+    assert spec["accepted_tokens"] > 0, spec  # the schema's keys and separators are drafted for free
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice):
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    # One call: greedy SmolLM2-135M, allowed parallel calls, repeats its call until max_tokens.
+    resp = ask(real_client, "auto", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+               parallel_tool_calls=False)
+    assert resp.choices[0].finish_reason == "tool_calls", resp.choices[0]
+    calls = resp.choices[0].message.tool_calls
+    assert calls and (choice == "required" or all(c.function.name == "get_weather" for c in calls))
+    for call in calls:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    plain = ask(real_client, "none", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                parallel_tool_calls=False)
+    assert [c.function.model_dump() for c in plain.choices[0].message.tool_calls] == [
+        c.function.model_dump() for c in calls
+    ]
+    streamed = real_client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=120, messages=messages, tools=[WEATHER, TIME],
+        tool_choice=choice, stream=True, parallel_tool_calls=False,
+    )
+    arguments: dict[int, str] = {}
+    for chunk in streamed:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
+
