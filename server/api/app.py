@@ -118,7 +118,7 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 ops = APIRouter()
 
 
-@ops.get("/health", summary="200 when ready; 503 while loading, after a failed load, or while draining")
+@ops.get("/health", summary="200 when ready; 503 while loading, after a failed load, while draining, or broken")
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     body: dict[str, Any] = {"status": "ok" if state.status == "ready" else state.status}

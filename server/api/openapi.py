@@ -100,7 +100,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         (),
         None,
         ok_description="Ready.",
-        extra={503: {"description": "Loading, failed to load, or draining.", "content": {"application/json": HEALTH}}},
+        extra={
+            503: {
+                "description": "Loading, failed to load, draining, or broken (the engine failed).",
+                "content": {"application/json": HEALTH},
+            }
+        },
     ),
     ("/metrics", "get"): Operation(
         {"text/plain": {"schema": {"type": "string"}}},

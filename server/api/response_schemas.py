@@ -212,8 +212,8 @@ class ModelList(_Doc):
 
 
 class Health(_Doc):
-    status: Literal["ok", "loading", "failed", "draining"]
-    error: str | None = Field(default=None, description="why loading failed")
+    status: Literal["ok", "loading", "failed", "draining", "broken"]
+    error: str | None = Field(default=None, description="why loading failed, or why the engine failed (broken)")
 
 
 DOCUMENTED = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health)
