@@ -238,7 +238,7 @@ async def test_client_strings_in_the_request_log_are_capped(tokenizer, caplog):
 def _served_settings(monkeypatch: pytest.MonkeyPatch, flags: list[str]) -> Settings:
     """The settings `python -m server serve FLAGS` would run with (the server itself not started)."""
     seen: list[Settings] = []
-    monkeypatch.setattr("server.api.serve.serve", lambda settings: seen.append(settings))
+    monkeypatch.setattr("server.api.serve.serve", lambda settings: seen.append(settings) or 0)  # exit status 0
     assert main(["serve", *flags]) == 0
     logging.getLogger().handlers.clear()  # main() configured logging
     return seen[0]
