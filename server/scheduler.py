@@ -364,6 +364,11 @@ class Scheduler:
                 seq = self._running.get(rid)
             if seq is not None:
                 self._drop(seq, EngineError(f"generation failed for this request: {why}"))
+        for rid, why in result.rejected.items():  # their own input failed them (they left its batch)
+            with self._lock:
+                seq = self._running.get(rid)
+            if seq is not None:
+                self._drop(seq, RequestRejected(why))
         for out in result.outputs:
             with self._lock:
                 seq = self._running.get(out.request_id)

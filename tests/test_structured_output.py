@@ -7,6 +7,7 @@ the real default model checks what users do: the openai SDK's `parse()` with a p
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -177,3 +178,22 @@ def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice
             arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
     assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
 
+
+
+async def test_a_grammar_that_cannot_be_followed_is_a_400_for_that_request_only(tiny_engine_factory):
+    """llguidance accepts `a{99999999}` and then hits its lexer limit mid-decode: bad input, so those
+    requests get a 400 (even all of a batch at once) while a free request beside them finishes."""
+    async with running_app(tiny_engine_factory) as (_, client):
+        bad = {"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_regex": "a{99999999}"}
+        good = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+        answers = await asyncio.gather(
+            client.post("/v1/completions", json=bad),
+            client.post("/v1/completions", json=good),
+            client.post("/v1/completions", json=bad),
+        )
+        assert [r.status_code for r in answers] == [400, 200, 400], [r.text for r in answers]
+        assert answers[0].json()["error"]["type"] == "invalid_request_error"
+        assert answers[1].json()["choices"][0]["finish_reason"] == "length"
+        both_bad = await asyncio.gather(*(client.post("/v1/completions", json=bad) for _ in range(2)))
+        assert [r.status_code for r in both_bad] == [400, 400]
+        assert (await client.get("/health")).status_code == 200

@@ -164,11 +164,14 @@ class Engine:
         """
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
-        failed: dict[str, str] = {}
-        seq_stats = self._isolated_step(outputs, failed) if self.running else []
-        self._leave({o.request_id for o in outputs if o.finished} | set(failed))
+        failures: dict[str, Exception] = {}
+        seq_stats = self._isolated_step(outputs, failures) if self.running else []
+        self._leave({o.request_id for o in outputs if o.finished} | set(failures))
         prefill, self._prefill_tokens = self._prefill_tokens, 0
-        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed)
+        # A ValueError is the request's own fault (a grammar llguidance cannot follow): the client's 400.
+        failed = {rid: _describe(e) for rid, e in failures.items() if not isinstance(e, ValueError)}
+        rejected = {rid: str(e) for rid, e in failures.items() if isinstance(e, ValueError)}
+        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed, rejected=rejected)
 
     # ---- the KV budget -------------------------------------------------------------------------
     def _kv_slots(self, target: LoadedModel, settings: Settings) -> int | None:
@@ -215,7 +218,7 @@ class Engine:
             self._trim_heap()  # idle: a burst's freed buffers go back to the OS (RSS falls back)
 
     # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
-    def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, str]) -> list[SeqStepStats]:
+    def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> list[SeqStepStats]:
         """Plan, verify and sample for every row; when that raises, undo it (`_Checkpoint`), find the
         rows that fail on their own (each row's step tried alone, undone again), and redo the step with
         those rows held back (they feed nothing, draft nothing, sample nothing). Committing is per row:
@@ -234,9 +237,10 @@ class Engine:
                 why = f"a step failed again without the rows that fail alone: {_describe(again)}"
                 raise EngineFault(why) from again
         stats = self._commit(verified, outputs, failed) if verified is not None else []
-        self._faulty_steps = self._faulty_steps + 1 if failed and not stats else 0
+        own_fault = all(isinstance(e, ValueError) for e in failed.values())  # bad input never counts
+        self._faulty_steps = self._faulty_steps + 1 if failed and not stats and not own_fault else 0
         if self._faulty_steps >= FAULTY_STEPS:
-            last = next(iter(failed.values()))
+            last = _describe(next(iter(failed.values())))
             raise EngineFault(f"{FAULTY_STEPS} steps in a row failed every row they ran; last: {last}")
         return stats
 
@@ -246,26 +250,26 @@ class Engine:
             [(s.generator, s.generator.get_state()) for s in seqs],
         )
 
-    def _culprits(self, seqs: list[Sequence], ckpt: _Checkpoint, exc: Exception) -> dict[str, str]:
-        """Request id -> why, for the rows whose step fails alone (the state is restored after each try).
+    def _culprits(self, seqs: list[Sequence], ckpt: _Checkpoint, exc: Exception) -> dict[str, Exception]:
+        """Request id -> its exception, for the rows whose step fails alone (the state is restored after each try).
         Raises `EngineFault` when the failure is the engine's: no row fails alone, or every row of a
         batch of several does."""
         if len(seqs) == 1:
             log.warning("step failed for request %s: %s", seqs[0].request_id, _describe(exc), exc_info=exc)
-            return {seqs[0].request_id: _describe(exc)}
+            return {seqs[0].request_id: exc}
         ids = [s.request_id for s in seqs]
-        bad: dict[str, str] = {}
+        bad: dict[str, Exception] = {}
         for rid in ids:
             try:
                 self._verify(seqs, frozenset(ids) - {rid})
             except Exception as alone:
                 log.warning("step failed for request %s alone: %s", rid, _describe(alone), exc_info=alone)
-                bad[rid] = _describe(alone)
+                bad[rid] = alone
             finally:
                 ckpt.restore()
         if not bad:
             raise EngineFault(f"a step failed but no row fails alone: {_describe(exc)}") from exc
-        if len(bad) == len(ids):
+        if len(bad) == len(ids) and not all(isinstance(e, ValueError) for e in bad.values()):
             raise EngineFault(f"every row of a batch of {len(ids)} fails alone: {_describe(exc)}") from exc
         return bad
 
@@ -298,7 +302,9 @@ class Engine:
         self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))
         return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)
 
-    def _commit(self, v: _Verified, outputs: list[RequestOutput], failed: dict[str, str]) -> list[SeqStepStats]:
+    def _commit(
+        self, v: _Verified, outputs: list[RequestOutput], failed: dict[str, Exception]
+    ) -> list[SeqStepStats]:
         """Roll back the rejected drafts and commit what each verified row emitted; a row whose commit
         raises joins `failed` (its state is dropped when it leaves; the other rows never read it)."""
         stats = []
@@ -320,7 +326,7 @@ class Engine:
                                       sources[:kept])
             except Exception as exc:
                 log.warning("commit failed for request %s: %s", seq.request_id, _describe(exc), exc_info=exc)
-                failed[seq.request_id] = _describe(exc)
+                failed[seq.request_id] = exc
                 continue
             stats.append(step_stats)
             outputs.append(output)
