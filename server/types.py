@@ -232,6 +232,6 @@ class StepResult:
     prefill_tokens: int = 0  # prompt tokens prefilled this step
     duration_s: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why: rows whose step raised (they left)
-    # request id -> why: rows whose step raised because of their own input (a ValueError: a grammar that
-    # cannot be followed); they left too, and their clients get a 400
+    # request id -> why: rows whose step raised because of their own input (a grammar llguidance cannot
+    # follow); they left too, and their clients get a 400
     rejected: dict[str, str] = field(default_factory=dict)
