@@ -135,7 +135,10 @@ class Planner:
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
         rows = self._draft_with_models(seqs, choices, rows)
-        rows = [self._constrain(s, r) if s.grammar is not None else r for s, r in zip(seqs, rows, strict=True)]
+        rows = [
+            self._constrain(s, r) if s.grammar is not None and s.request_id not in hold else r
+            for s, r in zip(seqs, rows, strict=True)
+        ]
         return StepPlan(rows)
 
     # ---- undoing a failed step (server/engine/engine.py) ------------------------------------------
