@@ -73,9 +73,9 @@ class GrammarState:
         """Only EOS may follow: the output is complete."""
         return self._m.is_stopped()
 
-    @property
-    def error(self) -> str:
-        return self._m.get_error()
+    def failure(self) -> GrammarError:
+        """The error to raise once the matcher has failed (its first line: llguidance appends its state)."""
+        return GrammarError(f"the grammar could not be followed: {self._m.get_error().splitlines()[0]}")
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of `drafts`, from the first, the grammar allows after the committed output."""
@@ -93,7 +93,7 @@ class GrammarState:
         out = torch.ones(len(drafts) + 1, self._vocab, dtype=torch.bool)
         valid = self.valid_prefix(drafts)
         if self._m.is_error():
-            raise GrammarError(f"the grammar could not be followed: {self.error.splitlines()[0]}")
+            raise self.failure()
         consumed = 0
         for j in range(valid + 1):
             out[j] = self._allowed()

@@ -45,13 +45,13 @@ def request_grammar(body: _GenerationBody, tool_format: ToolFormat = "tagged") -
     if calls is None:
         if content is None:
             return None
-        return _checked(f"start: {content}", param)
+        return _from_lark(f"start: {content}", param)
     rule, forced = calls
     if forced:
-        return _checked(f"start: {rule}", "tool_choice")
+        return _from_lark(f"start: {rule}", "tool_choice")
     opener = "<" if tool_format == "tagged" else "{"
     reply = content or f"/([^{opener}][\\s\\S]*)?/"  # free text that does not open like a call
-    return _checked(f"start: {rule} | {reply}", "tools")
+    return _from_lark(f"start: {rule} | {reply}", "tools")
 
 
 def _content_rule(body: _GenerationBody) -> tuple[str | None, str]:
@@ -114,7 +114,7 @@ def _json(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise bad_request("a JSON schema must be a JSON object", param)
     styled = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_STYLE}}
-    _checked(llguidance.LLMatcher.grammar_from_json_schema(styled), param)
+    _validated(llguidance.LLMatcher.grammar_from_json_schema(styled), param)
     return "%json " + json.dumps(styled)
 
 
@@ -130,10 +130,13 @@ def _lark_regex(pattern: str) -> str:
     return pattern.replace("\\/", "/").replace("/", "\\/")
 
 
-def _checked(grammar: str, param: str) -> str:
-    """`grammar` (lark text or a serialized grammar) as llguidance's serialized grammar, or a 400."""
-    if not grammar.lstrip().startswith("{"):
-        grammar = llguidance.LLMatcher.grammar_from_lark(grammar)
+def _from_lark(lark: str, param: str) -> str:
+    """llguidance's serialized grammar for a lark grammar, or a 400 naming `param`."""
+    return _validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+
+def _validated(grammar: str, param: str) -> str:
+    """`grammar` (llguidance's serialized form) if llguidance can build it, else a 400 naming `param`."""
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise bad_request(f"{param}: this server cannot decode under it: {error}", param)

@@ -350,7 +350,7 @@ class Engine:
         assert seq.grammar is not None
         for i, token in enumerate(emitted):
             if not seq.grammar.advance([token]):  # p was 0 outside the grammar: a limit hit, never a wrong draw
-                raise GrammarError(f"the grammar could not be followed: {seq.grammar.error.splitlines()[0]}")
+                raise seq.grammar.failure()
             if seq.grammar.done:
                 if not (token in self.eos_ids and not seq.sampling.ignore_eos):
                     seq.finish_reason = "stop"  # complete: nothing but EOS could follow
