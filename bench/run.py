@@ -201,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server does: see server/__init__.py
     import torch
 
     from bench.costs import engine_attention, load_head, measure_costs

@@ -1,11 +1,8 @@
 """Specula: an OpenAI-compatible inference server whose worker runs speculative decoding."""
 
-import os
-
-# OpenMP threads that spin while waiting are fast on an idle machine and catastrophic beside any
-# other busy process (measured here: a batch-8 decode step of SmolLM2 took 1.97 s instead of 0.16 s
-# with a benchmark client running). Passive waiting must be chosen before torch loads OpenMP;
-# an explicit OMP_WAIT_POLICY in the environment still wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP waiting is left at libgomp's default (workers spin a while between parallel regions): on an
+# idle CPU a decode step is ~30% faster than with OMP_WAIT_POLICY=PASSIVE. Spinning turns ruinous when
+# another process holds a core, so the engine picks its thread count from measured step times
+# (server/engine/threads.py). An OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment still applies.
 
 __version__ = "0.1.0"

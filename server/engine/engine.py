@@ -21,6 +21,7 @@ from server.config import Settings
 from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
+from server.engine.threads import ThreadGovernor
 from server.grammar import GrammarError, Grammars
 from server.model.attention import use_gqa_attention
 from server.model.kv_cache import BatchKV, KVCheckpoint, slots_for
@@ -88,6 +89,9 @@ class Engine:
         self._seed_source = random.SystemRandom()
         self._faulty_steps = 0  # consecutive steps in which every row failed (see `FAULTY_STEPS`)
         self._trim_heap = HeapTrimmer()
+        # torch's thread count per step, from measured step times (threads.py); CPU with > 1 thread only
+        threads = torch.get_num_threads()
+        self.threads = ThreadGovernor(threads) if self.device.type == "cpu" and threads > 1 else None
 
     # ---- the scheduler's interface -------------------------------------------------------------
     @property
@@ -163,6 +167,8 @@ class Engine:
         failure cannot be pinned on rows (the engine itself is broken: the scheduler stops serving).
         """
         started = time.perf_counter()
+        if self.threads is not None and self.running:
+            self.threads.before_step()
         outputs: list[RequestOutput] = []
         failures: dict[str, Exception] = {}
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
@@ -299,7 +305,10 @@ class Engine:
         gens = [s.generator for s in kept]
         verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
         # The pass costs what it computes: every row padded to the widest one, not just real tokens.
-        self.planner.observe_verify(len(fed) * logits.shape[1], elapsed_since(started, self.device))
+        seconds = elapsed_since(started, self.device)
+        predicted = self.planner.observe_verify(len(fed) * logits.shape[1], seconds)
+        if self.threads is not None:
+            self.threads.observe(seconds, predicted)
         return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)
 
     def _commit(

@@ -150,9 +150,12 @@ class Planner:
         for name, proposer in self.proposers.items():
             proposer.restore(states[name])
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`."""
+    def observe_verify(self, tokens: int, seconds: float) -> float | None:
+        """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`. Returns what
+        the cost model predicted for such a pass before this timing (None while it has none)."""
+        predicted = self.policy.cost.verify_time(tokens)
         self.policy.cost.observe_verify(tokens, seconds)
+        return predicted
 
     def commit(
         self,
