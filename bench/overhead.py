@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
-from bench.peer import chat_ids
+from bench.peer import Peer, chat_ids
 from bench.server_proc import live_server
 from server.config import Settings
 from server.engine.engine import build_engine
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     n = args.max_tokens
     engine = build_engine(Settings.load(device="cpu", speculation="none"))
-    model, tok = engine.target.model, engine.tokenizer
+    tok = engine.tokenizer
 
     def in_process(ids: list[int]) -> float:
         started = time.perf_counter()
@@ -47,12 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         return time.perf_counter() - started
 
+    peer = Peer(engine.target, None)
+
     def transformers(ids: list[int]) -> float:
-        x = torch.tensor([ids])
-        started = time.perf_counter()
-        with torch.no_grad():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - started
+        return peer.generate("hf-none", ids, n, ignore_eos=True).wall_s
 
     times: dict[str, list[float]] = {"http": [], "in-process": [], "transformers": []}
     with live_server(["--speculation", "none"], None, Path(args.log)) as url:

@@ -40,9 +40,10 @@ class Peer:
         return method != "hf-assisted" or self.draft is not None
 
     @torch.no_grad()
-    def generate(self, method: str, prompt_ids: list[int], max_tokens: int) -> PeerRun:
+    def generate(self, method: str, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> PeerRun:
+        """`ignore_eos`: exactly `max_tokens` new tokens (as the server's `ignore_eos`)."""
         ids = torch.tensor([prompt_ids], device=self.target.device)
-        kwargs: dict = {}
+        kwargs: dict = {"min_new_tokens": max_tokens} if ignore_eos else {}
         if method == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
         elif method == "hf-assisted":
@@ -67,5 +68,5 @@ class Peer:
         eos = self.target.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         # Count through the first EOS (as the server counts its stop token), not padding after it.
-        n = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+        n = len(new) if ignore_eos else next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
         return PeerRun(completion_tokens=n, wall_s=wall)
