@@ -359,16 +359,14 @@ class Scheduler:
         metrics = self._metrics
         if metrics is not None:
             metrics.observe_step(result)
-        for rid, why in result.failed.items():  # the engine failed these alone (they left its batch)
+        dropped = [(rid, EngineError(f"generation failed for this request: {why}"))  # failed alone
+                   for rid, why in result.failed.items()]
+        dropped += [(rid, RequestRejected(why)) for rid, why in result.rejected.items()]  # their own input
+        for rid, exc in dropped:  # these rows left the engine's batch
             with self._lock:
                 seq = self._running.get(rid)
             if seq is not None:
-                self._drop(seq, EngineError(f"generation failed for this request: {why}"))
-        for rid, why in result.rejected.items():  # their own input failed them (they left its batch)
-            with self._lock:
-                seq = self._running.get(rid)
-            if seq is not None:
-                self._drop(seq, RequestRejected(why))
+                self._drop(seq, exc)
         for out in result.outputs:
             with self._lock:
                 seq = self._running.get(out.request_id)

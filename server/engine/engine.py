@@ -174,9 +174,8 @@ class Engine:
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
         self._leave({o.request_id for o in outputs if o.finished} | set(failures))
         prefill, self._prefill_tokens = self._prefill_tokens, 0
-        # A GrammarError is the request's own fault (a grammar llguidance cannot follow): the client's 400.
-        failed = {rid: _describe(e) for rid, e in failures.items() if not isinstance(e, GrammarError)}
-        rejected = {rid: str(e) for rid, e in failures.items() if isinstance(e, GrammarError)}
+        failed = {rid: _describe(e) for rid, e in failures.items() if not _own_input(e)}
+        rejected = {rid: str(e) for rid, e in failures.items() if _own_input(e)}
         return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed, rejected=rejected)
 
     # ---- the KV budget -------------------------------------------------------------------------
@@ -243,7 +242,7 @@ class Engine:
                 why = f"a step failed again without the rows that fail alone: {_describe(again)}"
                 raise EngineFault(why) from again
         stats = self._commit(verified, outputs, failed) if verified is not None else []
-        own_fault = all(isinstance(e, GrammarError) for e in failed.values())  # bad input never counts
+        own_fault = all(_own_input(e) for e in failed.values())  # bad input never counts
         self._faulty_steps = self._faulty_steps + 1 if failed and not stats and not own_fault else 0
         if self._faulty_steps >= FAULTY_STEPS:
             last = _describe(next(iter(failed.values())))
@@ -275,7 +274,7 @@ class Engine:
                 ckpt.restore()
         if not bad:
             raise EngineFault(f"a step failed but no row fails alone: {_describe(exc)}") from exc
-        if len(bad) == len(ids) and not all(isinstance(e, GrammarError) for e in bad.values()):
+        if len(bad) == len(ids) and not all(_own_input(e) for e in bad.values()):
             raise EngineFault(f"every row of a batch of {len(ids)} fails alone: {_describe(exc)}") from exc
         return bad
 
@@ -485,6 +484,12 @@ class _Checkpoint:
 def _reservation(request: GenerationRequest) -> int:
     """The KV columns a row may need: its prompt, its max_tokens, and one step's columns."""
     return len(request.prompt_token_ids) + request.sampling.max_tokens + ROW_SLACK
+
+
+def _own_input(exc: BaseException) -> bool:
+    """Whether a row failed on its own input (a grammar llguidance cannot follow): the client's 400,
+    never a sign that the engine is broken."""
+    return isinstance(exc, GrammarError)
 
 
 def _describe(exc: BaseException) -> str:
