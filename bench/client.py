@@ -39,10 +39,12 @@ class SpeculationUnsupported(Exception):
 
 def request_body(
     model: str, prompt: Prompt, method: str, k: int | None, max_tokens: int, temperature: float, seed: int | None,
-    origins: bool = True,
+    origins: bool = True, cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """A chat completion for `prompt` with `speculation: {method, num_tokens}` (K only for proposers)
-    and, when `origins`, `include_tokens` (per-token origins, same for every method)."""
+    and, when `origins`, `include_tokens` (per-token origins, same for every method). `cache_salt`: the
+    pool of earlier answers `suffix` may draft from (run.py gives each method its own, never holding the
+    same prompt twice)."""
     speculation: dict[str, Any] = {"method": method}
     if origins:
         speculation["include_tokens"] = True
@@ -57,6 +59,8 @@ def request_body(
     }
     if seed is not None:
         body["seed"] = seed
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 

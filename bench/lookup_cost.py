@@ -27,6 +27,7 @@ from server.speculation.suffix import GLOBAL_TOKENS, SuffixProposer
 class _Seq:
     request_id: str
     tokens: list[int]
+    cache_salt: str | None = None
 
 
 def corpus(tokenizer) -> list[int]:

@@ -28,6 +28,7 @@ from bench.workloads import WORKLOADS, load_workloads
 class _Seq:
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def collect(out: Path, workloads: list[str], max_tokens: int, batch: int = 5) -> None:

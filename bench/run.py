@@ -163,8 +163,14 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
         plan = schedule(workloads, args.temperatures, args.clients, methods, args.peer if peer_runner else [],
                         args.requests, args.min_waves)
         progress = Progress(sum(len(order) for *_, order in plan))
+        run_id = os.urandom(4).hex()  # a server given with --server-url may hold pools from earlier runs
         for w, t, n, r, order in plan:
             picks = [w.prompts[(r * n + i) % len(w.prompts)] for i in range(n)]
+            # Earlier answers `suffix` may draft from: per cell and method, and never the same prompt twice
+            # (a new pool each pass over the prompt list). A bench that repeats prompts would otherwise
+            # let `suffix` replay the identical answers of other methods' requests, which unseen prompts
+            # never offer; what differs between prompts of one pool (e.g. agent rounds) still counts.
+            salts = [f"{run_id}/{w.name}/T{t:g}/c{n}/pass{(r * n + i) // len(w.prompts)}" for i in range(n)]
             for method in order:
                 key = CellKey(w.name, method, n, t)
                 cell = cells.setdefault(key, Cell(key, k=args.k.get(method)))
@@ -176,8 +182,9 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                     progress.tick(label, run.completion_tokens, run.wall_s)
                     continue
                 seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(n)]
-                bodies = [request_body(model, p, method, args.k.get(method), args.max_tokens, t, s)
-                          for p, s in zip(picks, seeds, strict=True)]
+                bodies = [request_body(model, p, method, args.k.get(method), args.max_tokens, t, s,
+                                       cache_salt=f"{salt}/{method}")
+                          for p, s, salt in zip(picks, seeds, salts, strict=True)]
                 wave = await run_wave(client, url, bodies)
                 cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
                          wave.accepted_tokens, wave.decode_steps, wave.reported_methods, wave.proposers)

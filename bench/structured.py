@@ -24,7 +24,7 @@ from server.api.structured import request_grammar
 from server.config import Settings
 from server.engine.engine import Engine, build_engine
 from server.speculation.planner import FORCED
-from server.speculation.suffix import GLOBAL_TOKENS, GlobalIndex, SuffixProposer
+from server.speculation.suffix import GLOBAL_TOKENS, SharedIndex, SuffixProposer
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
 PERSON = {
@@ -104,7 +104,7 @@ def forget_earlier_answers(engine: Engine) -> None:
     another would otherwise be drafted the whole answer from its predecessor's output."""
     suffix = engine.planner.proposers.get("suffix")
     if isinstance(suffix, SuffixProposer):
-        suffix.shared = GlobalIndex(GLOBAL_TOKENS)
+        suffix.shared = SharedIndex(GLOBAL_TOKENS)
 
 
 def run_case(engine: Engine, prompt: list[int], grammar: str, method: str, max_tokens: int) -> dict:

@@ -102,6 +102,9 @@ class GenerationRequest:
     # Constrained decoding: the grammar the output must follow, in llguidance's serialized form (the API
     # builds it from response_format or a forced tool_choice: server/api/structured.py); None: free text.
     grammar: str | None = None
+    # Cross-request state (suffix's global index of earlier outputs) is shared only between requests with
+    # the same salt (vLLM's `cache_salt`); None: the shared default.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -127,3 +127,33 @@ async def test_sampler_fields(client):
         r = await client.post(COMP, json=comp_body(**{field: value}))
         assert r.status_code == 400, (field, value)
         assert r.json()["error"]["param"].startswith(field) and word in r.json()["error"]["message"]
+
+
+async def test_cache_salt_scopes_drafts_from_earlier_answers(client):
+    """vLLM's cache_salt: `suffix` drafts a repeated prompt's whole answer from an earlier request with the
+    same salt, and nothing of it for another salt (so tenants cannot time each other's answers)."""
+    def body(salt):
+        extra = {"cache_salt": salt} if salt else {}
+        return comp_body(prompt="A salted prompt", max_tokens=16, ignore_eos=True, speculation={"method": "suffix"},
+                         **extra)
+
+    first = (await client.post(COMP, json=body("tenant-1"))).json()
+    again = (await client.post(COMP, json=body("tenant-1"))).json()
+    other = (await client.post(COMP, json=body("tenant-2"))).json()
+    unsalted = (await client.post(COMP, json=body(None))).json()
+    texts = {r["choices"][0]["text"] for r in (first, again, other, unsalted)}
+    assert len(texts) == 1  # greedy: the salt never changes the text, only what is drafted
+    drafted = {name: r["usage"]["speculation"] for name, r in
+               (("first", first), ("again", again), ("other", other), ("unsalted", unsalted))}
+    again = drafted["again"]  # tenant-1's answer drafted whole: every step's tokens but its last were drafts
+    assert again["acceptance_rate"] == 1.0 and again["accepted_tokens"] == 16 - again["decode_steps"]
+    assert again["decode_steps"] < drafted["first"]["decode_steps"]
+    assert drafted["first"]["accepted_tokens"] < again["accepted_tokens"]
+    for name in ("other", "unsalted"):  # no earlier answer in their pools: only what the request's own text offers
+        assert drafted[name]["accepted_tokens"] == drafted["first"]["accepted_tokens"], name
+
+
+async def test_cache_salt_must_be_a_nonempty_string(client):
+    for bad in ("", 7, "x" * 257):
+        r = await client.post(COMP, json=comp_body(cache_salt=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", bad

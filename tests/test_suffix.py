@@ -15,6 +15,7 @@ from server.speculation.suffix import (
     SPEC_FACTOR,
     GlobalIndex,
     RequestIndex,
+    SharedIndex,
     SuffixProposer,
     best_match,
     confidence_level,
@@ -26,6 +27,7 @@ from tests.engine_helpers import final_stats, request, run
 class FakeSeq:
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def lookup(tokens: list[int], k: int = 8):
@@ -187,3 +189,32 @@ def test_auto_uses_suffix_drafts_with_no_edits_to_auto(tiny_engine_factory, prom
     second = final_stats(engine, [request("b", prompt_ids[0], "auto", 8, max_tokens=40)])["b"]
     assert "suffix" in second.by_proposer and second.by_proposer["suffix"].accepted_tokens > 0
     assert second.decode_steps < first.decode_steps
+
+
+# ---- cache salts: cross-request drafts only within a tenant ------------------------------------------
+def test_a_salted_request_drafts_only_from_outputs_with_its_salt():
+    proposer = SuffixProposer()
+    answer = [40, 41, 42, 43, 44, 45]
+    for rid, salt in (("a", "tenant-1"), ("b", None)):
+        seq = FakeSeq(rid, [1, 2, 3], salt)
+        proposer.join([seq], None)
+        proposer.commit(seq, [], answer if salt else [50, 51, 52], None)
+        proposer.leave({rid})
+    probe = [9, 1, 2, 3]
+    same, other, unsalted = (FakeSeq(r, list(probe), s) for r, s in (("c", "tenant-1"), ("d", "tenant-2"), ("e", None)))
+    proposer.join([same, other, unsalted], None)
+    assert proposer.match(same, 8).drafts[:3] == [40, 41, 42]  # its own tenant's earlier answer
+    assert proposer.match(other, 8).drafts == []  # another tenant: nothing, not even the unsalted pool
+    assert proposer.match(unsalted, 8).drafts[:3] == [50, 51, 52]  # the unsalted pool only
+
+
+def test_one_bound_holds_across_salts_and_evicts_the_oldest_request_first():
+    shared = SharedIndex(max_tokens=10)
+    for i in range(20):  # 20 salts, 4 tokens each: memory stays within the one bound
+        shared.add(np.arange(100 * i, 100 * i + 4), salt=f"s{i}")
+        assert shared.tokens <= 10 and shared.tokens == sum(p.tokens for p in shared.partitions.values())
+    assert sorted(shared.partitions) == ["s18", "s19"]  # the two newest requests, whatever their salt
+    assert shared.lookup(np.array([1900]), 4, salt="s19").drafts == [1901, 1902, 1903]
+    assert shared.lookup(np.array([1900]), 4, salt="s18").drafts == []
+    shared.add(np.arange(5000, 5012), salt="s0")  # longer than the bound alone: its last tokens only
+    assert list(shared.partitions) == ["s0"] and shared.tokens == 10

@@ -190,5 +190,7 @@ def generation_requests(
         for j in range(n):
             seed = None if body.seed is None or body.seed < 0 else body.seed + j  # < 0: unseeded (UIs send -1)
             sampling = sampling_params(body, limit, logprobs, seed, extra_stop)
-            out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec, grammar))
+            out.append(
+                GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec, grammar, body.cache_salt)
+            )
     return out

@@ -31,6 +31,10 @@ class Sequence:
         return self.request.speculation.method
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
 

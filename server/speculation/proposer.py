@@ -49,6 +49,8 @@ class SequenceView(Protocol):
     def sampling(self) -> SamplingParams: ...
     @property
     def generator(self) -> torch.Generator: ...  # the request's own random stream
+    @property
+    def cache_salt(self) -> str | None: ...  # requests share cross-request state only with the same salt
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ where the chosen continuation's frequency among the node's occurrences drops bel
 The global index holds the last `GLOBAL_TOKENS` tokens of finished requests' outputs (each with the
 last `MATCH_CAP` tokens of its prompt before it, so a new request's prompt end can match and draft from
 its first token), evicted whole requests first-in first-out. It is fed when a request leaves (`leave`),
-with what `commit` kept; it is shared by every request of this server that uses `suffix` (or `auto`).
+with what `commit` kept; it is shared by every request of this server that uses `suffix` (or `auto`)
+and has the same cache salt (`SharedIndex`: none, or the request's `cache_salt`).
 
 Confidence (an index into `LEVEL_PRIORS`) combines the match length with the first draft token's
 frequency among the match's continuations: a long match with one dominant continuation is a copy.
@@ -195,19 +196,23 @@ class GlobalIndex:
     max_tokens: int = GLOBAL_TOKENS
     parts: deque[np.ndarray] = field(default_factory=deque)
     hay: np.ndarray = field(default_factory=lambda: np.full(1, SEPARATOR, dtype=np.int64))
-
-    @property
-    def tokens(self) -> int:
-        """Tokens held (separators not counted)."""
-        return sum(len(p) for p in self.parts)
+    tokens: int = 0  # tokens held (separators not counted)
 
     def add(self, tokens: np.ndarray) -> None:
         if len(tokens) < 2:
             return
         self.parts.append(tokens[-self.max_tokens :])
-        held = self.tokens
-        while held > self.max_tokens:
-            held -= len(self.parts.popleft())
+        self.tokens += len(self.parts[-1])
+        while self.tokens > self.max_tokens:
+            self.tokens -= len(self.parts.popleft())
+        self._rebuild()
+
+    def drop_oldest(self) -> None:
+        """Evict the oldest request (the shared bound across cache salts does this: `SharedIndex`)."""
+        self.tokens -= len(self.parts.popleft())
+        self._rebuild()
+
+    def _rebuild(self) -> None:
         pieces = [np.full(1, SEPARATOR, dtype=np.int64)]
         for part in self.parts:
             pieces += [part, pieces[0]]
@@ -223,6 +228,40 @@ class GlobalIndex:
             return NO_MATCH
         drafts, probs = walk(hay, ends, min(k, math.ceil(SPEC_FACTOR * length)), len(hay))
         return Match(drafts, length, tuple(probs), "global") if drafts else NO_MATCH
+
+
+class SharedIndex:
+    """The global index, one partition per cache salt (vLLM's `cache_salt`: tenants that must not learn
+    from each other's outputs, even through timing, send different salts; requests without one share a
+    partition). A request drafts only from its own salt's partition and feeds only that one. One bound
+    holds across all partitions: the oldest request is evicted first, whatever its salt, so many salts
+    cannot grow memory."""
+
+    def __init__(self, max_tokens: int = GLOBAL_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.partitions: dict[str | None, GlobalIndex] = {}
+        self._order: deque[str | None] = deque()  # the salt of every request held, oldest first
+        self.tokens = 0  # tokens held in all partitions
+
+    def add(self, tokens: np.ndarray, salt: str | None = None) -> None:
+        if len(tokens) < 2:
+            return
+        tokens = tokens[-self.max_tokens :]
+        while self._order and self.tokens + len(tokens) > self.max_tokens:  # room first: the oldest go
+            oldest = self._order.popleft()
+            victim = self.partitions[oldest]
+            self.tokens -= len(victim.parts[0])
+            victim.drop_oldest()
+            if not victim.parts:
+                del self.partitions[oldest]
+        # the partition then holds at most max_tokens, so it never evicts on its own
+        self.partitions.setdefault(salt, GlobalIndex(max_tokens=self.max_tokens)).add(tokens)
+        self._order.append(salt)
+        self.tokens += len(tokens)
+
+    def lookup(self, text: np.ndarray, k: int, salt: str | None = None) -> Match:
+        part = self.partitions.get(salt)
+        return part.lookup(text, k) if part is not None else NO_MATCH
 
 
 def best_match(request: Match, shared: Match) -> Match:
@@ -241,7 +280,8 @@ class SuffixProposer(Proposer):
 
     def __init__(self, global_tokens: int = GLOBAL_TOKENS) -> None:
         self.requests: dict[str, RequestIndex] = {}
-        self.shared = GlobalIndex(global_tokens)
+        self.salts: dict[str, str | None] = {}  # each request's cache salt: the partition it reads and feeds
+        self.shared = SharedIndex(global_tokens)
 
     @classmethod
     def build(cls, ctx: BuildContext) -> SuffixProposer:
@@ -251,6 +291,7 @@ class SuffixProposer(Proposer):
         for seq in seqs:
             tokens = seq.tokens
             self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
+            self.salts[seq.request_id] = seq.cache_salt
 
     def _index(self, seq: SequenceView) -> RequestIndex:
         tokens = seq.tokens
@@ -264,7 +305,7 @@ class SuffixProposer(Proposer):
     def match(self, seq: SequenceView, k: int) -> Match:
         """The better of the request's own and the global index's drafts for `seq`, up to k tokens."""
         index = self._index(seq)
-        return best_match(index.lookup(k), self.shared.lookup(index.text, k))
+        return best_match(index.lookup(k), self.shared.lookup(index.text, k, seq.cache_salt))
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
         found = [self.match(seq, k) for seq, k in zip(seqs, ks, strict=True)]
@@ -279,5 +320,6 @@ class SuffixProposer(Proposer):
         """Finished or aborted requests' outputs join the global index (oldest evicted first)."""
         for rid in sorted(request_ids):
             index = self.requests.pop(rid, None)
+            salt = self.salts.pop(rid, None)
             if index is not None and index.n > index.prompt_len:
-                self.shared.add(index.tail_for_global())
+                self.shared.add(index.tail_for_global(), salt)
