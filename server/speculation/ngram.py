@@ -10,7 +10,6 @@ one-token match is a guess. `auto` keeps its acceptance statistics per confidenc
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
 
@@ -28,22 +27,27 @@ def confidence_level(match_len: int) -> int:
 
 def ngram_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[list[int], int]:
     """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram, and
-    the length of that match (0 and no tokens when nothing matches)."""
+    the length of that match (0 and no tokens when nothing matches).
+
+    One vectorised pass: every earlier position holding the text's last token is a candidate, and how
+    far back each agrees with the text (up to `MATCH_CAP`) gives both the longest n-gram that occurs
+    (n <= n_max) and, for the latest candidate with it, the match length."""
     if k <= 0 or len(tokens) < n_min + 1:
         return [], 0
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
-        suffix = arr[-n:]
-        windows = sliding_window_view(arr[:-1], n)  # every n-gram that starts before the suffix does
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            hit = int(hits[-1])
-            start, length = hit + n, n
-            # extend backwards: the source's earlier tokens against the text's, one by one
-            while length < MATCH_CAP and hit > length - n and tokens[hit - 1 - (length - n)] == tokens[-1 - length]:
-                length += 1
-            return arr[start : start + k].tolist(), length
-    return [], 0
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # where an earlier occurrence of the last token ends
+    if ends.size == 0:
+        return [], 0
+    depth = min(MATCH_CAP, len(arr) - 1)
+    back = ends[:, None] - np.arange(depth)  # [candidates, depth]: each candidate's tokens, backwards
+    agree = (arr[np.maximum(back, 0)] == arr[::-1][:depth]) & (back >= 0)
+    lengths = np.cumprod(agree, axis=1).sum(axis=1)
+    n = min(int(lengths.max()), n_max)
+    if n < n_min:
+        return [], 0
+    latest = int(np.flatnonzero(lengths >= n)[-1])
+    start = int(ends[latest]) + 1
+    return arr[start : start + k].tolist(), int(lengths[latest])
 
 
 def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
