@@ -8,6 +8,7 @@ import pytest
 
 from server.speculation.adaptive import (
     PROBE_OVERHEAD,
+    STALE_AFTER,
     AdaptivePolicy,
     BatchRow,
     CostModel,
@@ -329,3 +330,60 @@ def test_a_batch_where_nobody_drafted_still_has_a_cost_model():
     assert cost.fitted
     assert cost.verify_time(8) == pytest.approx(0.08)
     assert cost.verify_time(16) > cost.verify_time(8)
+
+
+# A CPU's verify times by pass width (tokens fed), shaped like this project's 2-core machine in fp32:
+# a few rows cost far more per row than many (the matrix multiplies change regime), so no line fits.
+CPU_PASSES = {1: 0.060, 4: 0.095, 8: 0.130, 9: 0.155, 36: 0.204, 72: 0.475}
+
+
+def cpu_costs() -> CostModel:
+    cost = CostModel()
+    for _ in range(3):
+        for n, seconds in CPU_PASSES.items():
+            cost.observe_verify(n, seconds)
+    return cost
+
+
+def test_verify_time_is_the_measured_curve_not_a_line():
+    cost = cpu_costs()
+    for n, seconds in CPU_PASSES.items():
+        assert cost.verify_time(n) == pytest.approx(seconds)  # a measured width: as measured
+    assert cost.verify_time(6) == pytest.approx((0.095 + 0.130) / 2)  # between two: interpolated
+    assert cost.verify_time(100) > cost.verify_time(72)  # past the widest: still growing
+    # The marginal token of a 4-row batch costs what the 4- and 8-token passes measured; a line through
+    # every width would have put it at less than three quarters of that.
+    assert cost.token_cost(4) == pytest.approx((0.130 - 0.095) / 0.095)
+    fixed, slope = cost._least_squares()
+    assert 4 * slope / (fixed + 4 * slope) < 0.75 * cost.token_cost(4)
+
+
+def test_a_widths_time_is_robust_to_one_slow_pass_and_never_below_a_narrower_ones():
+    cost = cpu_costs()
+    cost.observe_verify(4, 1.0)  # one pass stalled (another process took the core)
+    assert cost.verify_time(4) == pytest.approx(0.095)
+    cost.observe_verify(12, 0.100)  # noise: wider, yet timed below the 9-token pass
+    assert cost.verify_time(12) >= cost.verify_time(9)
+
+
+def test_a_batch_widens_only_when_the_measured_pass_pays():
+    """Four rows whose first draft is right with probability a: widening to one draft each costs
+    T(8) / T(4) = 1.37 steps here, so it pays at a = 0.5 and not at a = 0.3."""
+    for rate, widens in ((0.3, False), (0.5, True)):
+        policy = AdaptivePolicy({"ngram": NgramProposer.traits}, cpu_costs())
+        for i in range(400):  # earlier requests: one draft per step, right in `rate` of the steps
+            policy.observe(f"old{i}", "ngram", 1, int(i % 10 < 10 * rate), level(3))
+        rows = [BatchRow(f"r{i}", "ngram", level=level(3), flexible=1) for i in range(4)]
+        assert policy.acceptance("r0", "ngram", 1, level(3))[0] == pytest.approx(rate, abs=0.03)
+        assert (policy.batch_width(rows)[0] > 0) is widens, rate
+
+
+def test_widths_not_timed_for_long_leave_the_curve():
+    """Calibration timed wide passes on an idle machine; once traffic has run long without them (and
+    the machine got slower), the curve rests on what was measured since."""
+    cost = cpu_costs()
+    for i in range(STALE_AFTER):
+        cost.observe_verify(1 + i % 2, 0.120 + 0.006 * (i % 2))  # one row, 0 or 1 draft: twice as slow
+    assert cost.verify_time(1) == pytest.approx(0.120)
+    # extended from the recent widths by their slope, not read from the stale 0.204 s point
+    assert cost.verify_time(36) == pytest.approx(0.126 + 34 * 0.006)

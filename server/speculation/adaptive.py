@@ -31,8 +31,11 @@ the same text.
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.speculation.proposer import Traits
@@ -68,37 +71,61 @@ def speedup(a: float, k: int, c: float) -> float:
     return expected_tokens(a, k) / (c * k + 1.0)
 
 
-def best_k(a: float | list[float], c: float, k_max: int) -> tuple[int, float]:
+def best_k(a: float | list[float], c: float | Callable[[int], float], k_max: int) -> tuple[int, float]:
     """The K in [0, k_max] with the highest predicted speedup, and that speedup.
 
     `a` is one per-token acceptance, or per draft position j the acceptance given that every
     earlier draft was accepted (copying comes in runs: once the first draft is right, the next
-    ones usually are too, which a single rate underestimates).
+    ones usually are too, which a single rate underestimates). `c` is the cost of one draft token
+    relative to a plain step, or a function of K giving it per token when K are drafted (a measured
+    pass time is not linear in its width).
     """
     rates = [a] * k_max if isinstance(a, float | int) else a
+    cost = c if callable(c) else (lambda _k: c)
     best = (0, 1.0)
     for k, expected in enumerate(expected_tokens_upto(rates, k_max)[1:], start=1):
-        s = expected / (c * k + 1.0)
+        s = expected / (cost(k) * k + 1.0)
         if s > best[1]:
             best = (k, s)
     return best
 
 
+POINT_WINDOW = 8  # timings kept per pass width: their median is that width's measured time
+STALE_AFTER = 1024  # passes: a width not timed in this many is dropped from the curve (the machine's load moves)
+
+
 class CostModel:
-    """Step timings, fitted online: verify time T(n) = fixed + per_token * n for n fed tokens, and
-    each timed proposer's time per draft token (one batched forward). Relative costs are what the
-    policy needs."""
+    """Step timings, measured online: the verify time T(n) of a pass over n fed tokens, and each timed
+    proposer's time per draft token (one batched forward). Relative costs are what the policy needs.
+
+    T(n) is the measured curve, not a line: the median of the last `POINT_WINDOW` timings of every
+    width seen (made non-decreasing in n), interpolated between widths, and continued past the
+    measured ones by a least-squares line's slope. A CPU matrix multiply's time per row changes with
+    the row count (on 2 cores, fp32: 4 rows cost ~1.5x one row, 36 rows ~2.6x), so a line fitted over
+    every width mispredicts the widths decoding uses most: one fitted to calibration plus traffic
+    put the marginal token of a 4-row batch at about two thirds of its measured cost, and `auto`
+    widened passes that lost."""
 
     def __init__(self, window: int = 128, prior_token_ratio: float = 0.05) -> None:
         self._window = window
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self._points: dict[int, deque[float]] = {}  # width -> its last POINT_WINDOW timings
+        self._last_seen: dict[int, int] = {}  # width -> the number of the pass that last timed it
+        self._passes = 0
         self._draft_forward: dict[str, deque[float]] = {}
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
+        self._curve: tuple[list[int], list[float]] | None = None  # `_measured`'s result until the next timing
+        self._token_costs: dict[tuple[int, int], float] = {}  # `token_cost`'s results until the next timing
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self._verify.append((tokens, seconds))
+        self._points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
+        self._passes += 1
+        self._last_seen[tokens] = self._passes
         self._fitted = None
+        self._curve = None
+        self._token_costs.clear()
 
     def observe_draft(self, proposer: str, forwards: int, seconds: float) -> None:
         """`proposer` drafted up to `forwards` tokens per row in `seconds`."""
@@ -128,6 +155,21 @@ class CostModel:
         slope = max(slope, 0.0)
         return max(mean_y - slope * mean_n, 1e-6), slope
 
+    def _measured(self) -> tuple[list[int], list[float]]:
+        """(widths, times): each measured width's median timing, non-decreasing in the width (a wider
+        pass never takes less time: where noise says otherwise, the narrower width's time stands).
+        Widths not timed in the last `STALE_AFTER` passes (e.g. start-up calibration of batches that
+        never came) are left out while two others remain: the line's slope extends the curve instead."""
+        if self._curve is None:
+            recent = [n for n, seen in self._last_seen.items() if self._passes - seen < STALE_AFTER]
+            widths = sorted(recent if len(recent) >= 2 else self._points)
+            times, top = [], 0.0
+            for n in widths:
+                top = max(top, statistics.median(self._points[n]))
+                times.append(top)
+            self._curve = (widths, times)
+        return self._curve
+
     @property
     def fitted(self) -> bool:
         """Enough timings (4) to predict a pass's time from its width."""
@@ -140,19 +182,32 @@ class CostModel:
                 return None
             mean = sum(s for _, s in self._verify) / len(self._verify)
             return mean
-        fixed, per_token = fit
-        return fixed + per_token * tokens
+        slope = fit[1]
+        widths, times = self._measured()
+        i = bisect.bisect_left(widths, tokens)
+        if i < len(widths) and widths[i] == tokens:
+            return times[i]
+        if i == 0:  # narrower than any measured pass
+            return max(times[0] - slope * (widths[0] - tokens), 1e-6)
+        if i == len(widths):  # wider than any measured pass
+            return times[-1] + slope * (tokens - widths[-1])
+        lo, hi = widths[i - 1], widths[i]
+        return times[i - 1] + (times[i] - times[i - 1]) * (tokens - lo) / (hi - lo)
 
-    def token_cost(self, rows: int) -> float:
-        """Relative cost, for one of `rows` sequences, of verifying one more token each step: the
-        time it adds to a step against that sequence's share of a plain-decoding step of the same
-        batch. Alone, verifying is nearly free; in a full batch on a CPU, each token costs about
-        its share."""
-        fit = self._fit()
-        if fit is None:
+    def token_cost(self, rows: int, k: int = 1) -> float:
+        """Relative cost, per draft token, for one of `rows` sequences, of verifying k more tokens each
+        step: the time every row's k more tokens add to a step, over a plain-decoding step of the same
+        batch, per row and token. Alone, verifying is nearly free; in a full batch on a CPU, each token
+        costs about its share."""
+        if self._fit() is None:
             return self.prior_token_ratio * rows
-        fixed, per_token = fit
-        return rows * per_token / (fixed + per_token * rows)
+        cost = self._token_costs.get((rows, k))
+        if cost is None:  # asked for every row, proposer and K of a step: computed once per timing
+            plain = self.verify_time(rows)
+            wider = self.verify_time(rows * (k + 1))
+            assert plain is not None and wider is not None
+            cost = self._token_costs[(rows, k)] = max(wider - plain, 0.0) / (k * plain)
+        return cost
 
     def draft_forward_time(self, proposer: str) -> float | None:
         """Mean seconds of one of `proposer`'s draft tokens (None before any timing)."""
@@ -284,9 +339,9 @@ class AdaptivePolicy:
             own = self.cost.draft_cost(proposer, rows)
         return DEFAULT_DRAFT_COST if own is None else own
 
-    def method_cost(self, proposer: str, rows: int = 1) -> float:
-        """c for `proposer`: verifying one more token plus producing one draft token."""
-        return self.cost.token_cost(rows) + self.own_cost(proposer, rows)
+    def method_cost(self, proposer: str, rows: int = 1, k: int = 1) -> float:
+        """c for `proposer` when it drafts k tokens: verifying them plus producing them, per token."""
+        return self.cost.token_cost(rows, k) + self.own_cost(proposer, rows)
 
     def usable(self, proposer: str, offers: dict[str, Offer], reproducible: bool) -> bool:
         """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
@@ -318,7 +373,7 @@ class AdaptivePolicy:
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
             a = self.acceptance(request_id, name, limit, offer.level, sampled)
-            k, gain = best_k(a, self.method_cost(name, rows), limit)
+            k, gain = best_k(a, lambda k, name=name: self.method_cost(name, rows, k), limit)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
                 best = Choice(name, k, gain)
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
