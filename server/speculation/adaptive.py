@@ -35,7 +35,6 @@ import bisect
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.speculation.proposer import Traits
@@ -71,20 +70,20 @@ def speedup(a: float, k: int, c: float) -> float:
     return expected_tokens(a, k) / (c * k + 1.0)
 
 
-def best_k(a: float | list[float], c: float | Callable[[int], float], k_max: int) -> tuple[int, float]:
+def best_k(a: float | list[float], c: float | list[float], k_max: int) -> tuple[int, float]:
     """The K in [0, k_max] with the highest predicted speedup, and that speedup.
 
     `a` is one per-token acceptance, or per draft position j the acceptance given that every
     earlier draft was accepted (copying comes in runs: once the first draft is right, the next
     ones usually are too, which a single rate underestimates). `c` is the cost of one draft token
-    relative to a plain step, or a function of K giving it per token when K are drafted (a measured
-    pass time is not linear in its width).
+    relative to a plain step, or per K (index K - 1) that cost per token when K are drafted (a
+    measured pass time is not linear in its width).
     """
     rates = [a] * k_max if isinstance(a, float | int) else a
-    cost = c if callable(c) else (lambda _k: c)
+    costs = [c] * k_max if isinstance(c, float | int) else c
     best = (0, 1.0)
     for k, expected in enumerate(expected_tokens_upto(rates, k_max)[1:], start=1):
-        s = expected / (cost(k) * k + 1.0)
+        s = expected / (costs[k - 1] * k + 1.0)
         if s > best[1]:
             best = (k, s)
     return best
@@ -373,7 +372,7 @@ class AdaptivePolicy:
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
             a = self.acceptance(request_id, name, limit, offer.level, sampled)
-            k, gain = best_k(a, lambda k, name=name: self.method_cost(name, rows, k), limit)
+            k, gain = best_k(a, [self.method_cost(name, rows, k) for k in range(1, limit + 1)], limit)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
                 best = Choice(name, k, gain)
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
