@@ -206,6 +206,12 @@ def test_a_salted_request_drafts_only_from_outputs_with_its_salt():
     assert proposer.match(same, 8).drafts[:3] == [40, 41, 42]  # its own tenant's earlier answer
     assert proposer.match(other, 8).drafts == []  # another tenant: nothing, not even the unsalted pool
     assert proposer.match(unsalted, 8).drafts[:3] == [50, 51, 52]  # the unsalted pool only
+    direct = FakeSeq("f", [1, 2, 3], "tenant-3")  # proposed for without a join (a direct caller)
+    proposer.propose([direct], [8])
+    proposer.commit(direct, [], [60, 61, 62], None)
+    proposer.leave({"f"})
+    assert proposer.shared.lookup(np.array([2, 3]), 8, "tenant-3").drafts[:3] == [60, 61, 62]
+    assert proposer.match(unsalted, 8).drafts[:3] == [50, 51, 52]  # still not in the unsalted pool
 
 
 def test_one_bound_holds_across_salts_and_evicts_the_oldest_request_first():

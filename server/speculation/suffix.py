@@ -289,17 +289,20 @@ class SuffixProposer(Proposer):
 
     def join(self, seqs: list[SequenceView], prompt_hidden: object = None) -> None:
         for seq in seqs:
-            tokens = seq.tokens
-            self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
-            self.salts[seq.request_id] = seq.cache_salt
+            self._start(seq)
+
+    def _start(self, seq: SequenceView) -> RequestIndex:
+        """Index a sequence from its text so far (the prompt), in its cache salt's pool."""
+        tokens = seq.tokens
+        self.salts[seq.request_id] = seq.cache_salt
+        index = self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
+        return index
 
     def _index(self, seq: SequenceView) -> RequestIndex:
-        tokens = seq.tokens
         index = self.requests.get(seq.request_id)
         if index is None:  # not joined through the planner (a direct caller): the text so far is the prompt
-            index = self.requests[seq.request_id] = RequestIndex(tokens, len(tokens))
-        else:
-            index.sync(tokens)
+            return self._start(seq)
+        index.sync(seq.tokens)
         return index
 
     def match(self, seq: SequenceView, k: int) -> Match:
