@@ -220,3 +220,17 @@ def test_last_layer_init_copies_the_targets_last_layer():
         assert torch.equal(head.decoder.layers[0].state_dict()[name], value)
     with pytest.raises(ValueError, match="init must be"):
         EagleHead.create(target, [1, 2], "tiny", init="first-layer")
+
+
+def test_auto_starts_from_the_heads_measured_acceptance():
+    """`auto`'s prior for eagle drafts is the head's held-out first-draft acceptance when distill
+    recorded it, and the proposer's default when a head records none (or nonsense)."""
+    from server.speculation.eagle import EagleProposer
+
+    target = tiny_llama(VOCAB)
+    head = EagleHead.create(target, list(range(VOCAB)), "tiny", seed=0)
+    assert EagleProposer(head, VOCAB).traits == EagleProposer.traits
+    head.config.training["heldout_acceptance"] = [0.31, 0.25]
+    assert EagleProposer(head, VOCAB).traits.confidence_priors == (0.31,)
+    head.config.training["heldout_acceptance"] = [1.7]
+    assert EagleProposer(head, VOCAB).traits == EagleProposer.traits
