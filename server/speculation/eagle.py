@@ -49,7 +49,7 @@ def measured_prior(head: EagleHead) -> float | None:
     from it, so a weak head is not tried as if it were a good one (the shipped head: 0.39, against
     the 0.6 assumed before)."""
     measured = head.config.training.get("heldout_acceptance") or []
-    first = measured[0] if measured else None
+    first = measured[0] if isinstance(measured, list) and measured else None
     return float(first) if isinstance(first, int | float) and 0.0 < first <= 1.0 else None
 
 
