@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView, Traits
+from server.speculation.suffix import match_lengths
 
 MATCH_CAP = 16  # match lengths are measured up to this many tokens
 # Confidence levels: match lengths 1, 2, 3-7 and 8+ tokens. Measured on copy_edit/code/summarize
@@ -38,10 +39,7 @@ def ngram_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[list
     ends = np.flatnonzero(arr[:-1] == arr[-1])  # where an earlier occurrence of the last token ends
     if ends.size == 0:
         return [], 0
-    depth = min(MATCH_CAP, len(arr) - 1)
-    back = ends[:, None] - np.arange(depth)  # [candidates, depth]: each candidate's tokens, backwards
-    agree = (arr[np.maximum(back, 0)] == arr[::-1][:depth]) & (back >= 0)
-    lengths = np.cumprod(agree, axis=1).sum(axis=1)
+    lengths = match_lengths(arr, ends, arr, min(MATCH_CAP, len(arr) - 1))
     n = min(int(lengths.max()), n_max)
     if n < n_min:
         return [], 0

@@ -86,6 +86,14 @@ class Match:
 NO_MATCH = Match([])
 
 
+def match_lengths(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, depth: int) -> np.ndarray:
+    """Per candidate end position in `hay`, how many tokens ending there agree with the end of `text`
+    (compared backwards, up to `depth`; never before the start of `hay`)."""
+    back = ends[:, None] - np.arange(depth)  # [candidates, depth]: each candidate's tokens, backwards
+    agree = (hay[np.maximum(back, 0)] == text[::-1][:depth]) & (back >= 0)
+    return np.cumprod(agree, axis=1).sum(axis=1)  # tokens agreeing before the first disagreement
+
+
 def deepest_node(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, cap: int = MATCH_CAP) -> tuple[np.ndarray, int]:
     """The occurrences in `hay` of the longest suffix of `text` (at most `cap` tokens) among candidate
     end positions `ends` (where hay holds text's last token), and that suffix's length.
@@ -102,9 +110,7 @@ def deepest_node(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, cap: int =
         if keep.size == 0:
             return ends, length
         ends, length = keep + length, length + 1
-    back = ends[:, None] - np.arange(depth)  # [candidates, depth]: each candidate's tokens, backwards
-    agree = (hay[np.maximum(back, 0)] == text[::-1][:depth]) & (back >= 0)
-    lengths = np.cumprod(agree, axis=1).sum(axis=1)  # tokens agreeing before the first disagreement
+    lengths = match_lengths(hay, ends, text, depth)
     longest = int(lengths.max())
     return ends[lengths == longest], longest
 
