@@ -95,7 +95,7 @@ def test_confidence_levels_order_match_length_then_dominance():
 
 # ---- the global tree -------------------------------------------------------------------------------
 def test_global_index_drafts_an_earlier_output_and_counts_continuations():
-    g = GlobalIndex(max_tokens=1000)
+    g = GlobalIndex()
     g.add(np.array([1, 2, 3, 10, 11, 12]))
     g.add(np.array([1, 2, 3, 10, 20, 21]))
     g.add(np.array([1, 2, 3, 10, 11, 13]))
@@ -106,7 +106,7 @@ def test_global_index_drafts_an_earlier_output_and_counts_continuations():
 
 
 def test_global_matches_never_cross_requests():
-    g = GlobalIndex(max_tokens=1000)
+    g = GlobalIndex()
     g.add(np.array([5, 6]))
     g.add(np.array([7, 8]))
     assert g.lookup(np.array([6]), 4).drafts == []  # 6 ends its request: nothing follows it
@@ -115,16 +115,18 @@ def test_global_matches_never_cross_requests():
 
 
 def test_global_index_evicts_the_oldest_requests_within_its_bound():
-    g = GlobalIndex(max_tokens=10)
+    shared = SharedIndex(max_tokens=10)
     for start in range(0, 60, 4):
-        g.add(np.arange(start, start + 4))
-        assert g.tokens <= 10
+        shared.add(np.arange(start, start + 4))
+        assert shared.tokens <= 10
+    g = shared.partitions[None]  # the unsalted pool
     assert [int(p[0]) for p in g.parts] == [52, 56]  # the newest requests that fit, in arrival order
-    assert g.lookup(np.array([0]), 4).drafts == []  # evicted
-    assert g.lookup(np.array([56]), 4).drafts == [57, 58, 59]
+    assert shared.lookup(np.array([0]), 4).drafts == []  # evicted
+    assert shared.lookup(np.array([56]), 4).drafts == [57, 58, 59]
     assert len(g.hay) == g.tokens + len(g.parts) + 1  # separators around every request
-    g.add(np.arange(1000, 1050))  # longer than the bound alone: only its last tokens are kept
-    assert g.tokens == 10 and g.parts[-1][0] == 1040
+    shared.add(np.arange(1000, 1050))  # longer than the bound alone: only its last tokens are kept
+    g = shared.partitions[None]
+    assert shared.tokens == g.tokens == 10 and g.parts[-1][0] == 1040
 
 
 def test_the_longer_match_wins_between_the_request_and_the_global_tree():

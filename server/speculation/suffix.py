@@ -196,25 +196,20 @@ class RequestIndex:
 
 @dataclass
 class GlobalIndex:
-    """Recent finished requests' outputs (with their prompt tails), one array with separators; the
-    oldest requests are evicted first once more than `max_tokens` tokens are held."""
+    """One pool of finished requests' outputs (with their prompt tails): one array with separators,
+    oldest request first. Its bound is `SharedIndex`'s, which holds every pool."""
 
-    max_tokens: int = GLOBAL_TOKENS
     parts: deque[np.ndarray] = field(default_factory=deque)
     hay: np.ndarray = field(default_factory=lambda: np.full(1, SEPARATOR, dtype=np.int64))
     tokens: int = 0  # tokens held (separators not counted)
 
     def add(self, tokens: np.ndarray) -> None:
-        if len(tokens) < 2:
-            return
-        self.parts.append(tokens[-self.max_tokens :])
-        self.tokens += len(self.parts[-1])
-        while self.tokens > self.max_tokens:
-            self.tokens -= len(self.parts.popleft())
+        self.parts.append(tokens)
+        self.tokens += len(tokens)
         self._rebuild()
 
     def drop_oldest(self) -> None:
-        """Evict the oldest request (the shared bound across cache salts does this: `SharedIndex`)."""
+        """Evict the oldest request (`SharedIndex` does, to keep its bound)."""
         self.tokens -= len(self.parts.popleft())
         self._rebuild()
 
@@ -260,8 +255,7 @@ class SharedIndex:
             victim.drop_oldest()
             if not victim.parts:
                 del self.partitions[oldest]
-        # the partition then holds at most max_tokens, so it never evicts on its own
-        self.partitions.setdefault(salt, GlobalIndex(max_tokens=self.max_tokens)).add(tokens)
+        self.partitions.setdefault(salt, GlobalIndex()).add(tokens)
         self._order.append(salt)
         self.tokens += len(tokens)
 
