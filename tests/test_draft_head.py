@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from server.draft_head.data import Sample, teacher_force
+from server.draft_head.data import Sample, answer_batch, build_self_distilled, teacher_force
 from server.draft_head.distill import choose_vocab
 from server.draft_head.model import EagleHead
 from server.draft_head.options import TrainOptions
-from server.draft_head.train import held_out_acceptance, train_head
+from server.draft_head.train import _steps_within, held_out_acceptance, train_head
 from server.draft_head.unroll import unrolled_features
 from server.sampling import BatchSampling, probabilities
 from server.types import SamplingParams
@@ -234,3 +234,76 @@ def test_auto_starts_from_the_heads_measured_acceptance():
     assert EagleProposer(head, VOCAB).traits.confidence_priors == (0.31,)
     head.config.training["heldout_acceptance"] = [1.7]
     assert EagleProposer(head, VOCAB).traits == EagleProposer.traits
+
+
+def _favour(model, token: int, bonus: float):
+    """Make `model` emit `token` more often (a logit bonus), so tiny random models end answers."""
+    def hook(_module, _inputs, logits):
+        logits[..., token] += bonus
+        return logits
+    return model.lm_head.register_forward_hook(hook)
+
+
+def test_answers_checked_every_few_steps_equal_answers_checked_every_step():
+    """The GPU path (finished rows leave every few steps, tokens stay on the device) makes the same
+    samples as the CPU path: each answer ends at its first stop token, with that token's feature."""
+    target = tiny_llama(VOCAB, seed=3)
+    _favour(target, 2, 3.0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 7, 5, 2, 6)]
+    every_step = answer_batch(target, prompts, {2}, 20, check_every=1)
+    every_fifth = answer_batch(target, prompts, {2}, 20, check_every=5)
+    lengths = [len(s.ids) - s.prompt_len for s in every_step]
+    assert min(lengths) < 20 and max(lengths) == 20  # some stopped early, some ran to the cap
+    for a, b, p in zip(every_step, every_fifth, prompts, strict=True):
+        assert a.ids.tolist() == b.ids.tolist() and a.prompt_len == b.prompt_len == len(p)
+        assert a.hidden.shape == b.hidden.shape == (len(a.ids), target.config.hidden_size)
+        assert torch.allclose(a.hidden.float(), b.hidden.float(), atol=1e-2)
+        answer = a.ids[a.prompt_len:].tolist()
+        assert 2 not in answer[:-1]  # nothing after a stop token is kept
+
+
+def test_answering_stops_at_its_time_limit_and_resumes(tmp_path, tokenizer):
+    target = tiny_llama(len(tokenizer), seed=0, hidden=32)
+    prompts = [f"Question number {i}?" for i in range(6)]
+    data = tmp_path / "data"
+    kwargs = {"batch_size": 2, "max_new_tokens": 3, "progress": False}
+    assert build_self_distilled(data, target, tokenizer, prompts, **kwargs, time_limit=0) == []
+    whole = build_self_distilled(data, target, tokenizer, prompts, **kwargs)
+    assert len(whole) == 6  # the stopped run left nothing behind that a resumed one trips over
+    # Temperatures taken in turn, batch by batch: shard 0 greedy, shard 1 sampled.
+    mixed = build_self_distilled(tmp_path / "mixed", target, tokenizer, prompts, **kwargs, temperature=[0.0, 5.0])
+    assert [s.ids.tolist() for s in mixed[:2]] == [s.ids.tolist() for s in whole[:2]]
+    assert [s.ids.tolist() for s in mixed[2:4]] != [s.ids.tolist() for s in whole[2:4]]
+
+
+def test_the_target_writes_prompts(tokenizer):
+    """Magpie: fed its chat template up to the user's text, the target writes user messages; only whole
+    (self-ended), new ones count, and writing ends when batches stop yielding any."""
+    from server.draft_head.self_prompts import generate_prompts, pre_query_ids
+
+    assert tokenizer.decode(pre_query_ids(tokenizer)).endswith("<|im_start|>user\n")
+    target = tiny_llama(len(tokenizer), seed=0, hidden=32)
+    assert generate_prompts(target, tokenizer, 4, batch_size=4, max_tokens=4) == []  # never ends a message
+    _favour(target, tokenizer.eos_token_id, 9.0)
+    first = generate_prompts(target, tokenizer, 12, batch_size=8, max_tokens=24, seed=1)
+    assert len(first) == 12 and len({" ".join(p.lower().split()) for p in first}) == 12
+    assert all(p and "<|im_end|>" not in p for p in first)
+    again = generate_prompts(target, tokenizer, 12, batch_size=8, max_tokens=24, seed=1, exclude=first[:3])
+    assert not set(first[:3]) & set(again) and len(again) == 12
+
+
+def test_training_ends_within_its_time_limit(tmp_path):
+    """With a time limit, the step count is cut to what the measured rate fits (here: none left after
+    the first 25 steps), and the LR schedule follows the new count."""
+    target = token_driven_target()
+    train = random_samples(target, 16, seed=1)
+    head = EagleHead.create(target, choose_vocab(train, VOCAB, VOCAB, {2}), "tiny", seed=0).requires_grad_(True)
+    opts = TrainOptions(steps=60, batch_size=4, train_depth=1, eval_every=1000, checkpoint_every=1000,
+                        time_limit=0.0)
+    exported = []
+    state = train_head(head, train, train[:2], None, opts, tmp_path / "checkpoint.pt",
+                       lambda h, s: exported.append(s.step), progress=False)
+    assert state.step == 26 and exported == [26]
+    assert _steps_within(10.0, 1000, 100, 5.0, 100) == 200  # 20 steps/s, 5 s left
+    assert _steps_within(10.0, 150, 100, 5.0, 100) == 150  # never more than asked

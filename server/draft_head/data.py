@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,14 +112,19 @@ def answer_batch(
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    check_every: int | None = None,
 ) -> list[Sample]:
     """Answer `prompts` (token ids) with `model` in one left-padded batch and keep its features.
 
-    The answer is greedy at temperature 0, sampled otherwise. A sample ends with its stop token (whose
-    feature is kept: it is fed once more so the head also learns what follows) or at `max_new_tokens`.
-    Finished rows leave the batch, so long answers don't drag short ones along.
+    The answer is greedy at temperature 0, sampled otherwise (`generator` on the model's device). A
+    sample ends with its stop token (whose feature is kept: it is fed once more so the head also learns
+    what follows) or at `max_new_tokens`. Every `check_every` steps finished rows leave the batch, so
+    long answers don't drag short ones along; in between, a finished row runs on and what it makes
+    after its stop is cut off. Checking costs a device sync, so on a GPU it happens every 16 steps
+    (the default there) and tokens and features stay on the device until the batch is done.
     """
     device = model.device
+    check_every = check_every or (1 if device.type == "cpu" else 16)
     batch = len(prompts)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(batch, width, dtype=torch.long)
@@ -130,40 +137,57 @@ def answer_batch(
     cache = DynamicCache()
     out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
                       use_cache=True)
-    feats = [[out.last_hidden_state[b, width - len(p):].half().cpu()] for b, p in enumerate(prompts)]
-    tokens: list[list[int]] = [list(p) for p in prompts]
-    last = out.last_hidden_state[:, -1]  # [B, H]
-    alive = list(range(batch))  # sample index of each batch row
+    prompt_feats = out.last_hidden_state.half().cpu()
+    last = out.last_hidden_state[:, -1]  # [rows, H]
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    rows = torch.arange(batch, device=device)  # the sample each batch row answers
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     positions = position_ids[:, -1]
+    made_rows, made_tokens, made_feats = [], [], []  # per step, for the rows alive at that step
     for step in range(max_new_tokens):
         logits = model.lm_head(last).float()  # [rows, V]
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         else:
             nxt = logits.argmax(-1)
-        for row, sample in enumerate(alive):
-            tokens[sample].append(int(nxt[row]))
         positions = positions + 1
-        mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=device)], dim=1)
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
         out = model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
                           cache=cache, use_cache=True)
         last = out.last_hidden_state[:, -1]
-        for row, sample in enumerate(alive):
-            feats[sample].append(last[row: row + 1].half().cpu())
-        done = [row for row, sample in enumerate(alive) if tokens[sample][-1] in stop_ids]
-        if len(done) == len(alive) or step == max_new_tokens - 1:
+        made_rows.append(rows)
+        made_tokens.append(nxt)
+        made_feats.append(last.half())
+        finished = finished | torch.isin(nxt, stops)
+        if step == max_new_tokens - 1 or (step + 1) % check_every:
+            continue
+        if bool(finished.all()):
             break
-        if done:
-            keep = [row for row in range(len(alive)) if row not in set(done)]
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask, positions, last = mask[index], positions[index], last[index]
-            alive = [alive[row] for row in keep]
-    return [
-        Sample(ids=torch.tensor(tokens[b], dtype=torch.int32), hidden=torch.cat(feats[b]), prompt_len=len(p))
-        for b, p in enumerate(prompts)
-    ]
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            mask, positions, last, rows, finished = mask[keep], positions[keep], last[keep], rows[keep], finished[keep]
+    # One transfer, then each sample's answer in step order, cut after its first stop token.
+    sample_of = torch.cat(made_rows).cpu()
+    tokens = torch.cat(made_tokens).cpu()
+    feats = torch.cat(made_feats).cpu()
+    order = torch.argsort(sample_of, stable=True)
+    spans = torch.bincount(sample_of, minlength=batch).cumsum(0).tolist()
+    samples = []
+    for b, p in enumerate(prompts):
+        mine = order[(spans[b - 1] if b else 0): spans[b]]
+        answer, answer_feats = tokens[mine], feats[mine]
+        stopped = torch.isin(answer, stops.cpu()).nonzero()
+        if len(stopped):
+            end = int(stopped[0]) + 1
+            answer, answer_feats = answer[:end], answer_feats[:end]
+        samples.append(Sample(
+            ids=torch.cat([torch.tensor(p), answer]).to(torch.int32),
+            hidden=torch.cat([prompt_feats[b, width - len(p):], answer_feats]),
+            prompt_len=len(p),
+        ))
+    return samples
 
 
 @torch.inference_mode()
@@ -215,18 +239,22 @@ def build_self_distilled(
     *,
     batch_size: int,
     max_new_tokens: int,
-    temperature: float = 0.0,
+    temperature: float | list[float] = 0.0,
     seed: int = 0,
     workers: int = 1,
     progress: bool = True,
+    time_limit: float | None = None,
 ) -> list[Sample]:
     """Answer every prompt (shards already in `directory` are reused) and return all samples.
 
-    Prompts are batched by token length so left padding stays small; shard i always holds the same
-    prompts for the same inputs (a manifest refuses a directory made from other inputs), which is what
-    makes resuming safe. `workers` > 1 forks that many single-threaded processes sharing the model's
-    memory, each answering every workers-th batch: on a busy CPU, separate single-threaded processes
-    outpaced one process with as many threads (measured, docs/distill.md).
+    Prompts are batched by token length so left padding stays small, and the batches are answered in
+    an order shuffled with `seed`, so a run stopped early (`time_limit`: no batch starts after that
+    many seconds) still covers prompts of every length. Shard i always holds the same prompts for the
+    same inputs (a manifest refuses a directory made from other inputs), which is what makes resuming
+    safe. A list of temperatures is taken in turn, batch by batch. `workers` > 1 forks that many
+    single-threaded processes sharing the model's memory, each answering every workers-th batch: on a
+    busy CPU, separate single-threaded processes outpaced one process with as many threads (measured,
+    docs/distill.md).
     """
     directory.mkdir(parents=True, exist_ok=True)
     _check_manifest(directory, {"prompts": prompts, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
@@ -234,16 +262,24 @@ def build_self_distilled(
     encoded = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i))
     batches = list(_batches(order, batch_size))
+    temperatures = temperature if isinstance(temperature, list) else [temperature]
     job = _AnswerJob(directory, model, tokenizer, prompts, encoded, batches, _stop_ids(model, tokenizer),
-                     max_new_tokens, temperature, seed)
+                     max_new_tokens, temperatures, seed)
     todo = [n for n in range(len(batches)) if not job.shard(n).exists()]
+    random.Random(seed).shuffle(todo)
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     bar = _progress(len(batches), "answering prompts", progress)
     bar.update(len(batches) - len(todo))
     if workers <= 1 or len(todo) <= 1:
-        for n in todo:
+        for done, n in enumerate(todo):
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("answering stopped at its time limit: %d of %d batches left", len(todo) - done, len(todo))
+                break
             job.run(n)
             bar.update(1)
     else:
+        if deadline is not None:
+            raise ValueError("a time limit needs a single answering process (workers = 1)")
         _run_forked(job, todo, workers, bar)
     bar.close()
     return load_shards(directory)
@@ -261,7 +297,7 @@ class _AnswerJob:
     batches: list[list[int]]
     stop: set[int]
     max_new_tokens: int
-    temperature: float
+    temperatures: list[float]
     seed: int
 
     def shard(self, n: int) -> Path:
@@ -269,9 +305,10 @@ class _AnswerJob:
 
     def run(self, n: int) -> None:
         batch = self.batches[n]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + n)
+        gen = torch.Generator(device=self.model.device).manual_seed(self.seed * 1_000_003 + n)
+        temperature = self.temperatures[n % len(self.temperatures)]
         samples = answer_batch(self.model, [self.encoded[i] for i in batch], self.stop, self.max_new_tokens,
-                               self.temperature, gen)
+                               temperature, gen)
         texts = [
             {"prompt": self.prompts[i], "output": self.tokenizer.decode(s.ids[s.prompt_len:].tolist())}
             for i, s in zip(batch, samples, strict=True)
@@ -281,7 +318,6 @@ class _AnswerJob:
 
 def _run_forked(job: _AnswerJob, todo: list[int], workers: int, bar) -> None:
     import multiprocessing
-    import time
 
     def work(mine: list[int]) -> None:
         torch.set_num_threads(1)

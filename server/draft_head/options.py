@@ -23,4 +23,5 @@ class TrainOptions:
     checkpoint_every: int = 200
     seed: int = 0
     feature_noise: float = 0.0  # std of Gaussian noise on the input features (EAGLE-1 trains with noise)
+    time_limit: float | None = None  # seconds of training in this run: fewer steps (and their LR schedule) if needed
     init: str = "random"  # "random", or "last-layer": the decoder layer starts as a copy of the target's last

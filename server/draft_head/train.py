@@ -55,13 +55,14 @@ class Acceptance:
 def collate(samples: list[Sample], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Right-pad a batch: hidden [B, T, H] fp32, ids [B, T], lengths [B], prompt_lens [B]."""
     total = max(len(s.ids) for s in samples)
-    hidden = torch.zeros(len(samples), total, samples[0].hidden.shape[-1])
-    ids = torch.zeros(len(samples), total, dtype=torch.long)
+    where = samples[0].hidden.device  # samples may already live on the training device
+    hidden = torch.zeros(len(samples), total, samples[0].hidden.shape[-1], device=where)
+    ids = torch.zeros(len(samples), total, dtype=torch.long, device=where)
     for b, s in enumerate(samples):
         hidden[b, : len(s.ids)] = s.hidden.float()
         ids[b, : len(s.ids)] = s.ids.long()
-    lengths = torch.tensor([len(s.ids) for s in samples])
-    prompt_lens = torch.tensor([s.prompt_len for s in samples])
+    lengths = torch.tensor([len(s.ids) for s in samples], device=where)
+    prompt_lens = torch.tensor([s.prompt_len for s in samples], device=where)
     return hidden.to(device), ids.to(device), lengths.to(device), prompt_lens.to(device)
 
 
@@ -210,7 +211,12 @@ def train_head(
     loss_ema = None
     acc_text = ""
     started = time.monotonic() - state.train_seconds
+    run_start, run_first_step = time.monotonic(), state.step
     while state.step < total:
+        done = state.step - run_first_step
+        if opts.time_limit is not None and (done == 25 or (done and done % opts.eval_every == 0)):
+            total = _steps_within(opts.time_limit, total, state.step, time.monotonic() - run_start, done)
+            bar.total = total
         epoch, index = divmod(state.step, per_epoch)
         if epoch_cache[0] != epoch:
             epoch_cache = (epoch, epoch_batches(lengths, opts.batch_size, opts.seed, epoch))
@@ -241,6 +247,13 @@ def train_head(
     bar.close()
     state.train_seconds = time.monotonic() - started
     return state
+
+
+def _steps_within(limit: float, total: int, step: int, elapsed: float, done: int) -> int:
+    """The step count that ends training within `limit` seconds of this run, at the rate measured so
+    far (evaluations included); never more than `total`, never fewer than `step` + 1."""
+    rate = elapsed / max(1, done)
+    return max(step + 1, min(total, step + int((limit - elapsed) / rate)))
 
 
 def _save_checkpoint(path: Path, head: EagleHead, optim: torch.optim.Optimizer, state: TrainState) -> None:
