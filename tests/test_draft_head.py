@@ -210,7 +210,7 @@ def test_shipped_head_loads_for_the_builtin_target():
     head = EagleHead.from_pretrained(BUILTIN_HEAD, target.model)
     assert head.config.target_name == "SmolLM2-135M-Instruct"
     assert target.tokenizer.eos_token_id in head.config.vocab_ids
-    assert head.config.training["heldout_acceptance"][0] > 0.3
+    assert head.config.training["heldout_acceptance"][0] > 0.5  # the GPU-distilled head (docs/distill.md)
 
 
 def test_last_layer_init_copies_the_targets_last_layer():

@@ -63,9 +63,17 @@ class Sequence:
 
     @property
     def reproducible(self) -> bool:
-        """Seeded sampling: the same seed must draw the same text, so `auto` drafts for it only with
-        deterministic proposers, which cannot change what it samples (server/speculation/rejection.py)."""
+        """Seeded sampling: the same seed must draw the same text."""
         return self.sampled and self.request.sampling.seed is not None
+
+    @property
+    def one_hot_drafts(self) -> bool:
+        """Seeded sampling under `auto`: a model proposer drafts its most likely token with q one-hot and
+        takes nothing from the request's random stream, so the sampler draws every token as plain
+        decoding would and only compares (server/speculation/rejection.py). The text then cannot depend
+        on which proposer `auto` picked, which follows measured timings. A fixed method keeps sampled
+        drafts: its seeded text reproduces for the same method and K."""
+        return self.reproducible and self.mode == "auto"
 
     def num_drafts(self) -> int:
         """The most drafts this step may carry: the request's K, but never drafting past max_tokens."""

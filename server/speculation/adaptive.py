@@ -22,11 +22,11 @@ confidence level before any evidence. Acceptance is kept per proposer and confid
 n-gram draft copied after a long match is usually accepted whole, one after a one-token match
 rarely, and the same sequence sees both), and greedy apart from sampled requests.
 
-A seeded sampling request must reproduce. Deterministic drafts cannot change its text (the sampler
-draws every token as plain decoding would and only compares it with the draft: `rejection.py`), but a
-model proposer samples its drafts from the request's random stream, so seeded sampling requests
-(`reproducible=True`) use deterministic proposers only, and then any K, any batch and any timing give
-the same text.
+A seeded sampling request must reproduce, whatever `auto` picks from measured timings. Deterministic
+drafts cannot change its text (the sampler draws every token as plain decoding would and only compares
+it with the draft: `rejection.py`). A model proposer would sample its drafts from the request's random
+stream, so for these rows it drafts its most likely token with q one-hot instead
+(`Sequence.one_hot_drafts`), and then any proposer, K, batch and timing give the same text.
 """
 
 from __future__ import annotations
@@ -342,13 +342,11 @@ class AdaptivePolicy:
         """c for `proposer` when it drafts k tokens: verifying them plus producing them, per token."""
         return self.cost.token_cost(rows, k) + self.own_cost(proposer, rows)
 
-    def usable(self, proposer: str, offers: dict[str, Offer], reproducible: bool) -> bool:
+    def usable(self, proposer: str, offers: dict[str, Offer]) -> bool:
         """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
-        to offer, a model proposer only for requests whose text it cannot change (`reproducible`)."""
+        to offer (seeded rows may use any: model proposers draft one-hot for them, see the module doc)."""
         traits = self.traits[proposer]
-        if traits.lookahead and not offers.get(proposer, Offer(0)).drafts:
-            return False
-        return traits.deterministic or not reproducible
+        return not traits.lookahead or bool(offers.get(proposer, Offer(0)).drafts)
 
     def choose(
         self,
@@ -356,18 +354,17 @@ class AdaptivePolicy:
         k_max: int,
         rows: int = 1,
         offers: dict[str, Offer] | None = None,
-        reproducible: bool = False,
         sampled: bool = False,
     ) -> Choice:
         """Pick (proposer, K) for one of `rows` sequences in the batch. `offers`: what each lookahead
-        proposer has ready for this row. `reproducible`: seeded sampling (deterministic proposers
-        only). `sampled`: the request samples (temperature > 0) rather than decoding greedily."""
+        proposer has ready for this row. `sampled`: the request samples (temperature > 0) rather than
+        decoding greedily."""
         offers = offers or {}
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice(None, 0, 1.0)
         for name in self.traits:
-            if not self.usable(name, offers, reproducible):
+            if not self.usable(name, offers):
                 continue
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
@@ -378,7 +375,7 @@ class AdaptivePolicy:
         # In a batch, one row's lone probe widens the verify pass for every row (padding), which
         # costs far more than its share: there, rows draft only within the batch's width (`batch_width`).
         if best.proposer is None and k_max and rows == 1:
-            costs = {m: self.method_cost(m, rows) for m in self.traits if self.usable(m, offers, reproducible)}
+            costs = {m: self.method_cost(m, rows) for m in self.traits if self.usable(m, offers)}
             best = self._probe(state, costs, k_max) or best
         if best.proposer is not None:
             state.last_used[best.proposer] = state.steps

@@ -25,6 +25,7 @@ class DraftRows:
     ks: list[int]
     sampling: BatchSampling  # the requests' sampling, penalties off (q need only be a distribution)
     greedy: list[bool]
+    one_hot: list[bool]  # draft the argmax and hand the sampler no q (seeded sampling under auto)
 
 
 class ModelProposer(Proposer):
@@ -74,17 +75,20 @@ class ModelProposer(Proposer):
             ks=[by_id[s.request_id][1] for s in rows],
             sampling=BatchSampling.from_params(params, self.runner.device),
             greedy=[p.greedy for p in params],
+            one_hot=[s.one_hot_drafts for s in rows],
         )
 
     def _draw(
         self, logits: torch.Tensor, rows: DraftRows, drafting: list[bool]
     ) -> tuple[torch.Tensor, list[int | None]]:
         """q [rows, vocab] from the model's next-token logits [rows, model_vocab], and a draft token for
-        each row that is `drafting` (greedy: the argmax, no randomness; else sampled from its stream)."""
+        each row that is `drafting` (greedy or one-hot rows: the argmax, no randomness; else sampled
+        from its stream)."""
         q = probabilities(_to_width(logits, self.vocab_size)[:, None], rows.sampling)[:, 0]  # [rows, vocab]
         argmax = q.argmax(dim=-1).tolist()
         tokens = [
-            (argmax[b] if rows.greedy[b] else sample(q[b], rows.seqs[b].generator)) if drafting[b] else None
+            (argmax[b] if rows.greedy[b] or rows.one_hot[b] else sample(q[b], rows.seqs[b].generator))
+            if drafting[b] else None
             for b in range(len(drafting))
         ]
         return q, tokens
@@ -92,13 +96,15 @@ class ModelProposer(Proposer):
     def _in_order(
         self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
     ) -> Proposal:
-        """From cache-row order to the caller's order (sequences not in the cache drafted nothing)."""
+        """From cache-row order to the caller's order (sequences not in the cache drafted nothing; one-hot
+        rows hand the sampler no q, which makes it sample-and-compare)."""
         index = {rid: i for i, rid in enumerate(self.runner.rows)}
         out_drafts, out_q = [], []
         for s in seqs:
             i = index.get(s.request_id)
             out_drafts.append(drafts[i] if i is not None else [])
-            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] else None)
+            one_hot = s.one_hot_drafts
+            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] and not one_hot else None)
         return Proposal(drafts=out_drafts, q=out_q)
 
 

@@ -34,8 +34,6 @@ class PlannedSequence(SequenceView, Protocol):
     def mode(self) -> str: ...  # the request's method: "none", a proposer's name, or "auto"
     @property
     def sampled(self) -> bool: ...  # temperature > 0
-    @property
-    def reproducible(self) -> bool: ...  # seeded sampling
     def num_drafts(self) -> int: ...  # the most drafts this step may carry
     @property
     def grammar(self) -> Constraint | None: ...  # the request's grammar (constrained decoding), or None
@@ -201,7 +199,6 @@ class Planner:
             k_max,
             rows=batch,
             offers={name: Offer(len(d), level) for name, (d, level) in offers.items()},
-            reproducible=seq.reproducible,
             sampled=seq.sampled,
         )
         return choice.proposer, choice.k
@@ -227,7 +224,7 @@ class Planner:
             """(proposer, drafts, level) of the row's usable lookahead offer: its chosen one, else the first."""
             usable = {
                 n: o for n, o in offers.get(b, {}).items()
-                if policy.usable(n, {n: Offer(len(o[0]))}, seqs[b].reproducible)
+                if policy.usable(n, {n: Offer(len(o[0]))})
             }
             name = choices[b][0] if choices[b][0] in usable else next(iter(usable), None)
             if name is None:

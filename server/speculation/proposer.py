@@ -51,6 +51,8 @@ class SequenceView(Protocol):
     def generator(self) -> torch.Generator: ...  # the request's own random stream
     @property
     def cache_salt(self) -> str | None: ...  # requests share cross-request state only with the same salt
+    @property
+    def one_hot_drafts(self) -> bool: ...  # draft the most likely token, q one-hot, no randomness (see Sequence)
 
 
 @dataclass(frozen=True)
