@@ -46,8 +46,8 @@ class _Pending:
 def measured_prior(head: EagleHead) -> float | None:
     """The head's greedy first-draft acceptance on held-out prompts, as `distill` measured it after
     training (`training.heldout_acceptance[0]`), or None when the head records none. `auto` starts
-    from it, so a weak head is not tried as if it were a good one (the shipped head: 0.39, against
-    the 0.6 assumed before)."""
+    from it, so a weak head is not tried as if it were a good one, nor a good one left untried (the
+    CPU-trained head: 0.39, the GPU-distilled one shipped now: 0.59; 0.6 was assumed for any head)."""
     measured = head.config.training.get("heldout_acceptance") or []
     first = measured[0] if isinstance(measured, list) and measured else None
     return float(first) if isinstance(first, int | float) and 0.0 < first <= 1.0 else None
