@@ -229,6 +229,7 @@ class _ScratchSequence:
     tokens: list[int]
     generator: torch.Generator
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64, temperature=0.0))
+    one_hot_drafts: bool = False  # greedy scratch rows draft their argmax anyway
 
 
 def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, float]]:
