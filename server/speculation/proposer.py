@@ -61,7 +61,8 @@ class Traits:
 
     deterministic: its q is one-hot at its drafts. The sampler then draws every token exactly as plain
         decoding would and compares (rejection.py), so its drafts never change what a seeded request
-        samples; only such proposers draft for seeded sampling requests under `auto`.
+        samples. A model proposer is not, but drafts that way for the rows that ask (`one_hot_drafts`:
+        seeded sampling under `auto`).
     lookahead: proposing is nearly free and prefix-consistent (asking for k and keeping j equals asking
         for j), so the planner asks it for every row's most drafts before planning, and `auto` knows
         whether it has anything to offer and how confident it is.
