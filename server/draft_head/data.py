@@ -174,11 +174,12 @@ def answer_batch(
     feats = torch.cat(made_feats).cpu()
     order = torch.argsort(sample_of, stable=True)
     spans = torch.bincount(sample_of, minlength=batch).cumsum(0).tolist()
+    stops = stops.cpu()
     samples = []
     for b, p in enumerate(prompts):
         mine = order[(spans[b - 1] if b else 0): spans[b]]
         answer, answer_feats = tokens[mine], feats[mine]
-        stopped = torch.isin(answer, stops.cpu()).nonzero()
+        stopped = torch.isin(answer, stops).nonzero()
         if len(stopped):
             end = int(stopped[0]) + 1
             answer, answer_feats = answer[:end], answer_feats[:end]
