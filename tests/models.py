@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from server.model.loading import LoadedModel
+
+# Where the tiny models run: `SPECULA_TEST_DEVICE=cuda python -m pytest tests/...` runs the engine,
+# proposer and sampler tests on a GPU (the default, cpu, is what CI and `make test` run).
+TEST_DEVICE = torch.device(os.environ.get("SPECULA_TEST_DEVICE", "cpu"))
 
 
 def tiny_llama(
@@ -39,12 +44,13 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForC
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+            param.add_(torch.randn(param.shape, generator=gen).to(param.device) * scale * param.std())
     return draft
 
 
 def as_loaded(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedModel:
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=torch.device("cpu"), dtype=torch.float32)
+    model = model.to(TEST_DEVICE)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=TEST_DEVICE, dtype=torch.float32)
 
 
 def cycling_llama(vocab_size: int, cycle: list[int], *, hidden: int = 64) -> LlamaForCausalLM:

@@ -66,8 +66,9 @@ def test_after_rejections_the_head_cache_holds_real_features(eagle_engine, tiny_
     for seq, got in zip(seqs, drafts, strict=True):
         tokens = seq.tokens
         with torch.no_grad():
-            feats = tiny_target.model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state  # [1, n-1, H]
-            predicted, _ = head(feats, torch.tensor([tokens[1:]]))
+            ids = torch.tensor([tokens[:-1]], device=tiny_target.device)
+            feats = tiny_target.model.model(input_ids=ids).last_hidden_state  # [1, n-1, H]
+            predicted, _ = head(feats, torch.tensor([tokens[1:]], device=feats.device))
             expected = int(head.vocab_ids[head.fr_logits(predicted[0, -1]).argmax()])
         assert got == [expected]
 

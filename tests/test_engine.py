@@ -51,7 +51,7 @@ def test_cache_after_uneven_acceptance_matches_fresh_forward(tiny_engine_factory
     logits = engine.runner.forward([[s.last_token] for s in seqs]).logits
     for b, seq in enumerate(seqs):
         with torch.no_grad():
-            fresh = engine.target.model(input_ids=torch.tensor([seq.tokens])).logits[0, -1]
+            fresh = engine.target.model(input_ids=torch.tensor([seq.tokens], device=engine.target.device)).logits[0, -1]
         torch.testing.assert_close(logits[b, 0], fresh, atol=1e-4, rtol=1e-4)
 
 

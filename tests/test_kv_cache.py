@@ -12,7 +12,7 @@ from server.model.runner import ModelRunner
 def clean_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits of the last position of a fresh, single-row, cache-free forward."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+        return model(input_ids=torch.tensor([tokens], device=model.device)).logits[0, -1].float()
 
 
 def test_ragged_steps_with_rollback_match_clean_forward(tiny_target):
@@ -116,7 +116,7 @@ def test_hidden_states_of_fed_tokens_match_a_clean_forward(tiny_target):
 def clean_hidden(model, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), hidden]: the base model's final-norm output of a fresh, cache-free forward."""
     with torch.inference_mode():
-        return model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0].float()
+        return model.model(input_ids=torch.tensor([tokens], device=model.device)).last_hidden_state[0].float()
 
 
 def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_growth_and_compaction(tiny_target):

@@ -95,6 +95,7 @@ def test_proposers_receive_the_hidden_states_of_exactly_the_committed_tokens(tin
         tokens = prompt + out[f"r{i}"]
         got = torch.cat(recorder.received[f"r{i}"])
         with torch.no_grad():
-            clean = tiny_target.model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
+            ids = torch.tensor([tokens[:-1]], device=tiny_target.device)
+            clean = tiny_target.model.model(input_ids=ids).last_hidden_state[0]
         assert got.shape == clean.shape
         torch.testing.assert_close(got, clean, atol=1e-4, rtol=1e-4)
