@@ -177,7 +177,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
     ks = meta.get("k") or {}
     k_text = ", ".join(f"{m} {k}" for m, k in ks.items()) if isinstance(ks, dict) else str(ks)
     lines += [f"Model: {meta.get('model', '?')}; max_tokens {meta.get('max_tokens')}; K: {k_text} (auto chooses "
-              f"its own, up to the server's K); torch threads {meta.get('threads') or 'default'}; "
+              f"its own, up to the server's auto ceiling); torch threads {meta.get('threads') or 'default'}; "
               f"requests per cell at 1 client: {meta.get('requests_per_cell')}; "
               f"waves per cell at least: {meta.get('min_waves', 1)}.  "]
     for note in meta.get("notes", []):

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=_parse_k, default=dict(DEFAULT_K),
                    help="draft tokens per step (K): one number for every proposer, or per method, e.g. "
                         f"ngram=8,draft=4,eagle=4 (default {','.join(f'{m}={k}' for m, k in DEFAULT_K.items())}; "
-                        "auto gets no K and uses the server's as its maximum)")
+                        "auto gets no K and uses the server's auto_max_speculative_tokens as its maximum)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per cell at 1 client (default 8: every prompt; quick 1); N clients run "
                         "ceil(this/N) waves of N, and at least --min-waves")

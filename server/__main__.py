@@ -20,7 +20,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 or auto")
     p.add_argument("--speculation", default=None, choices=BUILTIN.methods)
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="draft tokens per step (K)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help="draft tokens per step (K) of a fixed method")
+    p.add_argument("--auto-max-speculative-tokens", type=int, default=None,
+                   help="the most draft tokens `auto` may choose per step (default 16)")
 
 
 def _settings(args: argparse.Namespace, *names: str) -> Settings:
@@ -41,6 +44,7 @@ def _read_key_file(parser: argparse.ArgumentParser, path: str) -> str:
 
 _MODEL_FIELDS = (
     "target", "draft", "draft_head", "target_dtype", "draft_dtype", "device", "speculation", "num_speculative_tokens",
+    "auto_max_speculative_tokens",
 )
 
 

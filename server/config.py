@@ -15,7 +15,7 @@ from pydantic_settings import (
 )
 
 from server.draft_head import resolve_head
-from server.types import DEFAULT_METHOD, DEFAULT_NUM_TOKENS
+from server.types import DEFAULT_AUTO_MAX_TOKENS, DEFAULT_METHOD, DEFAULT_NUM_TOKENS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
 
@@ -80,7 +80,10 @@ class Settings(BaseSettings):
     # The default method: "none", a proposer's name (server/speculation/registry.py) or "auto"; the engine
     # refuses to start with one it cannot run here (e.g. "eagle" without a draft head).
     speculation: str = DEFAULT_METHOD
-    num_speculative_tokens: int = Field(default=DEFAULT_NUM_TOKENS, ge=1, le=32)
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_TOKENS, ge=1, le=32)  # K of a fixed method
+    # The most draft tokens `auto` may choose for a row in one step (it chooses fewer unless measured
+    # acceptance and pass costs say a longer run pays: a long n-gram or suffix match in copied text).
+    auto_max_speculative_tokens: int = Field(default=DEFAULT_AUTO_MAX_TOKENS, ge=1, le=32)
     ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
     ngram_min: int = Field(default=1, ge=1, le=16)
     # Time the target's verify passes and the model proposers at start-up (or read the timings stored in
@@ -143,6 +146,15 @@ class Settings(BaseSettings):
     def resolved_draft_head(self) -> Path | None:
         """The draft head directory to load, or None (see `draft_head`)."""
         return resolve_head(self.draft_head, self.target)
+
+    def default_num_tokens(self, method: str) -> int:
+        """K for a request that names `method` and no K: `auto`'s ceiling, or a fixed method's K."""
+        return self.auto_max_speculative_tokens if method == "auto" else self.num_speculative_tokens
+
+    @property
+    def widest_drafts(self) -> int:
+        """The most draft tokens a request gets by default, whatever its method (calibration times up to it)."""
+        return max(self.num_speculative_tokens, self.auto_max_speculative_tokens)
 
     @classmethod
     def settings_customise_sources(

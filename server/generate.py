@@ -25,7 +25,7 @@ def generate_cli(settings: Settings, args: argparse.Namespace) -> int:
         request_id=uuid.uuid4().hex,
         prompt_token_ids=tuple(prompt_ids),
         sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed),
-        speculation=SpeculationParams(settings.speculation, settings.num_speculative_tokens),
+        speculation=SpeculationParams(settings.speculation, settings.default_num_tokens(settings.speculation)),
     )
     try:
         engine.limits.check(request)

@@ -13,6 +13,10 @@ Origin = Literal["accepted", "recovered", "bonus", "plain"]  # where an emitted 
 DEFAULT_METHOD = "auto"  # the method of a request that names none (`Settings.speculation`'s default too)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (logits / T would overflow fp32 near 1e-38)
 DEFAULT_NUM_TOKENS = 8  # K: the most draft tokens per step (`Settings.num_speculative_tokens`'s default)
+# `auto`'s own ceiling (`Settings.auto_max_speculative_tokens`'s default): it picks K per row and step from
+# measured acceptance and pass costs, so a long confident match may draft a long run; a fixed method drafts
+# its K every step, where 8 is the safer default.
+DEFAULT_AUTO_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,16 @@ def test_widths_and_batch_sizes_cover_what_auto_may_choose():
 
 
 def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_engine_factory, tmp_path):
-    engine = tiny_engine_factory(cache_dir=tmp_path, num_speculative_tokens=3, max_batch_size=2)
+    # fixed methods draft K = 2; `auto` may verify up to 3 drafts: the widths go to the wider, 3 + 1
+    engine = tiny_engine_factory(
+        cache_dir=tmp_path, num_speculative_tokens=2, auto_max_speculative_tokens=3, max_batch_size=2
+    )
     cost = engine.planner.policy.cost
     assert not cost.fitted and cost.draft_forward_time("draft") is None
     result = calibrate(engine, budget_s=UNBOUNDED)
     expected = ([1, 2, 4] + [2 * 1, 2 * 4]) * calibration.REPEATS  # one row at widths 1, 2, K+1; two at 1, K+1
     assert sorted(n for n, _ in result.verify) == sorted(expected) and result.complete
-    assert [k for k, _ in result.draft["draft"]] == [3, 3, 3, 3]  # 2 timed drafts at batch 1 and at 2
+    assert [k for k, _ in result.draft["draft"]] == [2, 2, 2, 2]  # 2 timed drafts of K at batch 1 and at 2
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
     assert cost.fitted and cost.draft_forward_time("draft") is not None
     assert not result.loaded

@@ -73,9 +73,28 @@ def test_negative_seed_means_unseeded(tokenizer):
     from server.types import ServingLimits
 
     limits = ServingLimits(max_context=1024, vocab_size=len(tokenizer), methods=("none", "ngram", "auto"))
-    info = ModelInfo(MODEL, tokenizer, limits, "none", 4, 16)
+    info = ModelInfo(MODEL, tokenizer, limits, "none", 4, 16, 8)
     chat = ChatCompletionRequest.model_validate(chat_body(seed=-1, n=2))
     assert [r.sampling.seed for r in generation_requests(info, chat, "id", [[1, 2]], 4, None, "messages")] == [
         None, None]
     comp = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "seed": 5, "n": 2})
     assert [r.sampling.seed for r in generation_requests(info, comp, "id", [[1]], 4, None, "prompt")] == [5, 6]
+
+
+def test_a_request_without_k_gets_autos_ceiling_or_the_fixed_methods_k(tokenizer):
+    """`auto` picks K per step up to its own ceiling (`auto_max_speculative_tokens`); a fixed method drafts
+    `num_speculative_tokens` every step; a request's own `num_tokens` overrides either."""
+    from server.api.prompts import ModelInfo
+    from server.types import ServingLimits
+
+    limits = ServingLimits(max_context=1024, vocab_size=len(tokenizer), methods=("none", "ngram", "auto"))
+    info = ModelInfo(MODEL, tokenizer, limits, "auto", 4, 16, 12)
+
+    def k(**speculation) -> int:
+        body = ChatCompletionRequest.model_validate(chat_body(**({"speculation": speculation} if speculation else {})))
+        (req,) = generation_requests(info, body, "id", [[1, 2]], 4, None, "messages")
+        return req.speculation.k
+
+    assert k() == 12 and k(method="auto") == 12  # the server's default method is auto here
+    assert k(method="ngram") == 4 and k(method="none") == 0
+    assert k(method="auto", num_tokens=3) == 3 and k(method="ngram", num_tokens=6) == 6

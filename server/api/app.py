@@ -98,6 +98,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "methods": info.methods,
             "default_method": info.default_method,
             "default_num_tokens": info.default_num_tokens,
+            "auto_max_num_tokens": info.auto_max_num_tokens,
         },
     }
 

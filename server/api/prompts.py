@@ -27,8 +27,9 @@ class ModelInfo:
     tokenizer: Any  # a Hugging Face tokenizer
     limits: ServingLimits  # context length, vocabulary bounds and methods: the engine's own
     default_method: str
-    default_num_tokens: int
+    default_num_tokens: int  # K of a fixed method when the request names none
     default_max_tokens: int
+    auto_max_num_tokens: int  # `auto`'s K ceiling when the request names none
 
     @property
     def methods(self) -> list[str]:
@@ -106,7 +107,8 @@ def _too_long(info: ModelInfo, prompt_len: int, max_tokens: int, param: str) -> 
 def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationParams:
     opts = body.speculation
     method = (opts.method if opts else None) or info.default_method
-    num_tokens = (opts.num_tokens if opts else None) or info.default_num_tokens
+    default = info.auto_max_num_tokens if method == "auto" else info.default_num_tokens
+    num_tokens = (opts.num_tokens if opts else None) or default
     try:
         info.limits.check_method(method)
     except ValueError as exc:

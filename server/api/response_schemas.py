@@ -196,6 +196,7 @@ class ModelSpeculation(_Doc):
     methods: list[str]
     default_method: str
     default_num_tokens: int
+    auto_max_num_tokens: int
 
 
 class Model(_Doc):

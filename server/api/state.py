@@ -96,6 +96,7 @@ class ServerState:
             limits=engine.limits,
             default_method=method,
             default_num_tokens=s.num_speculative_tokens,
+            auto_max_num_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
@@ -103,7 +104,8 @@ class ServerState:
         self.engine = engine
         self.status = "ready"
         self._ready.set()
-        log.info("ready: serving %s (speculation %s, K=%d)", info.name, method, s.num_speculative_tokens)
+        log.info("ready: serving %s (speculation %s, K=%d, auto's K up to %d)", info.name, method,
+                 s.num_speculative_tokens, s.auto_max_speculative_tokens)
 
     def _engine_died(self, exc: BaseException) -> None:
         """The worker died (its requests have their errors): 503 from now on, and exit if serving."""

@@ -7,9 +7,10 @@ verifying one width at a time never shows the slope at all. At start-up (while `
 loading) `calibrate` therefore times:
 
 * the target's verify forward (logits and their softmax, as a step computes) over scratch caches of
-  its own holding `CONTEXT` tokens per row: one row at widths 1, 2, 4, ... K + 1 (the widths `auto`
-  may choose), then batch sizes 2, 4, ... `max_batch_size` at widths 1 and K + 1 (the cost model is
-  linear in rows x width), `REPEATS` passes each;
+  its own holding `CONTEXT` tokens per row: one row at widths 1, 2, 4, ... K + 1 (K: the larger of the
+  fixed methods' K and `auto`'s ceiling, so every width a request may verify by default), then batch
+  sizes 2, 4, ... `max_batch_size` at widths 1 and K + 1 (the cost model is linear in rows x width),
+  `REPEATS` passes each;
 * each model proposer's drafting (proposers without a declared cost per draft token), through the
   proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
   batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
@@ -88,6 +89,7 @@ def calibration_key(engine: Engine) -> dict[str, object]:
         "draft": [s.draft, s.draft_dtype] if engine.draft_name else None,
         "draft_head": s.draft_head if "eagle" in engine.planner.proposers else None,
         "k": s.num_speculative_tokens,
+        "auto_k": s.auto_max_speculative_tokens,
         "max_batch_size": s.max_batch_size,
         "model_proposers": sorted(_model_proposers(engine)),
     }
@@ -167,11 +169,13 @@ def measure(engine: Engine, key: dict[str, object], budget_s: float = BUDGET_S) 
     row: every width, then each model proposer; then larger batches), until `budget_s` is spent."""
     deadline = time.perf_counter() + budget_s
     result = Calibration(key)
-    k, top = engine.settings.num_speculative_tokens, engine.settings.max_batch_size
+    s = engine.settings
+    k, widest, top = s.num_speculative_tokens, s.widest_drafts, s.max_batch_size
     proposers = _model_proposers(engine)
-    tasks: list[tuple[str, int, list[int]]] = [("verify", 1, widths(k))]
+    tasks: list[tuple[str, int, list[int]]] = [("verify", 1, widths(widest))]
     tasks += [(name, 1, [k]) for name in proposers]
-    tasks += [("verify", rows, [1, k + 1]) for rows in batch_sizes(top)[1:]]  # the fit is linear in rows x width
+    # the fit is linear in rows x width
+    tasks += [("verify", rows, [1, widest + 1]) for rows in batch_sizes(top)[1:]]
     tasks += [(name, top, [k]) for name in proposers if top > 1]
     with torch.no_grad():
         for what, rows, ws in tasks:
