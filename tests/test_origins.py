@@ -184,10 +184,12 @@ async def test_completion_stream_origins_and_refusals(tiny_engine_factory):
 
 
 async def test_model_card_names_methods_and_defaults(tiny_engine_factory):
-    async with running_app(tiny_engine_factory, speculation="ngram", num_speculative_tokens=5) as (_, client):
+    settings = {"speculation": "ngram", "num_speculative_tokens": 5, "auto_max_speculative_tokens": 12}
+    async with running_app(tiny_engine_factory, **settings) as (_, client):
         card = (await client.get("/v1/models")).json()["data"][0]
         assert card["speculation"] == {
             "methods": ["none", "ngram", "suffix", "draft", "auto"], "default_method": "ngram", "default_num_tokens": 5,
+            "auto_max_num_tokens": 12,
         }
     async with running_app(tiny_engine_factory, draft=None) as (_, client):
         card = (await client.get("/v1/models")).json()["data"][0]
