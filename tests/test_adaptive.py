@@ -400,3 +400,40 @@ def test_widths_not_timed_for_long_leave_the_curve():
     assert cost.verify_time(1) == pytest.approx(0.120)
     # extended from the recent widths by their slope, not read from the stale 0.204 s point
     assert cost.verify_time(36) == pytest.approx(0.126 + 34 * 0.006)
+
+
+def busy_calibration(slowdown: float) -> CostModel:
+    """A cost model fed start-up calibration (prior timings) taken `slowdown` times slower than the
+    machine runs now (another process held the cores), then plain one-row steps at today's speed."""
+    cost = CostModel()
+    for _ in range(2):
+        for n, seconds in CPU_PASSES.items():
+            cost.observe_verify(n, seconds * slowdown, prior=True)
+    cost.observe_draft("draft", 4, 4 * 0.050 * slowdown, prior=True)
+    for _ in range(20):
+        cost.observe_verify(1, CPU_PASSES[1])
+    return cost
+
+
+def test_a_calibration_taken_on_a_busy_machine_is_scaled_to_the_speed_steps_run_at():
+    """Several servers starting at once time every pass ~20x too slow. Scaled by what plain steps
+    measure now, the curve keeps calibration's shape (widths traffic has not timed) at today's speed:
+    a wide pass costs what it costs, so `auto` still drafts, and draft forwards are scaled alike."""
+    cost = busy_calibration(20.0)
+    assert cost.scale() == pytest.approx(1 / 20)
+    for n, seconds in CPU_PASSES.items():
+        assert cost.verify_time(n) == pytest.approx(seconds)
+    assert cost.draft_forward_time("draft") == pytest.approx(0.050)
+    assert cost.token_cost(1, 8) == pytest.approx((0.155 - 0.060) / (8 * 0.060))
+    policy = AdaptivePolicy({"ngram": NgramProposer.traits}, cost)
+    assert policy.choose("r", 8, offers={"ngram": Offer(8, level(3))}).k > 0
+
+
+def test_widths_traffic_timed_replace_calibrations_and_set_its_scale():
+    cost = busy_calibration(1.0)
+    for _ in range(8):
+        cost.observe_verify(9, 0.310)  # the machine got twice as slow for nine-token passes
+    assert cost.verify_time(9) == pytest.approx(0.310)  # measured: as measured
+    assert cost.scale() == pytest.approx((1.0 + 2.0) / 2)  # median over widths 1 (x1) and 9 (x2)
+    assert cost.verify_time(72) == pytest.approx(0.475 * 1.5)  # untimed: calibration's, scaled
+    assert cost.verify_time(36) == pytest.approx(0.310)  # scaled to 0.306, but never below a narrower pass

@@ -15,10 +15,11 @@ loading) `calibrate` therefore times:
   proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
   batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
 
-The timings are fed to the planner's cost model as if steps had produced them (the online window
-replaces them as real steps arrive) and stored as JSON in `settings.cache_dir/calibration/`, keyed by
-the target, its dtype, the device, torch's thread count and what else changes the costs (draft model,
-draft head, K, batch size), so a restart with the same key reads them back instead of timing again.
+The timings are fed to the planner's cost model as its prior (the shape of the step-cost curve, scaled
+to how fast the machine runs now; timings of real steps replace them width by width) and stored as
+JSON in `settings.cache_dir/calibration/`, keyed by the target, its dtype, the device, torch's thread
+count and what else changes the costs (draft model, draft head, K, batch size), so a restart with the
+same key reads them back instead of timing again.
 Calibration stops early once `budget_s` seconds are spent: the points measured so far are fed to the
 cost model, and stored marked incomplete, so the next start measures again. It is skipped entirely
 with the `calibrate` setting off.
@@ -68,10 +69,10 @@ class Calibration:
         """Give the timings to the engine's step-cost model."""
         cost = engine.planner.policy.cost
         for tokens, seconds in self.verify:
-            cost.observe_verify(tokens, seconds)
+            cost.observe_verify(tokens, seconds, prior=True)
         for name, points in self.draft.items():
             for forwards, seconds in points:
-                cost.observe_draft(name, forwards, seconds)
+                cost.observe_draft(name, forwards, seconds, prior=True)
 
     def to_json(self) -> dict[str, object]:
         return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft,

@@ -103,33 +103,62 @@ class CostModel:
     the row count (on 2 cores, fp32: 4 rows cost ~1.5x one row, 36 rows ~2.6x), so a line fitted over
     every width mispredicts the widths decoding uses most: one fitted to calibration plus traffic
     put the marginal token of a 4-row batch at about two thirds of its measured cost, and `auto`
-    widened passes that lost."""
+    widened passes that lost.
+
+    Start-up calibration (server/engine/calibration.py) comes in as *prior* timings: they give the
+    curve's shape where traffic has not timed a width yet, scaled by how fast the machine runs now (the
+    median ratio of recent timings to prior ones at the widths both have). A calibration taken while
+    another process held the cores (several servers starting at once) measured every pass several
+    times too slow; unscaled, its wide passes looked so costly that `auto` never drafted, so it never
+    timed them again and stayed plain for the whole run. Scaled, a wrong shape errs towards drafting,
+    and the passes drafting runs correct it."""
 
     def __init__(self, window: int = 128, prior_token_ratio: float = 0.05) -> None:
         self._window = window
-        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self._verify: deque[tuple[int, float, bool]] = deque(maxlen=window)  # (tokens, seconds, prior)
         self._points: dict[int, deque[float]] = {}  # width -> its last POINT_WINDOW timings
         self._last_seen: dict[int, int] = {}  # width -> the number of the pass that last timed it
         self._passes = 0
         self._draft_forward: dict[str, deque[float]] = {}
+        self._prior: dict[int, list[float]] = {}  # width -> calibration's timings (see the class doc)
+        self._prior_seen = 0  # `_passes` when the last prior timing came
+        self._prior_draft: dict[str, list[float]] = {}  # proposer -> calibration's seconds per draft token
+        self._scale_cache: float | None = None  # `scale`'s result until the next timing
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
         self._curve: tuple[list[int], list[float]] | None = None  # `_measured`'s result until the next timing
         self._token_costs: dict[tuple[int, int], float] = {}  # `token_cost`'s results until the next timing
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        self._verify.append((tokens, seconds))
-        self._points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
-        self._passes += 1
-        self._last_seen[tokens] = self._passes
+    def observe_verify(self, tokens: int, seconds: float, prior: bool = False) -> None:
+        """A pass over `tokens` fed positions took `seconds` (`prior`: timed by start-up calibration)."""
+        if prior:
+            self._prior.setdefault(tokens, []).append(seconds)
+            self._prior_seen = self._passes
+        else:
+            self._points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
+            self._passes += 1
+            self._last_seen[tokens] = self._passes
+        self._verify.append((tokens, seconds, prior))
         self._fitted = None
         self._curve = None
+        self._scale_cache = None
         self._token_costs.clear()
 
-    def observe_draft(self, proposer: str, forwards: int, seconds: float) -> None:
-        """`proposer` drafted up to `forwards` tokens per row in `seconds`."""
+    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False) -> None:
+        """`proposer` drafted up to `forwards` tokens per row in `seconds` (`prior`: at calibration)."""
         if forwards:
-            self._draft_forward.setdefault(proposer, deque(maxlen=self._window)).append(seconds / forwards)
+            into = self._prior_draft.setdefault(proposer, []) if prior else (
+                self._draft_forward.setdefault(proposer, deque(maxlen=self._window)))
+            into.append(seconds / forwards)
+
+    def scale(self) -> float:
+        """How much slower (> 1) or faster the machine runs now than at calibration: the median, over the
+        widths both timed, of recent timings over prior ones; 1 while they share none."""
+        if self._scale_cache is None:
+            shared = [n for n in self._prior if n in self._points]
+            ratios = [statistics.median(self._points[n]) / statistics.median(self._prior[n]) for n in shared]
+            self._scale_cache = statistics.median(ratios) if ratios else 1.0
+        return self._scale_cache
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per_token), or None before 4 timings. Computed once per new timing: the policy
@@ -142,8 +171,9 @@ class CostModel:
         """Least squares over the timings. When every timed pass had the same width (a batch where
         nobody drafts), the slope cannot be fitted: the prior slope is assumed through the timings'
         mean, T(n) = a (1 + r (n - 1)) with r = `prior_token_ratio`."""
-        n = [float(t) for t, _ in self._verify]
-        y = [s for _, s in self._verify]
+        scale = self.scale()
+        n = [float(t) for t, _, _ in self._verify]
+        y = [s * scale if prior else s for _, s, prior in self._verify]
         mean_n, mean_y = sum(n) / len(n), sum(y) / len(y)
         var = sum((x - mean_n) ** 2 for x in n)
         if var < 1e-9:
@@ -157,14 +187,20 @@ class CostModel:
     def _measured(self) -> tuple[list[int], list[float]]:
         """(widths, times): each measured width's median timing, non-decreasing in the width (a wider
         pass never takes less time: where noise says otherwise, the narrower width's time stands).
-        Widths not timed in the last `STALE_AFTER` passes (e.g. start-up calibration of batches that
-        never came) are left out while two others remain: the line's slope extends the curve instead."""
+        Widths traffic has not timed take calibration's timing, scaled (`scale`). Widths not timed in the
+        last `STALE_AFTER` passes (e.g. start-up calibration of batches that never came) are left out
+        while two others remain: the line's slope extends the curve instead."""
         if self._curve is None:
+            scale = self.scale()
+            median = {n: statistics.median(t) for n, t in self._points.items()}
+            median.update({n: statistics.median(t) * scale for n, t in self._prior.items() if n not in median})
             recent = [n for n, seen in self._last_seen.items() if self._passes - seen < STALE_AFTER]
-            widths = sorted(recent if len(recent) >= 2 else self._points)
+            if self._passes - self._prior_seen < STALE_AFTER:
+                recent += [n for n in self._prior if n not in self._points]
+            widths = sorted(recent if len(recent) >= 2 else median)
             times, top = [], 0.0
             for n in widths:
-                top = max(top, statistics.median(self._points[n]))
+                top = max(top, median[n])
                 times.append(top)
             self._curve = (widths, times)
         return self._curve
@@ -179,8 +215,8 @@ class CostModel:
         if fit is None:
             if not self._verify:
                 return None
-            mean = sum(s for _, s in self._verify) / len(self._verify)
-            return mean
+            scale = self.scale()
+            return sum(s * scale if prior else s for _, s, prior in self._verify) / len(self._verify)
         slope = fit[1]
         widths, times = self._measured()
         i = bisect.bisect_left(widths, tokens)
@@ -209,9 +245,13 @@ class CostModel:
         return cost
 
     def draft_forward_time(self, proposer: str) -> float | None:
-        """Mean seconds of one of `proposer`'s draft tokens (None before any timing)."""
+        """Mean seconds of one of `proposer`'s draft tokens: timed by traffic, else calibration's timings
+        scaled (`scale`), else None."""
         times = self._draft_forward.get(proposer)
-        return sum(times) / len(times) if times else None
+        if times:
+            return sum(times) / len(times)
+        prior = self._prior_draft.get(proposer)
+        return sum(prior) / len(prior) * self.scale() if prior else None
 
     def draft_cost(self, proposer: str, rows: int) -> float | None:
         """Relative cost of one of `proposer`'s draft tokens (one batched forward) against a plain step."""
