@@ -303,9 +303,9 @@ class Engine:
         p = probabilities(logits, sampling, counts, allowed)  # [active, K+1, vocab]
         gens = [s.generator for s in kept]
         verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
-        # The pass costs what it computes: every row padded to the widest one, not just real tokens.
+        # The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
         seconds = elapsed_since(started, self.device)
-        predicted = self.planner.observe_verify(len(fed) * logits.shape[1], seconds)
+        predicted = self.planner.observe_verify(out.computed, seconds)
         if self.threads is not None:
             self.threads.observe(seconds, predicted)
         return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)

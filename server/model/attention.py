@@ -1,4 +1,4 @@
-"""Attention for the engine's batched, masked forwards.
+"""Attention for the engine's batched, masked forwards, padded or packed.
 
 transformers' `sdpa` path copies every layer's cached keys and values to repeat the grouped KV heads
 (`repeat_kv`) whenever a custom mask is given and more than one query token is fed: exactly the
@@ -6,9 +6,20 @@ verify pass of speculative decoding, so that copy would be paid on every step, p
 whole context. PyTorch's SDPA handles grouped heads itself (`enable_gqa`); this registers an
 attention function that uses it, and `use_gqa_attention` switches a loaded model over when it runs
 plain `sdpa` (other implementations, such as flash attention on GPUs, are left alone).
+
+Packed forwards. When the rows of a verify pass feed different numbers of tokens (one row drafts 16,
+the others none), padding every row to the widest would make the model's linear layers, the bulk of a
+small model's compute, run on rows x width positions. A packed forward feeds the real tokens only, as
+one sequence [1, N] (`Packing` says which row and step each is); the cache writes each token into its
+row's column (`kv_cache.py`), and attention, the one place rows must be told apart, scatters the
+queries back into the batch's padded layout [rows, W] and gathers the outputs again. On a CPU, where
+attention's own cost grows with every padded query, each row's first query is attended in one batched
+call and only the rows that feed more run their other queries, one call per row (`Packing.split`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,23 +28,87 @@ from transformers import AttentionInterface, PreTrainedModel
 NAME = "specula_gqa_sdpa"
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where the N packed tokens of one forward sit in the batch's padded layout [rows, width]."""
+
+    rows: torch.Tensor  # [N] long: each packed token's row
+    steps: torch.Tensor  # [N] long: its position among the row's new tokens
+    counts: tuple[int, ...]  # tokens per row (packed row-major: row 0's, then row 1's, ...)
+    width: int  # the widest row
+    split: bool  # attend each row's first query batched and the rest row by row (see the module doc)
+
+    @classmethod
+    def of(cls, counts: list[int], device: torch.device) -> Packing:
+        width = max(counts)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        starts = torch.tensor([0, *counts[:-1]]).cumsum(0)
+        steps = torch.arange(int(sum(counts))) - torch.repeat_interleave(starts, torch.tensor(counts))
+        # Padded attention computes rows x width queries; split, about one per row plus the extra
+        # queries of the rows that feed more, at a call per such row (worth ~2 queries each on a CPU).
+        extra = sum(n for n in counts if n > 1)
+        split = device.type == "cpu" and len(counts) * width > len(counts) + extra + 2 * sum(n > 1 for n in counts)
+        return cls(rows.to(device), steps.to(device), tuple(counts), width, split)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.rows)
+
+
 def gqa_sdpa_attention(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [batch, heads, q_len, head_dim]
+    query: torch.Tensor,  # [batch, heads, q_len, head_dim]; packed: [1, heads, N, head_dim]
     key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,  # [batch, 1, q_len, kv_len] additive, or None for causal
     dropout: float = 0.0,
     scaling: float | None = None,
+    packing: Packing | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    gqa = key.shape[1] != query.shape[1]
+    if packing is not None:
+        return _packed(query, key, value, attention_mask, scaling, gqa, packing), None
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = F.scaled_dot_product_attention(
         query, key, value,
-        attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
-        enable_gqa=key.shape[1] != query.shape[1],
+        attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=gqa,
     )
     return out.transpose(1, 2).contiguous(), None  # [batch, q_len, heads, head_dim]
+
+
+def _packed(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    scaling: float | None, gqa: bool, pack: Packing,
+) -> torch.Tensor:
+    """Attention of a packed forward's queries [1, heads, N, d] against the batch's cache: returns [1, N, heads, d]."""
+    assert mask is not None, "a packed forward needs the batch's padded mask"
+    q = query[0].transpose(0, 1)  # [N, heads, d]
+    batch, heads, dim = len(pack.counts), q.shape[1], q.shape[2]
+    if not pack.split:
+        padded = q.new_zeros(batch, pack.width, heads, dim)
+        padded[pack.rows, pack.steps] = q
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
+        ).transpose(1, 2)  # [batch, W, heads, d]
+        return out[pack.rows, pack.steps][None]
+    out = q.new_empty(q.shape)
+    starts = [0]
+    for n in pack.counts:
+        starts.append(starts[-1] + n)
+    fed = [b for b, n in enumerate(pack.counts) if n]
+    first = q.new_zeros(batch, heads, 1, dim)  # rows that feed nothing attend a zero query (discarded)
+    first[fed, :, 0] = q[[starts[b] for b in fed]]
+    firsts = F.scaled_dot_product_attention(first, key, value, attn_mask=mask[:, :, :1], scale=scaling, enable_gqa=gqa)
+    out[[starts[b] for b in fed]] = firsts[fed, :, 0]
+    for b, n in enumerate(pack.counts):
+        if n > 1:
+            rest = F.scaled_dot_product_attention(
+                q[starts[b] + 1 : starts[b] + n].transpose(0, 1)[None], key[b : b + 1], value[b : b + 1],
+                attn_mask=mask[b : b + 1, :, 1:n], scale=scaling, enable_gqa=gqa,
+            )  # [1, heads, n - 1, d]
+            out[starts[b] + 1 : starts[b] + n] = rest[0].transpose(0, 1)
+    return out[None]
 
 
 AttentionInterface.register(NAME, gqa_sdpa_attention)
@@ -43,3 +118,8 @@ def use_gqa_attention(model: PreTrainedModel) -> None:
     """Switch a model running plain `sdpa` to the grouped-head SDPA above."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(NAME)
+
+
+def packs(model: PreTrainedModel) -> bool:
+    """Whether forwards of `model` can be packed (its attention is the function above)."""
+    return model.config._attn_implementation == NAME

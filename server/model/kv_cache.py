@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from server.model.attention import Packing
+
 _RECENT = 64  # columns remembered per row for rollback (more than any step ever rolls back)
 
 
@@ -117,11 +119,16 @@ class _BufferLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.owner.length
-        end = start + key_states.shape[-2]
+        pack = self.owner.packing
+        end = start + (pack.width if pack is not None else key_states.shape[-2])
         if end > self.owner.capacity:
             raise KVBudgetExceeded("a forward wrote past the reserved columns (runner.forward reserves them)")
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
+        if pack is not None:  # packed [1, kv_heads, N, d]: each token into its row's column
+            self.keys[pack.rows, :, start + pack.steps] = key_states[0].transpose(0, 1)
+            self.values[pack.rows, :, start + pack.steps] = value_states[0].transpose(0, 1)
+        else:
+            self.keys[:, :, start:end] = key_states
+            self.values[:, :, start:end] = value_states
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -195,6 +202,7 @@ class BatchKV:
         self.positions: list[int] = []  # live tokens per row = next RoPE position
         self._recent: list[deque[int]] = []  # per row: columns of its latest live tokens
         self.cache = _BatchCache(self, self.num_layers)
+        self.packing: Packing | None = None  # the running forward's packed layout (runner.py sets it)
         self._compactions = 0
         if slots is not None:
             if shape is None:

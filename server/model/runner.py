@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from server.model.attention import Packing, packs
 from server.model.kv_cache import BatchKV, KVShape
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
@@ -29,6 +30,7 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [batch, W, vocab] float32; None when not asked for
     hidden: torch.Tensor | None = None  # [batch, W, hidden]: after the final norm (what the LM head reads)
     layers: dict[int, torch.Tensor] = field(default_factory=dict)  # chosen layer index -> [batch, W, hidden]
+    computed: int = 0  # positions the model computed: rows x W padded, the real tokens only when packed
 
 
 class ModelRunner:
@@ -43,6 +45,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.has_lm_head = model.get_output_embeddings() is not None
+        self.packs = packs(model)  # rows feeding different numbers of tokens are packed (attention.py)
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
 
@@ -62,7 +65,9 @@ class ModelRunner:
     ) -> ForwardOutput:
         """Append `inputs[b]` to row b for every row; return what was asked for every fed position.
 
-        `logits=False` runs the LM head on one position only (prefill) and returns no logits.
+        `logits=False` runs the LM head on one position only (prefill) and returns no logits. Rows that
+        feed different numbers of tokens are packed when the model's attention allows it (see
+        `server/model/attention.py`): only real tokens are computed; the outputs come back padded.
         """
         kv = self.kv
         assert len(inputs) == len(kv.rows), "one input list per row"
@@ -71,30 +76,44 @@ class ModelRunner:
         width = max(counts, default=0)
         if batch == 0 or width == 0:
             raise ValueError("forward needs at least one new input")
-        kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
-        feed = self._feed(inputs, width)
-        steps = torch.arange(width, device=self.device)
-        position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
-        want_states = bool(layers) or (hidden and self.has_lm_head)
-        extra = {"logits_to_keep": 0 if logits else 1} if self.has_lm_head else {}
         if not self.has_lm_head and logits:
             raise ValueError("this model has no LM head: ask for hidden states, not logits")
-        out = self.model(
-            **feed,
-            attention_mask=self._attention_mask(counts, width),
-            position_ids=position_ids,
-            cache=kv.cache,
-            use_cache=True,
-            output_hidden_states=want_states,
-            **extra,
-        )
+        kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
+        # a prefill (logits=False with an LM head) keeps only the last position's logits: never packed
+        packable = self.packs and (logits or not self.has_lm_head) and min(counts) < width
+        pack = Packing.of(counts, self.device) if packable else None
+        want_states = bool(layers) or (hidden and self.has_lm_head)
+        extra = {"logits_to_keep": 0 if logits else 1} if self.has_lm_head else {}
+        if pack is not None:
+            extra["packing"] = pack
+            feed = self._feed_packed(inputs)
+            position_ids = (torch.tensor(kv.positions, device=self.device)[pack.rows] + pack.steps)[None]  # [1, N]
+        else:
+            feed = self._feed(inputs, width)
+            steps = torch.arange(width, device=self.device)
+            position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
+        kv.packing = pack
+        try:
+            out = self.model(
+                **feed,
+                attention_mask=self._attention_mask(counts, width),
+                position_ids=position_ids,
+                cache=kv.cache,
+                use_cache=True,
+                output_hidden_states=want_states,
+                **extra,
+            )
+        finally:
+            kv.packing = None
         kv.advance(counts, width)
         states = out.hidden_states if want_states else None
         final = (states[-1] if self.has_lm_head else out.last_hidden_state) if hidden else None
+        unpack = (lambda x: x) if pack is None else (lambda x: _unpack(x, pack))
         return ForwardOutput(
-            logits=out.logits.float() if logits else None,
-            hidden=final,
-            layers={i: states[i] for i in layers} if states is not None else {},
+            logits=unpack(out.logits.float()) if logits else None,
+            hidden=unpack(final) if final is not None else None,
+            layers={i: unpack(states[i]) for i in layers} if states is not None else {},
+            computed=pack.tokens if pack is not None else batch * width,
         )
 
     def _feed(self, inputs: Inputs, width: int) -> dict[str, torch.Tensor]:
@@ -109,6 +128,14 @@ class ModelRunner:
         for b, row in enumerate(inputs):
             ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
         return {"input_ids": ids.to(self.device)}
+
+    def _feed_packed(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """Every row's inputs, one after another: token ids [1, N] or input embeddings [1, N, hidden]."""
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            embeds = torch.cat([x for x in inputs if len(x)])  # type: ignore[misc]
+            return {"inputs_embeds": embeds[None].to(self.device, self.model.dtype)}
+        ids = [int(t) for row in inputs for t in row]
+        return {"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)}
 
     def _attention_mask(self, counts: list[int], width: int) -> torch.Tensor:
         """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
@@ -157,3 +184,11 @@ class ModelRunner:
     def rollback(self, row: int, num_tokens: int) -> None:
         """Forget row `row`'s last `num_tokens` tokens (see `BatchKV.rollback`)."""
         self.kv.rollback(row, num_tokens)
+
+
+def _unpack(packed: torch.Tensor, pack: Packing) -> torch.Tensor:
+    """A packed forward's output [1, N, ...] in the batch's padded layout [rows, W, ...] (zeros past
+    each row's tokens)."""
+    out = packed.new_zeros(len(pack.counts), pack.width, *packed.shape[2:])
+    out[pack.rows, pack.steps] = packed[0]
+    return out

@@ -12,9 +12,12 @@ draft token. When no (proposer, K) beats plain decoding, the sequence decodes pl
 Only *which* tokens are proposed changes; acceptance stays the lossless rule, so `auto` never
 changes the output distribution, and greedy output is identical.
 
-In a batch, the verify pass is padded to its widest row, so widening it costs the same whoever
-drafts: `batch_width` picks one width for the whole batch (the sum of every row's expected tokens
-over the pass's measured time), and every flexible row drafts up to it.
+In a batch, what a verify pass costs depends on how the target runs it. Padded (every row computed
+as wide as the widest), widening it costs the same whoever drafts: `batch_width` picks one width for
+the whole batch (the sum of every row's expected tokens over the pass's measured time), and every
+flexible row drafts up to it. Packed (only real tokens computed: server/model/attention.py), each
+draft token costs its own share: `batch_drafts` gives the pass's draft tokens to the rows where they
+are most likely accepted, as many as raise the batch's expected tokens per second.
 
 The policy knows proposers only by their `Traits` (proposer.py): what a draft token costs (declared,
 or timed by the planner), whether drafts are deterministic, and the acceptance to expect per
@@ -229,19 +232,24 @@ class CostModel:
         lo, hi = widths[i - 1], widths[i]
         return times[i - 1] + (times[i] - times[i - 1]) * (tokens - lo) / (hi - lo)
 
-    def token_cost(self, rows: int, k: int = 1) -> float:
-        """Relative cost, per draft token, for one of `rows` sequences, of verifying k more tokens each
-        step: the time every row's k more tokens add to a step, over a plain-decoding step of the same
-        batch, per row and token. Alone, verifying is nearly free; in a full batch on a CPU, each token
-        costs about its share."""
+    def token_cost(self, rows: int, k: int = 1, packed: bool = False) -> float:
+        """Relative cost, per draft token, for one of `rows` sequences, of verifying k more tokens.
+
+        Padded, every row's pass widens with it: the time every row's k more tokens add to a step,
+        over a plain-decoding step of the same batch, per row and token. Packed, only this row's k
+        tokens are added: their time over the row's share of a plain step (rows x the added time over
+        the step), which is what decides whether drafting raises the batch's tokens per second. Alone,
+        verifying is nearly free; in a full batch on a CPU, each token costs about its share."""
         if self._fit() is None:
-            return self.prior_token_ratio * rows
-        cost = self._token_costs.get((rows, k))
+            r = self.prior_token_ratio
+            return r * rows / (1 + r * (rows - 1)) if packed else r * rows
+        cost = self._token_costs.get((rows, k, packed))
         if cost is None:  # asked for every row, proposer and K of a step: computed once per timing
             plain = self.verify_time(rows)
-            wider = self.verify_time(rows * (k + 1))
+            wider = self.verify_time(rows + k if packed else rows * (k + 1))
             assert plain is not None and wider is not None
-            cost = self._token_costs[(rows, k)] = max(wider - plain, 0.0) / (k * plain)
+            added = max(wider - plain, 0.0)
+            cost = self._token_costs[(rows, k, packed)] = (rows * added if packed else added) / (k * plain)
         return cost
 
     def draft_forward_time(self, proposer: str) -> float | None:
@@ -347,10 +355,12 @@ class AdaptivePolicy:
     """Per-sequence choice of proposer and K. Pure bookkeeping: the planner feeds it outcomes and
     timings and asks it before each step."""
 
-    def __init__(self, traits: dict[str, Traits], cost: CostModel | None = None) -> None:
-        """`traits`: every proposer `auto` may choose, in order of preference on ties."""
+    def __init__(self, traits: dict[str, Traits], cost: CostModel | None = None, packed: bool = False) -> None:
+        """`traits`: every proposer `auto` may choose, in order of preference on ties. `packed`: the
+        target's verify passes compute only real tokens (else every row padded to the widest)."""
         self.traits = traits
         self.cost = cost or CostModel()
+        self.packed = packed
         self.global_rate: dict[str, _Acceptance] = {}  # engine-wide, per `_key`
         self.seqs: dict[str, _SeqState] = {}
 
@@ -380,7 +390,7 @@ class AdaptivePolicy:
 
     def method_cost(self, proposer: str, rows: int = 1, k: int = 1) -> float:
         """c for `proposer` when it drafts k tokens: verifying them plus producing them, per token."""
-        return self.cost.token_cost(rows, k) + self.own_cost(proposer, rows)
+        return self.cost.token_cost(rows, k, self.packed) + self.own_cost(proposer, rows)
 
     def usable(self, proposer: str, offers: dict[str, Offer]) -> bool:
         """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
@@ -412,14 +422,72 @@ class AdaptivePolicy:
             k, gain = best_k(a, [self.method_cost(name, rows, k) for k in range(1, limit + 1)], limit)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
                 best = Choice(name, k, gain)
-        # In a batch, one row's lone probe widens the verify pass for every row (padding), which
-        # costs far more than its share: there, rows draft only within the batch's width (`batch_width`).
-        if best.proposer is None and k_max and rows == 1:
+        # In a padded batch, one row's lone probe widens the verify pass for every row, which costs
+        # far more than its share: there, rows draft only within the batch's width (`batch_width`).
+        if best.proposer is None and k_max and (rows == 1 or self.packed):
             costs = {m: self.method_cost(m, rows) for m in self.traits if self.usable(m, offers)}
             best = self._probe(state, costs, k_max) or best
         if best.proposer is not None:
             state.last_used[best.proposer] = state.steps
         return best
+
+    def batch_drafts(self, rows: list[BatchRow]) -> tuple[list[int], float] | None:
+        """How many drafts each row verifies this step (a flexible row's share of its proposal; other
+        rows keep their `k`) and the expected tokens per second that gives (None: no timings yet):
+        one width for all when passes are padded (`batch_width`), else `packed_drafts`."""
+        if not self.packed:
+            best = self.batch_width(rows)
+            return None if best is None else ([min(best[0], r.flexible) if r.flexible else r.k for r in rows], best[1])
+        return self.packed_drafts(rows)
+
+    def _fixed(self, rows: list[BatchRow]) -> tuple[float, float, list[list[float]]]:
+        """For `batch_width`/`packed_drafts`: the expected tokens of the rows whose drafts are fixed, the
+        seconds their model proposers draft for, and per flexible row its expected tokens with 0..flexible
+        drafts."""
+        fixed_tokens = sum(
+            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.k, r.level, r.sampled), r.k)[-1]
+            for r in rows if not r.flexible and r.proposer is not None
+        ) + sum(1.0 for r in rows if not r.flexible and r.proposer is None)
+        drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
+        for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
+            most = max(r.k for r in rows if r.proposer == name and not r.flexible)
+            drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows)) or 0.0)
+        expected = [  # per flexible row: expected tokens with 0..flexible drafts
+            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.flexible, r.level, r.sampled), r.flexible)
+            for r in rows if r.flexible
+        ]
+        return fixed_tokens, drafting_s, expected
+
+    def packed_drafts(self, rows: list[BatchRow]) -> tuple[list[int], float] | None:
+        """Drafts per row when a pass costs the tokens it computes. Each flexible row's j-th draft adds
+        its chance of being accepted (every earlier one accepted too: non-increasing in j) to the
+        expected tokens and one token to the pass; taking the likeliest drafts first, the pass gets as
+        many as maximise expected tokens over the pass's measured time."""
+        if not self.cost.fitted:
+            return None
+        fixed_tokens, drafting_s, expected = self._fixed(rows)
+        flexible = [b for b, r in enumerate(rows) if r.flexible]
+        fed = sum(1 + (0 if r.flexible else r.k) for r in rows)
+        gains = sorted(
+            ((e[j] - e[j - 1], b) for b, e in zip(flexible, expected, strict=True) for j in range(1, len(e))),
+            key=lambda g: -g[0],
+        )
+        tokens = fixed_tokens + len(flexible)
+
+        def score(n: int) -> float:
+            return tokens / (self.cost.verify_time(fed + n) + drafting_s)
+
+        best_n, best = 0, score(0)
+        floor = best * (MIN_GAIN if fed == len(rows) else 1.0)
+        for n, (gain, _) in enumerate(gains, start=1):
+            tokens += gain
+            s = score(n)
+            if s > max(best, floor):
+                best_n, best = n, s
+        ks = [0 if r.flexible else r.k for r in rows]
+        for _, b in gains[:best_n]:
+            ks[b] += 1
+        return ks, best
 
     def batch_width(self, rows: list[BatchRow]) -> tuple[int, float] | None:
         """The number of draft positions W to verify this step for a batch, and the expected tokens
@@ -435,20 +503,8 @@ class AdaptivePolicy:
         if not self.cost.fitted:
             return None
         fixed_w = max((r.k for r in rows), default=0)
-        flexible = [r for r in rows if r.flexible]
-        fixed_tokens = sum(
-            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.k, r.level, r.sampled), r.k)[-1]
-            for r in rows if not r.flexible and r.proposer is not None
-        ) + sum(1.0 for r in rows if not r.flexible and r.proposer is None)
-        drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
-        for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
-            most = max(r.k for r in rows if r.proposer == name and not r.flexible)
-            drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows)) or 0.0)
-        expected = [  # per flexible row: expected tokens with 0..flexible drafts
-            expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.flexible, r.level, r.sampled), r.flexible)
-            for r in flexible
-        ]
-        top = max([fixed_w, *(r.flexible for r in flexible)])
+        fixed_tokens, drafting_s, expected = self._fixed(rows)
+        top = max([fixed_w, *(r.flexible for r in rows if r.flexible)])
 
         def score(w: int) -> float:
             tokens = fixed_tokens + sum(e[min(w, len(e) - 1)] for e in expected)

@@ -3,9 +3,9 @@
 The engine hands the planner its running sequences and gets back one `StepPlan`; after the target's
 verify pass it hands back the verdict (`commit`). Everything about proposers lives here: building
 them from the registry, telling them who joins and leaves, asking lookahead proposers first (so
-`auto` knows what they offer), the `auto` choice per row, one verify width for a batch, dropping a
-model proposer that a whole batch would pay for but not gain from, and timing proposers whose cost
-is not declared. The engine never names a proposer.
+`auto` knows what they offer), the `auto` choice per row, each row's share of a batch's verify pass,
+dropping a model proposer that a whole batch would pay for but not gain from, and timing proposers
+whose cost is not declared. The engine never names a proposer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from server.model.attention import packs
 from server.model.kv_cache import KVShape
 from server.model.runner import ModelRunner
 from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
@@ -82,7 +83,9 @@ class Planner:
     def __init__(self, ctx: BuildContext, registry: Registry = BUILTIN, cost: CostModel | None = None) -> None:
         built = {e.name: e.build(ctx) for e in registry.entries}
         self.proposers: dict[str, Proposer] = {name: p for name, p in built.items() if p is not None}
-        self.policy = AdaptivePolicy({name: p.traits for name, p in self.proposers.items()}, cost)
+        # A verify pass computes only real tokens when the target's forwards pack (model/attention.py).
+        packed = packs(ctx.target.model)
+        self.policy = AdaptivePolicy({name: p.traits for name, p in self.proposers.items()}, cost, packed)
         self.device = ctx.target.device
 
     @property
@@ -210,11 +213,11 @@ class Planner:
         auto_rows: set[int],
         offers: dict[int, RowOffers],
     ) -> None:
-        """In a batch the verify pass is as wide as its widest row for every row: let the policy pick
-        that width for the whole batch, and give each flexible row (auto, with a lookahead offer, not
-        drafting with a model this step) as many of its lookahead drafts as fit. Auto rows that chose a
-        model proposer keep it only if the batch as a whole gains from it (each row chose alone, but
-        the model's forwards and the wider pass are paid by every row)."""
+        """In a batch the policy decides how many drafts each flexible row (auto, with a lookahead offer,
+        not drafting with a model this step) verifies: one width for every row when the pass is padded,
+        the likeliest draft tokens wherever they are when it is packed (`AdaptivePolicy.batch_drafts`).
+        Auto rows that chose a model proposer keep it only if the batch as a whole gains from it (each
+        row chose alone, but the model's forwards and the wider pass are paid by every row)."""
         policy = self.policy
 
         def lookahead(name: str | None) -> bool:
@@ -249,21 +252,19 @@ class Planner:
             return rows
 
         rows = rows_for(demote=False)
-        best = policy.batch_width(rows)
+        best = policy.batch_drafts(rows)
         if best is None:
             return
         if any(not lookahead(choices[b][0]) and choices[b][0] is not None for b in auto_rows):
             without = rows_for(demote=True)
-            other = policy.batch_width(without)
+            other = policy.batch_drafts(without)
             if other is not None and other[1] >= best[1]:
                 rows, best = without, other
                 for b in auto_rows:
                     if choices[b][0] is not None and not lookahead(choices[b][0]):
                         choices[b] = (None, 0)
-        width = best[0]
-        for b, row in enumerate(rows):
+        for b, (row, k) in enumerate(zip(rows, best[0], strict=True)):
             if row.flexible:
-                k = min(width, row.flexible)
                 choices[b] = (row.proposer, k) if k else (None, 0)
 
     def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
