@@ -4,7 +4,8 @@ This module is bookkeeping only (columns, keep mask, positions, membership, comp
 running the model over it (masks, position ids, the forward) is `runner.py`'s job.
 
 Layout: all rows share one column space. Each forward appends W columns to every row; row b's new
-tokens occupy the first n_b of them and the rest are holes. A per-row boolean `keep` mask says which
+tokens occupy the first n_b of them and the rest are holes (a packed forward, `attention.Packing`,
+writes only those n_b columns). A per-row boolean `keep` mask says which
 columns hold that row's live tokens, and each row carries its own logical position (the number of
 live tokens), so RoPE positions stay exact whatever the holes. Rolling back a rejected draft token is
 bookkeeping only: its column becomes a hole. Holes are compacted away when they outgrow the live

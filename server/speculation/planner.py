@@ -152,8 +152,9 @@ class Planner:
             proposer.restore(states[name])
 
     def observe_verify(self, tokens: int, seconds: float) -> float | None:
-        """The verify pass over `tokens` fed positions (rows x widest row) took `seconds`. Returns what
-        the cost model predicted for such a pass before this timing (None while it has none)."""
+        """The verify pass computed `tokens` positions (packed: the real tokens; padded: rows x widest
+        row) and took `seconds`. Returns what the cost model predicted for such a pass before this
+        timing (None while it has none)."""
         predicted = self.policy.cost.verify_time(tokens)
         self.policy.cost.observe_verify(tokens, seconds)
         return predicted
