@@ -19,6 +19,7 @@ call and only the rows that feed more run their other queries, one call per row 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,20 +36,22 @@ class Packing:
     rows: torch.Tensor  # [N] long: each packed token's row
     steps: torch.Tensor  # [N] long: its position among the row's new tokens
     counts: tuple[int, ...]  # tokens per row (packed row-major: row 0's, then row 1's, ...)
+    starts: tuple[int, ...]  # each row's first packed index (rows that feed nothing: where they would start)
     width: int  # the widest row
     split: bool  # attend each row's first query batched and the rest row by row (see the module doc)
 
     @classmethod
     def of(cls, counts: list[int], device: torch.device) -> Packing:
         width = max(counts)
-        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        starts = torch.tensor([0, *counts[:-1]]).cumsum(0)
-        steps = torch.arange(int(sum(counts))) - torch.repeat_interleave(starts, torch.tensor(counts))
+        starts = (0, *itertools.accumulate(counts[:-1]))
+        sizes = torch.tensor(counts)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+        steps = torch.arange(int(sum(counts))) - torch.repeat_interleave(torch.tensor(starts), sizes)
         # Padded attention computes rows x width queries; split, about one per row plus the extra
         # queries of the rows that feed more, at a call per such row (worth ~2 queries each on a CPU).
         extra = sum(n for n in counts if n > 1)
         split = device.type == "cpu" and len(counts) * width > len(counts) + extra + 2 * sum(n > 1 for n in counts)
-        return cls(rows.to(device), steps.to(device), tuple(counts), width, split)
+        return cls(rows.to(device), steps.to(device), tuple(counts), starts, width, split)
 
     @property
     def tokens(self) -> int:
@@ -93,21 +96,19 @@ def _packed(
         ).transpose(1, 2)  # [batch, W, heads, d]
         return out[pack.rows, pack.steps][None]
     out = q.new_empty(q.shape)
-    starts = [0]
-    for n in pack.counts:
-        starts.append(starts[-1] + n)
     fed = [b for b, n in enumerate(pack.counts) if n]
+    first_at = [pack.starts[b] for b in fed]  # packed index of each fed row's first token
     first = q.new_zeros(batch, heads, 1, dim)  # rows that feed nothing attend a zero query (discarded)
-    first[fed, :, 0] = q[[starts[b] for b in fed]]
+    first[fed, :, 0] = q[first_at]
     firsts = F.scaled_dot_product_attention(first, key, value, attn_mask=mask[:, :, :1], scale=scaling, enable_gqa=gqa)
-    out[[starts[b] for b in fed]] = firsts[fed, :, 0]
-    for b, n in enumerate(pack.counts):
+    out[first_at] = firsts[fed, :, 0]
+    for b, (n, start) in enumerate(zip(pack.counts, pack.starts, strict=True)):
         if n > 1:
             rest = F.scaled_dot_product_attention(
-                q[starts[b] + 1 : starts[b] + n].transpose(0, 1)[None], key[b : b + 1], value[b : b + 1],
+                q[start + 1 : start + n].transpose(0, 1)[None], key[b : b + 1], value[b : b + 1],
                 attn_mask=mask[b : b + 1, :, 1:n], scale=scaling, enable_gqa=gqa,
             )  # [1, heads, n - 1, d]
-            out[starts[b] + 1 : starts[b] + n] = rest[0].transpose(0, 1)
+            out[start + 1 : start + n] = rest[0].transpose(0, 1)
     return out[None]
 
 

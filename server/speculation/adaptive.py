@@ -130,7 +130,7 @@ class CostModel:
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
         self._curve: tuple[list[int], list[float]] | None = None  # `_measured`'s result until the next timing
-        self._token_costs: dict[tuple[int, int], float] = {}  # `token_cost`'s results until the next timing
+        self._token_costs: dict[tuple[int, int, bool], float] = {}  # `token_cost`'s results until the next timing
 
     def observe_verify(self, tokens: int, seconds: float, prior: bool = False) -> None:
         """A pass over `tokens` fed positions took `seconds` (`prior`: timed by start-up calibration)."""
