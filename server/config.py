@@ -6,7 +6,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -28,7 +28,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tb": 10**12, "tib": 2**40}
 
 
-def parse_memory(value: str) -> int | float:
+def parse_memory(value: str, name: str = "kv_cache_memory") -> int | float:
     """Bytes (int) from "512MiB", "1.5GB", "1073741824"; or a fraction (float) from "0.4" or "1.0" (a
     plain number with a decimal point, in (0, 1]).
 
@@ -42,15 +42,15 @@ def parse_memory(value: str) -> int | float:
         amount = float(number)
     except ValueError:
         why = "expected bytes (e.g. 512MiB, 2GB) or a fraction in (0, 1] written with a decimal point"
-        raise ValueError(f"kv_cache_memory {value!r}: {why}") from None
+        raise ValueError(f"{name} {value!r}: {why}") from None
     if unit not in _UNITS:
-        raise ValueError(f"kv_cache_memory {value!r}: unknown unit {unit!r} (B, KB, MB, GB, KiB, MiB, GiB)")
+        raise ValueError(f"{name} {value!r}: unknown unit {unit!r} (B, KB, MB, GB, KiB, MiB, GiB)")
     if not unit and "." in number:
         if not 0 < amount <= 1:
-            raise ValueError(f"kv_cache_memory {value!r}: a fraction of free memory must be in (0, 1]")
+            raise ValueError(f"{name} {value!r}: a fraction of free memory must be in (0, 1]")
         return amount
     if amount * _UNITS[unit] < 1:
-        raise ValueError(f"kv_cache_memory {value!r} must be positive")
+        raise ValueError(f"{name} {value!r} must be positive")
     return int(amount * _UNITS[unit])
 
 
@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     # memory at start-up (MemAvailable on CPU). Sizes the caches once, up front (server/model/kv_cache.py);
     # requests wait for room and one that could never fit is a 400. None: caches grow as needed.
     kv_cache_memory: str | None = None
+    # Keys and values of prompt prefixes computed before, reused when a prompt starts the same way (a chat's
+    # earlier turns, an agent's system prompt and tools; server/model/prefix_cache.py): bytes or a fraction
+    # of the device's free memory at start-up, as above. None: every prompt is prefilled in full.
+    prefix_cache_memory: str | None = "512MiB"
 
     # HTTP.
     host: str = "127.0.0.1"
@@ -123,13 +127,13 @@ class Settings(BaseSettings):
         """"none" (from a flag or the environment, which cannot say null) means no draft model / head."""
         return None if value is None or value.strip().lower() in ("", "none", "null") else value
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "prefix_cache_memory", mode="before")
     @classmethod
-    def _memory(cls, value: object) -> str | None:
+    def _memory(cls, value: object, info: ValidationInfo) -> str | None:
         """Checked here (a typo fails at start-up); `parse_memory` gives the number."""
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
             return None
-        parse_memory(str(value))
+        parse_memory(str(value), info.field_name or "memory")
         return str(value).strip()
 
     @model_validator(mode="after")

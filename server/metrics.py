@@ -81,6 +81,18 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "specula_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (every prompt token a join prefills or reuses).",
+            ["model"],
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "specula_prefix_cache_hits",
+            "Prompt tokens whose keys and values came from the prefix cache instead of a prefill.",
+            ["model"],
+            registry=r,
+        )
         self.requests = Counter(
             "specula_requests", "Finished requests by finish reason.", ["model", "finish_reason"], registry=r
         )
@@ -155,7 +167,8 @@ class Metrics:
 
         Each `SeqStepStats` is one verify pass of one sequence: +1 step, its draft/accepted tokens,
         accepted positions 0..accepted-1, and one acceptance-length observation of `emitted_tokens`.
-        Generation tokens are the token ids of the step's outputs (after stop truncation).
+        Generation tokens are the token ids of the step's outputs (after stop truncation); prompt tokens
+        joined since the last step count as prefix-cache queries, those read from the cache as hits.
         """
         for s in result.seq_stats:
             labels = (self.model, s.method, s.proposer)
@@ -165,6 +178,9 @@ class Metrics:
             for pos in range(s.accepted_tokens):
                 self.accepted_per_position.labels(*labels, str(pos)).inc()
             self.acceptance_length.labels(*labels).observe(s.emitted_tokens)
+        if result.prefill_tokens or result.cached_tokens:
+            self.prefix_cache_queries.labels(self.model).inc(result.prefill_tokens + result.cached_tokens)
+            self.prefix_cache_hits.labels(self.model).inc(result.cached_tokens)
         generated = sum(len(o.token_ids) for o in result.outputs)
         if generated:
             self.generation_tokens.labels(self.model).inc(generated)

@@ -158,6 +158,7 @@ class RequestStats:
 
     method: str  # the request's mode ("auto", "ngram", ...)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not computed)
     completion_tokens: int = 0
     draft_tokens: int = 0  # tokens proposed
     accepted_tokens: int = 0  # draft tokens the target kept
@@ -242,3 +243,4 @@ class StepResult:
     # request id -> why: rows whose step raised because of their own input (a grammar llguidance cannot
     # follow); they left too, and their clients get a 400
     rejected: dict[str, str] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache this step (not computed)

@@ -106,3 +106,21 @@ def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
     assert resolve_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
     assert resolve_head(None, None) is None
     assert resolve_head("auto", None) == BUILTIN_HEAD and (BUILTIN_HEAD / "config.json").is_file()
+
+
+def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine, prompt_ids):
+    """The target computes no hidden states for a cached prefix: the head starts from the rest of the
+    prompt (proposer.py, `join`), drafts, and the output is the target's greedy output all the same."""
+    prompt = prompt_ids[3] + prompt_ids[4] + prompt_ids[3]
+    engine = eagle_engine()
+    first = final_stats(engine, [request("a", prompt, "eagle", 4, max_tokens=24)])["a"]
+    want = run(eagle_engine(prefix_cache_memory="none"), [request("a", prompt, "eagle", 4, max_tokens=24)])["a"]
+    again = request("b", prompt, "eagle", 4, max_tokens=24)
+    engine.add_request(again)
+    seq = engine.running["b"]
+    got: list[int] = []
+    while engine.has_unfinished():
+        got += [t for o in engine.step().outputs for t in o.token_ids]
+    assert first.cached_tokens == 0 and seq.stats.cached_tokens >= 16
+    assert seq.stats.by_proposer["eagle"].draft_tokens > 0
+    assert got == want

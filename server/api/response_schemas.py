@@ -48,10 +48,15 @@ class SpeculationUsage(_Doc):
     by_proposer: dict[str, ProposerTally] = Field(description="who drafted what (`auto` mixes proposers)")
 
 
+class PromptTokensDetails(_Doc):
+    cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     speculation: SpeculationUsage
 
 

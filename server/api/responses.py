@@ -69,6 +69,8 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        # the prompt is counted once: what every choice found cached (they join together, so alike)
+        "prompt_tokens_details": {"cached_tokens": min((s.cached_tokens for s in stats), default=0)},
         "speculation": {
             "method": method,
             "draft_tokens": draft,

@@ -13,6 +13,7 @@ import copy
 import logging
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
 from server.engine.threads import ThreadGovernor
 from server.grammar import GrammarError, Grammars
+from server.model import prefix_cache
 from server.model.attention import use_gqa_attention
 from server.model.kv_cache import BatchKV, KVCheckpoint, slots_for
 from server.model.loading import LoadedModel, load_draft_like, load_model
@@ -73,6 +75,11 @@ class Engine:
         self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost)
         self.kv_slots = self._kv_slots(target, settings)  # the KV budget in tokens per cache, or None
         self.runner = ModelRunner(target.model, self.kv_slots)
+        # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
+        self.prefixes = (
+            prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device, "prefix_cache_memory"))
+            if settings.prefix_cache_memory is not None else None
+        )
         max_context = settings.max_model_len or target.max_context
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
             max_context = min(max_context, self.kv_slots - ROW_SLACK)
@@ -86,6 +93,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.running: dict[str, Sequence] = {}  # in the target cache's row order
         self._prefill_tokens = 0  # prompt tokens prefilled since the last step (reported with it)
+        self._cached_tokens = 0  # prompt tokens read from the prefix cache since the last step
         self._seed_source = random.SystemRandom()
         self._faulty_steps = 0  # consecutive steps in which every row failed (see `FAULTY_STEPS`)
         self._trim_heap = HeapTrimmer()
@@ -144,16 +152,23 @@ class Engine:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
-        hidden = self.runner.join(ids, prompts, hidden=self.planner.needs_hidden)
+        prefixes = None
+        if self.prefixes is not None:
+            found = [self.prefixes.match(p, s.cache_salt) for p, s in zip(prompts, seqs, strict=True)]
+            prefixes = [prefix_cache.concat(blocks) if blocks else None for blocks in found]
+        # proposers that read hidden states get those of the prompt tokens computed now (proposer.py)
+        hidden = self.runner.join(ids, prompts, hidden=self.planner.needs_hidden, prefixes=prefixes)
         try:
             self.planner.join(seqs, hidden)
         except BaseException:
             self.planner.leave(seqs)  # all or nothing: no half-joined rows stay behind
             self.runner.leave(set(ids))
             raise
-        for seq in seqs:
+        for seq, kv in zip(seqs, prefixes or [None] * len(seqs), strict=True):
             self.running[seq.request_id] = seq
-        self._prefill_tokens += sum(len(p) for p in prompts)
+            seq.stats.cached_tokens = kv[0].shape[2] if kv is not None else 0
+            self._cached_tokens += seq.stats.cached_tokens
+            self._prefill_tokens += len(seq.request.prompt_token_ids) - 1 - seq.stats.cached_tokens
 
     def abort_request(self, request_id: str) -> None:
         """Drop a running request now (its client is gone: no output is produced for it)."""
@@ -172,11 +187,13 @@ class Engine:
         outputs: list[RequestOutput] = []
         failures: dict[str, Exception] = {}
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
-        self._leave({o.request_id for o in outputs if o.finished} | set(failures))
+        self._leave({o.request_id for o in outputs if o.finished} | set(failures), failed=set(failures))
         prefill, self._prefill_tokens = self._prefill_tokens, 0
+        cached, self._cached_tokens = self._cached_tokens, 0
         failed = {rid: _describe(e) for rid, e in failures.items() if not _own_input(e)}
         rejected = {rid: str(e) for rid, e in failures.items() if _own_input(e)}
-        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed, rejected=rejected)
+        return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed, rejected=rejected,
+                          cached_tokens=cached)
 
     # ---- the KV budget -------------------------------------------------------------------------
     def _kv_slots(self, target: LoadedModel, settings: Settings) -> int | None:
@@ -211,16 +228,29 @@ class Engine:
         grammar = self.grammars.state(request.grammar) if request.grammar is not None else None
         return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar)
 
-    def _leave(self, request_ids: set[str]) -> None:
+    def _leave(self, request_ids: set[str], failed: Collection[str] = ()) -> None:
+        """Rows leave the batch (finished, aborted or failed); what the cache computed for those that did
+        not fail is kept for later prompts that start the same way (prefix_cache.py)."""
         leaving = [self.running[rid] for rid in request_ids if rid in self.running]
         if not leaving:
             return
+        if self.prefixes is not None:
+            for seq in leaving:
+                if seq.request_id not in failed:
+                    self._remember(seq)
         self.runner.leave({s.request_id for s in leaving})
         self.planner.leave(leaving)
         for seq in leaving:
             del self.running[seq.request_id]
         if not self.running:
             self._trim_heap()  # idle: a burst's freed buffers go back to the OS (RSS falls back)
+
+    def _remember(self, seq: Sequence) -> None:
+        """Store a leaving row's computed tokens in the prefix cache: the cache's live tokens are the
+        sequence's first ones (a stop may have cut the output shorter than what was computed)."""
+        row = self.runner.kv.index(seq.request_id)
+        tokens = seq.tokens[: self.runner.kv.positions[row]]
+        self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row))
 
     # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
     def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> list[SeqStepStats]:

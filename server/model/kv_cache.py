@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -313,6 +314,47 @@ class BatchKV:
         fresh._recent = [deque(maxlen=_RECENT) for _ in request_ids]
         fresh.keep = torch.zeros(len(request_ids), fresh.capacity, dtype=torch.bool, device=self.device)
         return fresh
+
+    def load_prefixes(self, prefixes: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Give the rows of a fresh cache (`new_rows`, nothing fed yet) their first tokens' keys and values,
+        computed before (server/model/prefix_cache.py): row b's [layers, kv_heads, p_b, head_dim] pair, or
+        None. Row b then holds p_b live tokens in columns [0, p_b); the others' columns there are holes."""
+        assert self.length == 0 and len(prefixes) == len(self.rows), "prefixes load into a fresh cache"
+        longest = max((kv[0].shape[2] for kv in prefixes if kv is not None), default=0)
+        if longest == 0:
+            return
+        rows = len(self.rows)
+        self.capacity = self._capacity_for(longest, rows)
+        self.keep = _columns(self.keep, self.capacity)
+        keys, values = next(kv for kv in prefixes if kv is not None)
+        for i, layer in enumerate(self.cache.layers):
+            layer.allocate(keys.shape[1], keys.shape[3], values.shape[3], keys[i], rows * self.capacity)
+        for b, kv in enumerate(prefixes):
+            if kv is None:
+                continue
+            n = kv[0].shape[2]
+            for i, layer in enumerate(self.cache.layers):
+                layer.keys[b, :, :n] = kv[0][i]
+                layer.values[b, :, :n] = kv[1][i]
+            self.keep[b, :n] = True
+            self.positions[b] = n
+        self.length = longest
+
+    def live(self, row: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """A reader of row `row`'s keys and values at its live token positions [start, end) (in order,
+        whatever holes lie between them): [layers, kv_heads, end - start, head_dim] each, copies."""
+        columns = self.keep[row, : self.length].nonzero().flatten()
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        assert len(layers) == self.num_layers, "a row with live tokens has every layer's storage"
+
+        def read(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cols = columns[start:end]
+            if len(cols) != end - start:
+                raise ValueError(f"row {row} holds {len(columns)} live tokens, not {end}")
+            return (torch.stack([layer.keys[row, :, cols] for layer in layers]),
+                    torch.stack([layer.values[row, :, cols] for layer in layers]))
+
+        return read
 
     # ---- checkpoints: a failed step is undone exactly (server/engine/engine.py) ------------------
     def checkpoint(self) -> KVCheckpoint:

@@ -28,9 +28,10 @@ def free_bytes(device: torch.device) -> int:
     raise RuntimeError("a fraction for kv_cache_memory needs /proc/meminfo on CPU; give bytes instead")
 
 
-def budget_bytes(value: str, device: torch.device) -> int:
-    """`kv_cache_memory` in bytes on `device` (a fraction is taken of what is free now)."""
-    amount = parse_memory(value)
+def budget_bytes(value: str, device: torch.device, name: str = "kv_cache_memory") -> int:
+    """A memory setting (`kv_cache_memory`, `prefix_cache_memory`) in bytes on `device` (a fraction is
+    taken of what is free now)."""
+    amount = parse_memory(value, name)
     return int(amount * free_bytes(device)) if isinstance(amount, float) else amount
 
 

@@ -157,13 +157,25 @@ class ModelRunner:
 
     # ---- batch membership ------------------------------------------------------------------------
     def join(
-        self, request_ids: list[str], inputs: Inputs, *, hidden: bool = False, chunk: int = 512
+        self,
+        request_ids: list[str],
+        inputs: Inputs,
+        *,
+        hidden: bool = False,
+        chunk: int = 512,
+        prefixes: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> list[torch.Tensor] | None:
         """Prefill new rows on their own (in chunks of `chunk` positions, so the mask and activations of
-        a long prompt stay bounded) and add them to the batch. Returns, when `hidden`, each row's
-        hidden states [len(inputs[b]), hidden] (after the final norm), else None."""
+        a long prompt stay bounded) and add them to the batch. `prefixes[b]`, when given, holds the keys
+        and values of row b's first p_b inputs ([layers, kv_heads, p_b, head_dim] each, computed before:
+        server/model/prefix_cache.py): they are loaded, not computed. Returns, when `hidden`, each row's
+        hidden states (after the final norm) of the inputs it computed, [len(inputs[b]) - p_b, hidden],
+        else None."""
         fresh = copy.copy(self)  # the same model over an empty cache of the new rows
         fresh.kv = self.kv.new_rows(request_ids)
+        if prefixes is not None:
+            fresh.kv.load_prefixes(list(prefixes))
+            inputs = [x[p:] for x, p in zip(inputs, fresh.kv.positions, strict=True)]
         states: list[list[torch.Tensor]] = [[] for _ in request_ids]
         longest = max((len(x) for x in inputs), default=0)
         for start in range(0, longest, chunk):

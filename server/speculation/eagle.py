@@ -91,8 +91,11 @@ class EagleProposer(ModelProposer):
         assert prompt_hidden is not None, "the eagle proposer needs the target's hidden states"
         for seq, hidden in zip(seqs, prompt_hidden, strict=True):
             tokens = seq.tokens
-            # hidden row t is the target's feature at prompt token t (t < n - 1); its pair is token t + 1
-            self.pending[seq.request_id] = _Pending([hidden], list(tokens[1 : 1 + hidden.shape[0]]))
+            # hidden row i is the target's feature at prompt token t = skip + i (t < n - 1; the first `skip`
+            # came from the prefix cache, without features): its pair is token t + 1. The head's cache then
+            # starts there: its attention sees a shorter context (RoPE is relative), drafts stay proposals.
+            skip = len(tokens) - 1 - hidden.shape[0]  # at join, tokens are the prompt
+            self.pending[seq.request_id] = _Pending([hidden], list(tokens[skip + 1 : skip + 1 + hidden.shape[0]]))
 
     @staticmethod
     def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:

@@ -1,0 +1,141 @@
+"""The prefix cache: prompts that start like earlier ones reuse their keys and values instead of a prefill,
+and what follows is exactly what a full prefill gives (to float rounding)."""
+
+from __future__ import annotations
+
+import torch
+
+from server.config import Settings
+from server.engine.engine import Engine
+from server.model.prefix_cache import BLOCK, PrefixCache, concat
+from server.model.runner import ModelRunner
+from tests.engine_helpers import final_stats, request, run
+from tests.test_kv_cache import clean_logits
+
+
+def _store(cache: PrefixCache, runner: ModelRunner, rid: str, tokens: list[int], salt: str | None = None) -> None:
+    row = runner.kv.index(rid)
+    cache.store(tokens[: runner.kv.positions[row]], salt, runner.kv.live(row))
+
+
+def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(tiny_target):
+    model = tiny_target.model
+    cache = PrefixCache(64 << 20)
+    runner = ModelRunner(model)
+    system = list(range(100, 100 + 3 * BLOCK + 5))  # 53 tokens: three full blocks
+    first = system + [7, 8, 9]
+    runner.join(["a"], [first])
+    # drafts, some rejected: the stored tokens are the live ones only
+    runner.forward([[10, 11, 12, 13]])
+    runner.rollback(0, 2)  # keeps 10, 11
+    _store(cache, runner, "a", first + [10, 11])
+    runner.leave({"a"})
+    assert len(cache) == (len(first) + 2) // BLOCK
+
+    second = system + [40, 41, 42, 43]
+    blocks = cache.match(second, None)
+    assert len(blocks) == 3  # the shared system prompt; the fourth block differs
+    hidden = runner.join(["b"], [second], hidden=True, prefixes=[concat(blocks)])
+    assert hidden[0].shape[0] == len(second) - 3 * BLOCK  # only the computed tokens have hidden states
+    assert runner.kv.positions == [len(second)]
+    logits = runner.forward([[44, 45]]).logits
+    torch.testing.assert_close(logits[0, 1], clean_logits(model, second + [44, 45]), atol=1e-4, rtol=1e-4)
+
+
+def test_rows_with_and_without_a_prefix_join_together(tiny_target):
+    model = tiny_target.model
+    cache = PrefixCache(64 << 20)
+    runner = ModelRunner(model)
+    shared = list(range(300, 300 + 2 * BLOCK))
+    runner.join(["a"], [shared + [1, 2, 3]])
+    _store(cache, runner, "a", shared + [1, 2, 3])
+    runner.leave({"a"})
+    prompts = [shared + [5, 6], [9, 10, 11], shared]  # the last is all cached: nothing is computed for it
+    prefixes = [concat(b) if b else None for b in (cache.match(p, None) for p in prompts)]
+    assert [p is not None for p in prefixes] == [True, False, True]
+    runner.join(["x", "y", "z"], prompts, prefixes=prefixes)
+    logits = runner.forward([[20], [21, 22], [23]]).logits
+    torch.testing.assert_close(logits[0, 0], clean_logits(model, prompts[0] + [20]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1, 1], clean_logits(model, prompts[1] + [21, 22]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[2, 0], clean_logits(model, prompts[2] + [23]), atol=1e-4, rtol=1e-4)
+
+
+def test_salts_never_share_and_blocks_are_named_by_their_whole_prefix(tiny_target):
+    runner = ModelRunner(tiny_target.model)
+    cache = PrefixCache(64 << 20)
+    tokens = list(range(500, 500 + 2 * BLOCK))
+    runner.join(["a"], [tokens])
+    _store(cache, runner, "a", tokens, salt="tenant-1")
+    assert len(cache.match(tokens, "tenant-1")) == 2
+    assert cache.match(tokens, "tenant-2") == [] and cache.match(tokens, None) == []
+    # the same second block after a different first block is a different prefix: no reuse of block 2 alone
+    other = [1] * BLOCK + tokens[BLOCK:]
+    assert cache.match(other, "tenant-1") == []
+
+
+def test_the_budget_evicts_least_recently_used_leaves_first(tiny_target):
+    runner = ModelRunner(tiny_target.model)
+    probe = PrefixCache(1 << 30)
+    runner.join(["a", "b"], [list(range(10, 10 + 3 * BLOCK)), list(range(900, 900 + 3 * BLOCK))])
+    _store(probe, runner, "a", list(range(10, 10 + 3 * BLOCK)))
+    per_block = probe.used_bytes // 3
+    cache = PrefixCache(4 * per_block)  # room for four blocks
+    a, b = list(range(10, 10 + 3 * BLOCK)), list(range(900, 900 + 3 * BLOCK))
+    _store(cache, runner, "a", a)
+    _store(cache, runner, "b", b)  # six blocks wanted: a's two deepest go first
+    assert cache.used_bytes <= cache.budget_bytes and len(cache) == 4
+    assert len(cache.match(a, None)) == 1 and len(cache.match(b, None)) == 3
+
+
+def _engine(tiny_target, **overrides) -> Engine:
+    return Engine(tiny_target, None, Settings.load(**overrides))
+
+
+def test_engine_outputs_are_unchanged_and_usage_counts_the_cached_tokens(tiny_target, tokenizer):
+    system = tokenizer.encode(
+        "You are a careful assistant for a home automation system. Answer with one JSON tool call, nothing "
+        "else. Tools: lights(room, on), thermostat(celsius), blinds(room, open)."
+    )
+    assert len(system) > 2 * BLOCK
+    questions = [tokenizer.encode(q) for q in (" Turn on the kitchen lights.", " Make it 21 degrees.")]
+    reqs = [request(f"q{i}", system + q, method="ngram", k=4, max_tokens=12) for i, q in enumerate(questions)]
+
+    plain = _engine(tiny_target, prefix_cache_memory="none")
+    assert plain.prefixes is None
+    want = {rid: toks for r in reqs for rid, toks in run(plain, [r]).items()}
+
+    cached = _engine(tiny_target)
+    first = final_stats(cached, [reqs[0]])["q0"]
+    assert first.cached_tokens == 0
+    second = final_stats(cached, [reqs[1]])["q1"]
+    assert second.cached_tokens == (len(system) // BLOCK) * BLOCK  # the system prompt's full blocks
+    # the same request again: every full block of its prompt (but the last token, which a step feeds) now
+    again = request("q0-again", system + questions[0], method="ngram", k=4, max_tokens=12)
+    prefilled = len(again.prompt_token_ids) - 1
+    assert final_stats(cached, [again])["q0-again"].cached_tokens == prefilled // BLOCK * BLOCK > len(system) - BLOCK
+
+    replay = _engine(tiny_target)
+    got = {}
+    for r in (*reqs, again):
+        got.update(run(replay, [r]))
+    assert got["q0"] == want["q0"] and got["q1"] == want["q1"] and got["q0-again"] == want["q0"]
+
+
+async def test_a_repeated_conversation_reports_cached_tokens_in_usage_and_metrics(tiny_engine_factory):
+    from tests.api_helpers import MODEL, running_app
+
+    system = ("You are the assistant of a hardware store. Answer in one short sentence. The store opens at "
+              "eight, closes at six, and sells tools, paint, garden supplies and screws of every size.")
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}]}
+    async with running_app(tiny_engine_factory) as (_, client):
+        first = (await client.post("/v1/chat/completions", json=body)).json()["usage"]
+        again = (await client.post("/v1/chat/completions", json=body)).json()["usage"]
+        salted = (await client.post("/v1/chat/completions", json={**body, "cache_salt": "other"})).json()["usage"]
+        page = (await client.get("/metrics")).text
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens"] == first["prompt_tokens"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // BLOCK * BLOCK > 0
+    assert salted["prompt_tokens_details"]["cached_tokens"] == 0  # another salt shares nothing
+    hits = next(line for line in page.splitlines() if line.startswith("specula_prefix_cache_hits_total{"))
+    assert float(hits.split()[-1]) == again["prompt_tokens_details"]["cached_tokens"]
