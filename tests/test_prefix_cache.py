@@ -139,3 +139,17 @@ async def test_a_repeated_conversation_reports_cached_tokens_in_usage_and_metric
     assert salted["prompt_tokens_details"]["cached_tokens"] == 0  # another salt shares nothing
     hits = next(line for line in page.splitlines() if line.startswith("specula_prefix_cache_hits_total{"))
     assert float(hits.split()[-1]) == again["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_request_arriving_while_another_runs_shares_its_prompt(tiny_target):
+    """Prompt blocks are stored once prefilled, not only when the request leaves: clients that send the
+    same system prompt at once (continuous batching) reuse it while the first request still decodes."""
+    engine = _engine(tiny_target)
+    system = list(range(2000, 2000 + 3 * BLOCK + 4))
+    engine.add_request(request("first", system + [5, 6, 7], max_tokens=8))
+    engine.step()
+    engine.add_request(request("second", system + [9, 9], max_tokens=8))
+    assert engine.running["first"].stats.cached_tokens == 0
+    assert engine.running["second"].stats.cached_tokens == 3 * BLOCK
+    while engine.has_unfinished():
+        engine.step()

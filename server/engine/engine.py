@@ -73,13 +73,14 @@ class Engine:
             if loaded is not None:
                 use_gqa_attention(loaded.model)
         self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost)
-        self.kv_slots = self._kv_slots(target, settings)  # the KV budget in tokens per cache, or None
-        self.runner = ModelRunner(target.model, self.kv_slots)
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         self.prefixes = (
             prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device, "prefix_cache_memory"))
             if settings.prefix_cache_memory is not None else None
         )
+        # the KV budget in tokens per cache, or None; a fraction of free memory leaves the prefix cache's room
+        self.kv_slots = self._kv_slots(target, settings, self.prefixes.budget_bytes if self.prefixes else 0)
+        self.runner = ModelRunner(target.model, self.kv_slots)
         max_context = settings.max_model_len or target.max_context
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
             max_context = min(max_context, self.kv_slots - ROW_SLACK)
@@ -169,6 +170,8 @@ class Engine:
             seq.stats.cached_tokens = kv[0].shape[2] if kv is not None else 0
             self._cached_tokens += seq.stats.cached_tokens
             self._prefill_tokens += len(seq.request.prompt_token_ids) - 1 - seq.stats.cached_tokens
+            if self.prefixes is not None:  # now, not at leave: requests arriving meanwhile share the prompt
+                self._remember(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a running request now (its client is gone: no output is produced for it)."""
@@ -196,12 +199,12 @@ class Engine:
                           cached_tokens=cached)
 
     # ---- the KV budget -------------------------------------------------------------------------
-    def _kv_slots(self, target: LoadedModel, settings: Settings) -> int | None:
+    def _kv_slots(self, target: LoadedModel, settings: Settings, reserved: int) -> int | None:
         """Token slots `kv_cache_memory` buys when the target's cache and every model proposer's cache
         hold as many tokens each (the proposers' caches grow on demand within about that share)."""
         if settings.kv_cache_memory is None:
             return None
-        budget = budget_bytes(settings.kv_cache_memory, self.device)
+        budget = budget_bytes(settings.kv_cache_memory, self.device, reserved=reserved)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
         slots = slots_for(budget, shapes)
         if slots < ROW_SLACK + 16:
@@ -246,8 +249,9 @@ class Engine:
             self._trim_heap()  # idle: a burst's freed buffers go back to the OS (RSS falls back)
 
     def _remember(self, seq: Sequence) -> None:
-        """Store a leaving row's computed tokens in the prefix cache: the cache's live tokens are the
-        sequence's first ones (a stop may have cut the output shorter than what was computed)."""
+        """Store a row's computed tokens in the prefix cache (blocks it holds already are not read again):
+        the cache's live tokens are the sequence's first ones (a stop may have cut the output shorter
+        than what was computed)."""
         row = self.runner.kv.index(seq.request_id)
         tokens = seq.tokens[: self.runner.kv.positions[row]]
         self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row))

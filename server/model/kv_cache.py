@@ -343,14 +343,16 @@ class BatchKV:
     def live(self, row: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """A reader of row `row`'s keys and values at its live token positions [start, end) (in order,
         whatever holes lie between them): [layers, kv_heads, end - start, head_dim] each, copies."""
-        columns = self.keep[row, : self.length].nonzero().flatten()
-        layers = [layer for layer in self.cache.layers if layer.is_initialized]
-        assert len(layers) == self.num_layers, "a row with live tokens has every layer's storage"
+        found: list[torch.Tensor] = []  # the row's live columns, found at the first read
 
         def read(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if not found:
+                found.append(self.keep[row, : self.length].nonzero().flatten())
+            columns = found[0]
+            if not 0 <= start < end <= len(columns):
+                raise ValueError(f"row {row} holds {len(columns)} live tokens, not [{start}, {end})")
             cols = columns[start:end]
-            if len(cols) != end - start:
-                raise ValueError(f"row {row} holds {len(columns)} live tokens, not {end}")
+            layers = self.cache.layers
             return (torch.stack([layer.keys[row, :, cols] for layer in layers]),
                     torch.stack([layer.values[row, :, cols] for layer in layers]))
 

@@ -28,11 +28,11 @@ def free_bytes(device: torch.device) -> int:
     raise RuntimeError("a fraction for kv_cache_memory needs /proc/meminfo on CPU; give bytes instead")
 
 
-def budget_bytes(value: str, device: torch.device, name: str = "kv_cache_memory") -> int:
+def budget_bytes(value: str, device: torch.device, name: str = "kv_cache_memory", reserved: int = 0) -> int:
     """A memory setting (`kv_cache_memory`, `prefix_cache_memory`) in bytes on `device` (a fraction is
-    taken of what is free now)."""
+    taken of what is free now, less `reserved` bytes promised to something that allocates later)."""
     amount = parse_memory(value, name)
-    return int(amount * free_bytes(device)) if isinstance(amount, float) else amount
+    return int(amount * max(0, free_bytes(device) - reserved)) if isinstance(amount, float) else amount
 
 
 class HeapTrimmer:

@@ -9,8 +9,9 @@ Layout: token ids are cut into blocks of `BLOCK` tokens from position 0; a block
 of its tokens chained to its parent's (and, at the root, the request's `cache_salt`), so a name stands
 for the whole prefix up to the block's end, as in vLLM's automatic prefix caching. A block holds that
 prefix's keys and values for its `BLOCK` positions, every layer ([layers, kv_heads, BLOCK, head_dim]),
-copied out of the batch cache when a request leaves (`store`) and copied into a joining row's columns
-(`match`, then `BatchKV.load_prefix`). Keys are stored after RoPE: a prefix always starts at position 0,
+copied out of the batch cache once a request's prompt is prefilled and again when it leaves (its
+answer's blocks; `store`), and copied into a joining row's columns (`match`, then
+`BatchKV.load_prefixes`). Keys are stored after RoPE: a prefix always starts at position 0,
 so its positions are the same wherever it is reused.
 
 Requests with different `cache_salt`s never share blocks (vLLM's semantics: tenants that must not learn
