@@ -93,6 +93,8 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):
+            counter.labels(model)  # exported from the start (0), so a hit rate is defined before the first hit
         self.requests = Counter(
             "specula_requests", "Finished requests by finish reason.", ["model", "finish_reason"], registry=r
         )
