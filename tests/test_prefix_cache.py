@@ -153,3 +153,20 @@ def test_a_request_arriving_while_another_runs_shares_its_prompt(tiny_target):
     assert engine.running["second"].stats.cached_tokens == 3 * BLOCK
     while engine.has_unfinished():
         engine.step()
+
+
+def test_an_aborted_request_leaves_what_it_computed(tiny_target):
+    """A client that disconnects mid-answer still leaves its prompt and the answer so far: a retry that
+    sends the partial answer back (as chat clients do on "continue") reuses them."""
+    engine = _engine(tiny_target)
+    prompt = list(range(3000, 3000 + BLOCK + 3))
+    engine.add_request(request("gone", prompt, max_tokens=64))
+    for _ in range(2 * BLOCK):
+        engine.step()
+    seq = engine.running["gone"]
+    computed = seq.tokens[: engine.runner.kv.positions[engine.runner.kv.index("gone")]]
+    engine.abort_request("gone")
+    assert not engine.has_unfinished()
+    retry = request("retry", computed + [7], max_tokens=2)
+    engine.add_request(retry)
+    assert engine.running["retry"].stats.cached_tokens == len(computed) // BLOCK * BLOCK >= 2 * BLOCK

@@ -147,9 +147,9 @@ class _GenerationBody(_Body):
     user: str | None = Field(default=None, description="end-user id; recorded in the request log")
     cache_salt: str | None = Field(
         default=None, min_length=1, max_length=256,
-        description="extension (vLLM): speculation drafts from earlier requests' outputs only when they had "
-        "the same salt, so tenants with different salts cannot learn from each other's answers (not even "
-        "through timing); unsalted requests share one pool",
+        description="extension (vLLM): prompts reuse the prefix cache, and speculation drafts from earlier "
+        "requests' outputs, only of requests with the same salt, so tenants with different salts cannot learn "
+        "from each other's prompts or answers (not even through timing); unsalted requests share one pool",
     )
     speculation: SpeculationOptions | None = Field(default=None, description="extension: per-request speculation")
     # vLLM's extensions (load tools and many clients send them).
