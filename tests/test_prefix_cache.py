@@ -3,6 +3,7 @@ and what follows is exactly what a full prefill gives (to float rounding)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.config import Settings
@@ -170,3 +171,41 @@ def test_an_aborted_request_leaves_what_it_computed(tiny_target):
     retry = request("retry", computed + [7], max_tokens=2)
     engine.add_request(retry)
     assert engine.running["retry"].stats.cached_tokens == len(computed) // BLOCK * BLOCK >= 2 * BLOCK
+
+
+def test_requests_joining_together_with_one_prompt_prefill_it_once(tiny_target):
+    """The `n` choices of one request (or clients sending one system prompt at once) join in one call:
+    the first computes the shared blocks, the others read them; the text is what no cache gives."""
+    prompt = list(range(4000, 4000 + 2 * BLOCK + 5))
+    reqs = [request(f"c{i}", prompt + [i], method="ngram", k=3, max_tokens=10) for i in range(3)]
+    reqs.append(request("other", list(range(7000, 7000 + BLOCK + 2)), max_tokens=10))
+    want = run(_engine(tiny_target, prefix_cache_memory="none"), reqs)
+    engine = _engine(tiny_target)
+    engine.add_requests(reqs)
+    assert [engine.running[r.request_id].stats.cached_tokens for r in reqs] == [0, 2 * BLOCK, 2 * BLOCK, 0]
+    assert list(engine.running) == engine.runner.rows  # the running order is the cache's row order
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            got[out.request_id] += out.token_ids
+    assert got == want
+
+
+def test_when_a_follower_cannot_join_none_of_the_call_has(tiny_target):
+    from server.speculation.ngram import NgramProposer
+    from server.speculation.registry import BUILTIN, Entry
+
+    class Picky(NgramProposer):
+        def join(self, seqs, prompt_hidden):  # noqa: ANN001
+            if any(s.request_id == "bad" for s in seqs):
+                raise RuntimeError("this proposer refuses request 'bad'")
+            super().join(seqs, prompt_hidden)
+
+    registry = BUILTIN.with_entry(Entry("picky", Picky))
+    engine = Engine(tiny_target, None, Settings.load(), registry=registry)
+    prompt = list(range(5000, 5000 + BLOCK + 3))
+    with pytest.raises(RuntimeError, match="refuses"):
+        engine.add_requests([request("good", prompt, "picky"), request("bad", prompt + [1], "picky")])
+    assert not engine.running and engine.runner.rows == []
+    engine.add_requests([request("good", prompt, "picky")])  # nothing of the failed call stays behind
+    assert list(engine.running) == ["good"]

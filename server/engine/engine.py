@@ -146,11 +146,42 @@ class Engine:
         """Join requests to the running batch: prefill every prompt token but the last (which the
         next step feeds), together, and tell the planner. The requests must pass `limits.check`
         (the scheduler and the API check them first); the scheduler keeps the batch within
-        `max_batch_size`."""
+        `max_batch_size`. All or nothing: when one cannot join, none has.
+
+        With the prefix cache, requests whose prompt starts like another's in the same call (the `n`
+        choices of one request; clients sending one system prompt at once) join after it, so they read
+        its prefill from the cache instead of computing it again."""
         seqs = [self._sequence(r) for r in requests]
         for seq in seqs:
             if seq.request_id in self.running:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
+        leaders, followers = self._followers(seqs)
+        self._join(leaders)
+        if followers:
+            try:
+                self._join(followers)
+            except BaseException:
+                self.planner.leave(leaders)
+                self.runner.leave({s.request_id for s in leaders})
+                for seq in leaders:
+                    del self.running[seq.request_id]
+                raise
+
+    def _followers(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """(leaders, followers): a follower's prompt begins with the same first block (and salt) as an
+        earlier request's in `seqs`; none without a prefix cache."""
+        if self.prefixes is None or len(seqs) < 2:
+            return seqs, []
+        seen: set[bytes] = set()
+        leaders, followers = [], []
+        for seq in seqs:
+            first = self.prefixes.names(seq.request.prompt_token_ids[:-1][: self.prefixes.block], seq.cache_salt)
+            (followers if first and first[0] in seen else leaders).append(seq)
+            seen.update(first)
+        return leaders, followers
+
+    def _join(self, seqs: list[Sequence]) -> None:
+        """Prefill `seqs` together (loading what the prefix cache holds of each) and tell the planner."""
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
         prefixes = None
