@@ -161,10 +161,7 @@ class Engine:
             try:
                 self._join(followers)
             except BaseException:
-                self.planner.leave(leaders)
-                self.runner.leave({s.request_id for s in leaders})
-                for seq in leaders:
-                    del self.running[seq.request_id]
+                self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
                 raise
 
     def _followers(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
@@ -196,11 +193,11 @@ class Engine:
             self.planner.leave(seqs)  # all or nothing: no half-joined rows stay behind
             self.runner.leave(set(ids))
             raise
-        for seq, kv in zip(seqs, prefixes or [None] * len(seqs), strict=True):
+        for seq, prompt, kv in zip(seqs, prompts, prefixes or [None] * len(seqs), strict=True):
             self.running[seq.request_id] = seq
             seq.stats.cached_tokens = kv[0].shape[2] if kv is not None else 0
             self._cached_tokens += seq.stats.cached_tokens
-            self._prefill_tokens += len(seq.request.prompt_token_ids) - 1 - seq.stats.cached_tokens
+            self._prefill_tokens += len(prompt) - seq.stats.cached_tokens
             if self.prefixes is not None:  # now, not at leave: requests arriving meanwhile share the prompt
                 self._remember(seq)
 

@@ -105,10 +105,6 @@ class PrefixCache:
         self._evict()
         return added
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self.used_bytes = 0
-
     def _touch(self, names: list[bytes]) -> None:
         """Most recently used: the chain's root last, so a leaf is always evicted before its parent."""
         for name in reversed(names):
