@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from server.model.attention import Packing, packs
 from server.model.kv_cache import BatchKV, KVShape
+from server.model.lean_forward import LeanForward
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -40,12 +41,15 @@ class ModelRunner:
     head's decoder: hidden states only, its final output as `hidden`).
     """
 
-    def __init__(self, model: PreTrainedModel, kv_slots: int | None = None) -> None:
-        """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed."""
+    def __init__(self, model: PreTrainedModel, kv_slots: int | None = None, *, lean: bool = True) -> None:
+        """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed.
+        `lean`: run Llama-family models through `LeanForward` (lean_forward.py; others always run
+        transformers' forward); False runs transformers' forward for every model."""
         self.model = model
         self.device = model.device
         self.has_lm_head = model.get_output_embeddings() is not None
         self.packs = packs(model)  # rows feeding different numbers of tokens are packed (attention.py)
+        self.call = (LeanForward.of(model) if lean else None) or model  # the forward, with transformers' keywords
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
 
@@ -94,7 +98,7 @@ class ModelRunner:
             position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
         kv.packing = pack
         try:
-            out = self.model(
+            out = self.call(
                 **feed,
                 attention_mask=self._attention_mask(counts, width),
                 position_ids=position_ids,
