@@ -108,6 +108,40 @@ def test_the_engine_runs_its_steps_at_the_thread_count_that_is_faster(tiny_engin
     assert ids == _generate(plain, request)
 
 
+def test_probe_steps_do_not_teach_the_cost_model(tiny_engine_factory, monkeypatch):
+    """A probe runs one step at the other thread count: the governor compares its time, but `auto`'s
+    cost model, which predicts the steps run at the current count, never sees it (a probe of a wide
+    pass once made every wider pass look as slow as one thread runs it, and `auto` drafted less)."""
+    request = GenerationRequest(
+        "r", (1, 2, 3, 4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), SpeculationParams("auto", 4)
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    probes = []
+    try:
+        engine = tiny_engine_factory(speculation="auto")
+        assert engine.threads is not None
+        engine.threads._clock = Clock()
+        forward = ModelRunner.forward
+
+        def slow_at_one_thread(self, *args, **kwargs):
+            if torch.get_num_threads() == 1 and self is engine.runner:
+                probes.append(1)
+                time.sleep(0.3)  # far above any step of the tiny model
+            return forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, "forward", slow_at_one_thread)
+        cost = engine.planner.policy.cost
+        learned: list[float] = []
+        observe = cost.observe_verify
+        monkeypatch.setattr(cost, "observe_verify", lambda n, s, prior=False: (learned.append(s), observe(n, s, prior)))
+        _generate(engine, request)
+    finally:
+        torch.set_num_threads(before)
+    assert probes and engine.threads.current == 2  # probed, and lost every time
+    assert learned and max(learned) < 0.3
+
+
 def _generate(engine, request) -> list[int]:
     engine.add_request(request)
     ids: list[int] = []

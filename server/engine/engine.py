@@ -367,7 +367,9 @@ class Engine:
         verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
         # The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
         seconds = elapsed_since(started, self.device)
-        predicted = self.planner.observe_verify(out.computed, seconds)
+        # A thread-count probe times another configuration: the governor compares it, the cost model skips it.
+        probe = self.threads is not None and self.threads.probing
+        predicted = self.planner.observe_verify(out.computed, seconds, record=not probe)
         if self.threads is not None:
             self.threads.observe(seconds, predicted)
         return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)

@@ -72,6 +72,12 @@ class ThreadGovernor:
             self._applied = n
         return n
 
+    @property
+    def probing(self) -> bool:
+        """Whether the coming (or current) step runs at the other thread count, as a probe: its timing
+        is not what steps at the current count take, so it must not teach the step-cost model."""
+        return self._probing
+
     def observe(self, seconds: float, predicted: float | None) -> None:
         """A verify pass of this step took `seconds`; the cost model predicted `predicted` for its width
         (None before it has timings: nothing to compare with yet)."""

@@ -99,7 +99,8 @@ class LeanForward:
             return None
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if not all(_plain_linear(p) for p in projections) or not all(hasattr(n, "variance_epsilon") for n in norms):
                 return None
@@ -130,9 +131,10 @@ class LeanForward:
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            q = _rotate(_linear(attn.q_proj, h).view(batch, width, self.heads, self.head_dim), cos, sin).transpose(1, 2)
-            k = _rotate(_linear(attn.k_proj, h).view(batch, width, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+            q = _linear(attn.q_proj, h).view(batch, width, self.heads, self.head_dim)
+            k = _linear(attn.k_proj, h).view(batch, width, self.kv_heads, self.head_dim)
             v = _linear(attn.v_proj, h).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)  # [batch, heads, W, d]
             k, v = cache.update(k, v, i)
             o, _ = gqa_sdpa_attention(attn, q, k, v, attention_mask, scaling=attn.scaling, packing=packing)
             x = x + _linear(attn.o_proj, o.reshape(batch, width, -1))

@@ -96,6 +96,25 @@ POINT_WINDOW = 8  # timings kept per pass width: their median is that width's me
 STALE_AFTER = 1024  # passes: a width not timed in this many is dropped from the curve (the machine's load moves)
 
 
+def non_decreasing(values: list[float], weights: list[int]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of `values` (isotonic regression, pool adjacent
+    violators): runs that decrease are replaced by their weighted mean.
+
+    >>> non_decreasing([1.0, 3.0, 2.0, 4.0], [1, 1, 3, 1])
+    [1.0, 2.25, 2.25, 4.0]
+    """
+    blocks: list[list[float]] = []  # [weighted mean, weight, length]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, w, n = blocks.pop()
+            last = blocks[-1]
+            last[0] = (last[0] * last[1] + mean * w) / (last[1] + w)
+            last[1] += w
+            last[2] += n
+    return [mean for mean, _, n in blocks for _ in range(int(n))]
+
+
 class CostModel:
     """Step timings, measured online: the verify time T(n) of a pass over n fed tokens, and each timed
     proposer's time per draft token (one batched forward). Relative costs are what the policy needs.
@@ -188,24 +207,24 @@ class CostModel:
         return max(mean_y - slope * mean_n, 1e-6), slope
 
     def _measured(self) -> tuple[list[int], list[float]]:
-        """(widths, times): each measured width's median timing, non-decreasing in the width (a wider
-        pass never takes less time: where noise says otherwise, the narrower width's time stands).
+        """(widths, times): each measured width's median timing, made non-decreasing in the width (a
+        wider pass never takes less time) by isotonic regression weighted by how many timings each
+        width has: where noise says otherwise, neighbouring widths share their weighted mean, so a width
+        timed once (slowly) cannot lift every wider width above what they measured many times.
         Widths traffic has not timed take calibration's timing, scaled (`scale`). Widths not timed in the
         last `STALE_AFTER` passes (e.g. start-up calibration of batches that never came) are left out
         while two others remain: the line's slope extends the curve instead."""
         if self._curve is None:
             scale = self.scale()
-            median = {n: statistics.median(t) for n, t in self._points.items()}
-            median.update({n: statistics.median(t) * scale for n, t in self._prior.items() if n not in median})
+            median = {n: (statistics.median(t), len(t)) for n, t in self._points.items()}
+            median.update(
+                {n: (statistics.median(t) * scale, len(t)) for n, t in self._prior.items() if n not in median}
+            )
             recent = [n for n, seen in self._last_seen.items() if self._passes - seen < STALE_AFTER]
             if self._passes - self._prior_seen < STALE_AFTER:
                 recent += [n for n in self._prior if n not in self._points]
             widths = sorted(recent if len(recent) >= 2 else median)
-            times, top = [], 0.0
-            for n in widths:
-                top = max(top, median[n])
-                times.append(top)
-            self._curve = (widths, times)
+            self._curve = (widths, non_decreasing([median[n][0] for n in widths], [median[n][1] for n in widths]))
         return self._curve
 
     @property

@@ -151,12 +151,13 @@ class Planner:
         for name, proposer in self.proposers.items():
             proposer.restore(states[name])
 
-    def observe_verify(self, tokens: int, seconds: float) -> float | None:
+    def observe_verify(self, tokens: int, seconds: float, record: bool = True) -> float | None:
         """The verify pass computed `tokens` positions (packed: the real tokens; padded: rows x widest
-        row) and took `seconds`. Returns what the cost model predicted for such a pass before this
-        timing (None while it has none)."""
+        row) and took `seconds`; the cost model learns it when `record`. Returns what the cost model
+        predicted for such a pass before this timing (None while it has none)."""
         predicted = self.policy.cost.verify_time(tokens)
-        self.policy.cost.observe_verify(tokens, seconds)
+        if record:
+            self.policy.cost.observe_verify(tokens, seconds)
         return predicted
 
     def commit(
