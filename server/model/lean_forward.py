@@ -120,7 +120,7 @@ class LeanForward:
         packing: Packing | None = None,
         logits_to_keep: int = 0,
         output_hidden_states: bool = False,
-        use_cache: bool = True,
+        use_cache: bool = True,  # the runner always writes the cache: accepted for transformers' keywords
     ) -> LeanOutput:
         base = self.base
         x = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
