@@ -78,8 +78,11 @@ def copy_heavy_file(path: Path) -> Path:
 
 
 def scenario(url: str, model: str, tokenizer: Path, data: dict, profile: dict, requests: int, method: str,
-             max_tokens: int, out: Path) -> dict:
-    body: dict = {"temperature": 0}
+             max_tokens: int, out: Path, salt: str) -> dict:
+    """guidellm's spec for one cell. Every request carries the cell's `cache_salt`: cells send the same
+    prompts, and without it a later cell would read them from the server's prefix cache (and `auto`'s
+    suffix pool would hold an earlier cell's answers), which favours whichever method runs second."""
+    body: dict = {"temperature": 0, "cache_salt": salt}
     if method != "default":
         body["speculation"] = {"method": method}
     return {"spec": {
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                     n = args.requests if profile_name == "synchronous" else args.concurrent_requests
                     name = f"{data_name}-{profile_name}-{method}"
                     spec = scenario(url, model, tokenizer, data, profile, n, method, args.output_tokens,
-                                    workdir / f"{name}.json")
+                                    workdir / f"{name}.json", salt=f"guidellm/{name}")
                     started = time.monotonic()
                     cell = run_cell(exe, spec, workdir, name)
                     cell.update(data=data_name, profile=profile_name,

@@ -21,14 +21,16 @@ def report(tok_s: float, errored: int = 0) -> dict:
     return {"benchmarks": [{"metrics": metrics}]}
 
 
-def test_scenario_sends_temperature_0_and_the_method_per_request(tmp_path: Path):
+def test_scenario_sends_temperature_0_the_method_and_the_cells_salt_per_request(tmp_path: Path):
     data = {"kind": "synthetic_text", "prompt_tokens": 8, "output_tokens": 4}
-    spec = scenario("http://h", "m", tmp_path, data, {"kind": "synchronous"}, 2, "none", 4, tmp_path / "o.json")
+    spec = scenario("http://h", "m", tmp_path, data, {"kind": "synchronous"}, 2, "none", 4, tmp_path / "o.json",
+                    salt="cell-a")
     backend = spec["spec"]["backend"]
-    assert backend["extras"]["body"] == {"temperature": 0, "speculation": {"method": "none"}}
+    assert backend["extras"]["body"] == {"temperature": 0, "cache_salt": "cell-a", "speculation": {"method": "none"}}
     assert spec["spec"]["constraints"] == [{"kind": "max_requests", "count": 2}]
-    default = scenario("http://h", "m", tmp_path, data, {"kind": "synchronous"}, 2, "default", 4, tmp_path / "o")
-    assert default["spec"]["backend"]["extras"]["body"] == {"temperature": 0}
+    default = scenario("http://h", "m", tmp_path, data, {"kind": "synchronous"}, 2, "default", 4, tmp_path / "o",
+                       salt="cell-b")
+    assert default["spec"]["backend"]["extras"]["body"] == {"temperature": 0, "cache_salt": "cell-b"}
 
 
 def test_summary_and_ratio_against_none():
