@@ -73,10 +73,6 @@ class LeanForward:
     def __init__(self, model: PreTrainedModel, base: nn.Module) -> None:
         self.base = base
         self.lm_head = model.get_output_embeddings() if model is not base else None
-        config = base.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         # the final norm: RMSNorm, or whatever module stands there (a draft head's decoder has an identity)
         rms = hasattr(base.norm, "variance_epsilon")
         self.final_norm = (lambda x: _rms_norm(x, base.norm)) if rms else base.norm
@@ -131,9 +127,10 @@ class LeanForward:
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            q = _linear(attn.q_proj, h).view(batch, width, self.heads, self.head_dim)
-            k = _linear(attn.k_proj, h).view(batch, width, self.kv_heads, self.head_dim)
-            v = _linear(attn.v_proj, h).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            shape = (batch, width, -1, attn.head_dim)  # heads as the projection gives them (transformers' view)
+            q = _linear(attn.q_proj, h).view(shape)
+            k = _linear(attn.k_proj, h).view(shape)
+            v = _linear(attn.v_proj, h).view(shape).transpose(1, 2)
             q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)  # [batch, heads, W, d]
             k, v = cache.update(k, v, i)
             o, _ = gqa_sdpa_attention(attn, q, k, v, attention_mask, scaling=attn.scaling, packing=packing)
