@@ -7,6 +7,7 @@ import random
 import pytest
 
 from server.speculation.adaptive import (
+    POINT_WINDOW,
     PROBE_OVERHEAD,
     STALE_AFTER,
     AdaptivePolicy,
@@ -480,3 +481,21 @@ def test_widths_traffic_timed_replace_calibrations_and_set_its_scale():
     pooled = (8 * 0.310 + 2 * 0.204 * 1.5) / 10
     assert cost.verify_time(9) == pytest.approx(pooled)
     assert cost.verify_time(36) == pytest.approx(pooled)
+
+
+def test_cost_lists_follow_every_new_timing():
+    """`auto` reads each proposer's cost per K once per timing (every row of a step asks for the same
+    list); a new verify pass or draft timing must reach the next choice."""
+    policy = AdaptivePolicy(TRAITS, cpu_costs(), packed=True)
+    policy.cost.observe_draft("draft", 4, 4 * 0.02)
+    before = policy.method_costs("draft", 4, 3)
+    assert policy.method_costs("draft", 4, 3) is before  # asked again within a step: the same list
+    for _ in range(POINT_WINDOW):
+        policy.cost.observe_verify(5, 0.2)  # the marginal token of a 4-row batch turns out dear
+    dearer = policy.method_costs("draft", 4, 3)
+    assert dearer[0] > before[0]
+    assert dearer[0] == pytest.approx(policy.cost.token_cost(4, 1, packed=True) + policy.own_cost("draft", 4))
+    for _ in range(128):
+        policy.cost.observe_draft("draft", 4, 4 * 0.5)  # and the draft model slower
+    assert policy.method_costs("draft", 4, 3)[0] > dearer[0]
+    assert policy.method_cost("draft", 4, 2) == policy.method_costs("draft", 4, 2)[1]

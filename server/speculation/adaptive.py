@@ -150,6 +150,7 @@ class CostModel:
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
         self._curve: tuple[list[int], list[float]] | None = None  # `_measured`'s result until the next timing
         self._token_costs: dict[tuple[int, int, bool], float] = {}  # `token_cost`'s results until the next timing
+        self.version = 0  # counts timings: what is derived from them holds until it changes
 
     def observe_verify(self, tokens: int, seconds: float, prior: bool = False) -> None:
         """A pass over `tokens` fed positions took `seconds` (`prior`: timed by start-up calibration)."""
@@ -161,6 +162,7 @@ class CostModel:
             self._passes += 1
             self._last_seen[tokens] = self._passes
         self._verify.append((tokens, seconds, prior))
+        self.version += 1
         self._fitted = None
         self._curve = None
         self._scale_cache = None
@@ -169,6 +171,7 @@ class CostModel:
     def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False) -> None:
         """`proposer` drafted up to `forwards` tokens per row in `seconds` (`prior`: at calibration)."""
         if forwards:
+            self.version += 1
             into = self._prior_draft.setdefault(proposer, []) if prior else (
                 self._draft_forward.setdefault(proposer, deque(maxlen=self._window)))
             into.append(seconds / forwards)
@@ -382,6 +385,9 @@ class AdaptivePolicy:
         self.packed = packed
         self.global_rate: dict[str, _Acceptance] = {}  # engine-wide, per `_key`
         self.seqs: dict[str, _SeqState] = {}
+        # (proposer, rows, K) -> c per K: asked for every row of a step, derived from timings only
+        self._costs: dict[tuple[str, int, int], list[float]] = {}
+        self._costs_version = -1
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
@@ -409,7 +415,20 @@ class AdaptivePolicy:
 
     def method_cost(self, proposer: str, rows: int = 1, k: int = 1) -> float:
         """c for `proposer` when it drafts k tokens: verifying them plus producing them, per token."""
-        return self.cost.token_cost(rows, k, self.packed) + self.own_cost(proposer, rows)
+        return self.method_costs(proposer, rows, k)[k - 1]
+
+    def method_costs(self, proposer: str, rows: int, k_max: int) -> list[float]:
+        """`method_cost` for K = 1..k_max (index K - 1), computed once per timing: every row of a
+        step asks for the same lists."""
+        if self._costs_version != self.cost.version:
+            self._costs.clear()
+            self._costs_version = self.cost.version
+        key = (proposer, rows, k_max)
+        costs = self._costs.get(key)
+        if costs is None:
+            own = self.own_cost(proposer, rows)
+            costs = self._costs[key] = [self.cost.token_cost(rows, k, self.packed) + own for k in range(1, k_max + 1)]
+        return costs
 
     def usable(self, proposer: str, offers: dict[str, Offer]) -> bool:
         """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
@@ -438,13 +457,13 @@ class AdaptivePolicy:
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
             a = self.acceptance(request_id, name, limit, offer.level, sampled)
-            k, gain = best_k(a, [self.method_cost(name, rows, k) for k in range(1, limit + 1)], limit)
+            k, gain = best_k(a, self.method_costs(name, rows, limit), limit)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
                 best = Choice(name, k, gain)
         # In a padded batch, one row's lone probe widens the verify pass for every row, which costs
         # far more than its share: there, rows draft only within the batch's width (`batch_width`).
         if best.proposer is None and k_max and (rows == 1 or self.packed):
-            costs = {m: self.method_cost(m, rows) for m in self.traits if self.usable(m, offers)}
+            costs = {m: self.method_costs(m, rows, 1)[0] for m in self.traits if self.usable(m, offers)}
             best = self._probe(state, costs, k_max) or best
         if best.proposer is not None:
             state.last_used[best.proposer] = state.steps

@@ -305,6 +305,8 @@ class Planner:
             if not members:
                 continue
             ks = [choices[b][1] if choices[b][0] == name else 0 for b in members]
+            if not any(ks):  # nobody drafts with it: nothing to feed or draw (its pending pairs wait)
+                continue
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
             if max(ks) and proposer.traits.draft_token_cost is None:
