@@ -1,7 +1,7 @@
 """Cells of the benchmark grid and the figures derived from them.
 
-A cell is (workload, method, clients, temperature). Its waves accumulate; its tokens/s is total
-completion tokens over total wall time of its waves, and its ratio compares it with the `none` cell
+A cell is (workload, method, clients, temperature). Its rounds accumulate; its tokens/s is total
+completion tokens over total wall time of its rounds, and its ratio compares it with the `none` cell
 of the same workload, clients and temperature, measured interleaved with it in the same run.
 
 The methods are the server's own (`server.speculation.registry.BUILTIN`): a proposer added there gets

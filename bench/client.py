@@ -1,7 +1,10 @@
-"""HTTP side of the benchmark: run one wave of concurrent chat completions against a live server.
+"""HTTP side of the benchmark: run one round of concurrent chat completions against a live server.
 
-A wave is C requests sent at once (asyncio + httpx, one connection each); its wall time runs from
-the first send to the last response. Non-streaming, so each response carries `usage.speculation`;
+A round is N clients in closed loops (asyncio + httpx, one connection each): each client sends its
+next request when its last answer arrives, taking the round's requests in order, as a load tool's
+concurrent mode or a chat UI's users do; its wall time runs from the first send to the last
+response. With one request per client a round is a synchronised wave (every request sent at once,
+the round as long as its slowest answer). Non-streaming, so each response carries `usage.speculation`;
 requests also ask for per-token origins (`speculation.include_tokens`), from which the bench counts
 each proposer's passes and first-position acceptance (`bench.cells.response_figures`).
 """
@@ -20,8 +23,8 @@ from bench.workloads import Prompt
 
 
 @dataclass(frozen=True)
-class WaveResult:
-    """What one wave of concurrent requests produced (sums over its requests)."""
+class RoundResult:
+    """What one round of concurrent requests produced (sums over its requests)."""
 
     requests: int
     completion_tokens: int
@@ -72,18 +75,28 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dic
     return response.json()
 
 
-async def run_wave(client: httpx.AsyncClient, base_url: str, bodies: list[dict[str, Any]]) -> WaveResult:
-    """Send all `bodies` at once and wait for every response."""
+async def run_round(
+    client: httpx.AsyncClient, base_url: str, bodies: list[dict[str, Any]], clients: int | None = None
+) -> RoundResult:
+    """`clients` closed loops (default: one per body, all sent at once) through `bodies` in order:
+    each client sends the next unsent body when its answer to the last one arrives."""
     url = f"{base_url}/v1/chat/completions"
+    replies: list[dict[str, Any]] = [{} for _ in bodies]
+    queue = iter(enumerate(bodies))
+
+    async def loop() -> None:
+        for i, body in queue:  # the iterator is shared: each body goes to the first free client
+            replies[i] = await _one(client, url, body)
+
     started = time.perf_counter()
-    replies = await asyncio.gather(*(_one(client, url, body) for body in bodies))
+    await asyncio.gather(*(loop() for _ in range(min(clients or len(bodies), len(bodies)))))
     wall = time.perf_counter() - started
     spec = [r["usage"].get("speculation") or {} for r in replies]
     proposers: dict[str, ProposerFigures] = {}
     for reply, s in zip(replies, spec, strict=True):
         for name, figs in response_figures(s, reply.get("choices", [])).items():
             proposers.setdefault(name, ProposerFigures()).add(figs)
-    return WaveResult(
+    return RoundResult(
         requests=len(replies),
         completion_tokens=sum(r["usage"]["completion_tokens"] for r in replies),
         wall_s=wall,
@@ -104,7 +117,7 @@ async def model_id(client: httpx.AsyncClient, base_url: str) -> str:
 async def supports_method(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt, method: str) -> bool:
     """Probe with one short request: a 400 means the server does not accept this method."""
     try:
-        await run_wave(client, base_url, [request_body(model, prompt, method, None, 4, 0.0, None, origins=False)])
+        await run_round(client, base_url, [request_body(model, prompt, method, None, 4, 0.0, None, origins=False)])
     except SpeculationUnsupported:
         return False
     return True

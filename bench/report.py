@@ -179,7 +179,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
     lines += [f"Model: {meta.get('model', '?')}; max_tokens {meta.get('max_tokens')}; K: {k_text} (auto chooses "
               f"its own, up to the server's auto ceiling); torch threads {meta.get('threads') or 'default'}; "
               f"requests per cell at 1 client: {meta.get('requests_per_cell')}; "
-              f"waves per cell at least: {meta.get('min_waves', 1)}.  "]
+              f"rounds per cell at least: {meta.get('min_rounds', meta.get('min_waves', 1))}; "
+              f"requests per client per round at N > 1 clients (closed loops; 1 = synchronised waves): "
+              f"{meta.get('per_client', 1)}.  "]
     for note in meta.get("notes", []):
         lines.append(f"Note: {note}  ")
     for title, found in (("Targets of issue 10 (the draft head, `eagle`)", head_targets(rows, costs)),
@@ -217,7 +219,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
                          f"| {c['c_ngram']:.4f} | {c['verify_ratio']:.2f} |")
 
     lines += ["", "## All cells", "",
-              "tok/s = completion tokens / wall time of the cell's waves; x none = ratio to `none` in the same "
+              "tok/s = completion tokens / wall time of the cell's rounds; x none = ratio to `none` in the same "
               "run, same workload, clients and temperature (interleaved); accept = accepted / draft tokens; "
               "first = passes whose first draft token was accepted / passes that drafted; "
               "len = mean accepted length (1 + accepted / steps); mix = each proposer's share of the draft tokens "

@@ -2,8 +2,9 @@
 
 One run: load the default model in-process (to measure the draft/target cost ratio c and to run
 the transformers peer), start `python -m server serve` on loopback, then for every workload,
-temperature and client count run the methods interleaved, wave by wave (A B C D, then D C B A, ...),
-so machine drift hits every method alike. Writes bench/results/{results.md,results.json,speedup.png}.
+temperature and client count run the methods interleaved, round by round (A B C D, then D C B A, ...),
+so machine drift hits every method alike. A round at N clients is N closed loops over N x
+`--per-client` requests (bench/client.py). Writes bench/results/{results.md,results.json,speedup.png}.
 See docs/bench.md.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 
 from bench.cells import PROPOSERS, SPEC_METHODS, Cell, CellKey, cost_map, summarize
-from bench.client import model_id, request_body, run_wave, supports_method
+from bench.client import model_id, request_body, run_round, supports_method
 from bench.peer import PEER_METHODS
 from bench.report import write_all
 from bench.workloads import WORKLOADS, Workload, load_workloads
@@ -84,9 +85,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "auto gets no K and uses the server's auto_max_speculative_tokens as its maximum)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per cell at 1 client (default 8: every prompt; quick 1); N clients run "
-                        "ceil(this/N) waves of N, and at least --min-waves")
-    p.add_argument("--min-waves", type=int, default=None,
-                   help="waves per cell at least (default 2; quick 1): a single wave of 8 requests is noisy")
+                        "ceil(this / (N x --per-client)) rounds, and at least --min-rounds")
+    p.add_argument("--per-client", type=int, default=None,
+                   help="at N > 1 clients, requests each client sends in turn per round, each when its last "
+                        "answer arrives (default 3; quick 1); 1 = synchronised waves, where a round lasts "
+                        "as long as its slowest answer and every row that finishes sooner leaves the batch "
+                        "smaller (the bench before 2026-12-01)")
+    p.add_argument("--min-rounds", "--min-waves", dest="min_rounds", type=int, default=None,
+                   help="rounds per cell at least (default 2; quick 1)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the server and the peer (default 0 = torch's default, all cores)")
     p.add_argument("--seed", type=int, default=1234, help="base seed for temperature > 0 requests")
@@ -105,7 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peer = args.peer if args.peer is not None else (["hf-prompt-lookup"] if quick else list(PEER_METHODS))
     args.max_tokens = args.max_tokens or (32 if quick else 48)
     args.requests = args.requests or (1 if quick else 8)
-    args.min_waves = args.min_waves or (1 if quick else 2)
+    args.min_rounds = args.min_rounds or (1 if quick else 2)
+    args.per_client = args.per_client or (1 if quick else 3)
+    if args.per_client < 1:
+        p.error("--per-client must be at least 1")
     return args
 
 
@@ -123,8 +132,8 @@ def _git_commit() -> str:
 
 
 class Progress:
-    def __init__(self, total_waves: int) -> None:
-        self.total, self.done, self.started = total_waves, 0, time.perf_counter()
+    def __init__(self, total_rounds: int) -> None:
+        self.total, self.done, self.started = total_rounds, 0, time.perf_counter()
 
     def tick(self, label: str, tokens: int, wall: float) -> None:
         self.done += 1
@@ -134,9 +143,16 @@ class Progress:
               f"   elapsed {elapsed / 60:4.1f} min, eta {eta / 60:4.1f} min", flush=True)
 
 
+def round_size(clients: int, per_client: int) -> int:
+    """Requests in one round at `clients` clients. One client sends one per round: its requests never
+    overlap, so there is no tail to amortise, and the methods interleave request by request."""
+    return clients * (per_client if clients > 1 else 1)
+
+
 def schedule(workloads: list[Workload], temperatures: list[float], clients: list[int], methods: list[str],
-             peer: list[str], requests: int, min_waves: int = 1) -> list[tuple[Workload, float, int, int, list[str]]]:
-    """(workload, temperature, clients, round, method order) per round of waves, in run order.
+             peer: list[str], requests: int, min_rounds: int = 1,
+             per_client: int = 1) -> list[tuple[Workload, float, int, int, list[str]]]:
+    """(workload, temperature, clients, round, method order) per round, in run order.
 
     Within a block the order alternates A B C D / D C B A between rounds (cancels linear drift); the
     starting method rotates between blocks, so no method always goes first.
@@ -149,7 +165,7 @@ def schedule(workloads: list[Workload], temperatures: list[float], clients: list
                 names = methods + (peer if n == 1 and t == 0.0 else [])
                 rot = block % len(names)
                 base = names[rot:] + names[:rot]
-                for r in range(max(1, min_waves, -(-requests // n))):
+                for r in range(max(1, min_rounds, -(-requests // round_size(n, per_client)))):
                     plan.append((w, t, n, r, base if r % 2 == 0 else base[::-1]))
                 block += 1
     return plan
@@ -161,16 +177,17 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         model = await model_id(client, url)
         plan = schedule(workloads, args.temperatures, args.clients, methods, args.peer if peer_runner else [],
-                        args.requests, args.min_waves)
+                        args.requests, args.min_rounds, args.per_client)
         progress = Progress(sum(len(order) for *_, order in plan))
         run_id = os.urandom(4).hex()  # a server given with --server-url may hold pools from earlier runs
         for w, t, n, r, order in plan:
-            picks = [w.prompts[(r * n + i) % len(w.prompts)] for i in range(n)]
+            size = round_size(n, args.per_client)
+            picks = [w.prompts[(r * size + i) % len(w.prompts)] for i in range(size)]
             # Earlier answers `suffix` may draft from: per cell and method, and never the same prompt twice
             # (a new pool each pass over the prompt list). A bench that repeats prompts would otherwise
             # let `suffix` replay the identical answers of other methods' requests, which unseen prompts
             # never offer; what differs between prompts of one pool (e.g. agent rounds) still counts.
-            salts = [f"{run_id}/{w.name}/T{t:g}/c{n}/pass{(r * n + i) // len(w.prompts)}" for i in range(n)]
+            salts = [f"{run_id}/{w.name}/T{t:g}/c{n}/pass{(r * size + i) // len(w.prompts)}" for i in range(size)]
             for method in order:
                 key = CellKey(w.name, method, n, t)
                 cell = cells.setdefault(key, Cell(key, k=args.k.get(method)))
@@ -181,14 +198,14 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                     cell.add(1, run.completion_tokens, run.wall_s)
                     progress.tick(label, run.completion_tokens, run.wall_s)
                     continue
-                seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(n)]
+                seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(size)]
                 bodies = [request_body(model, p, method, args.k.get(method), args.max_tokens, t, s,
                                        cache_salt=f"{salt}/{method}")
                           for p, s, salt in zip(picks, seeds, salts, strict=True)]
-                wave = await run_wave(client, url, bodies)
-                cell.add(wave.requests, wave.completion_tokens, wave.wall_s, wave.draft_tokens,
-                         wave.accepted_tokens, wave.decode_steps, wave.reported_methods, wave.proposers)
-                progress.tick(label, wave.completion_tokens, wave.wall_s)
+                done = await run_round(client, url, bodies, n)
+                cell.add(done.requests, done.completion_tokens, done.wall_s, done.draft_tokens,
+                         done.accepted_tokens, done.decode_steps, done.reported_methods, done.proposers)
+                progress.tick(label, done.completion_tokens, done.wall_s)
 
 
 async def warm_up(url: str, workloads: list[Workload], methods: list[str]) -> list[str]:
@@ -281,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "threads": args.threads,
         "requests_per_cell": args.requests,
-        "min_waves": args.min_waves,
+        "min_rounds": args.min_rounds,
+        "per_client": args.per_client,
         "workloads": args.workloads,
         "clients": args.clients,
         "temperatures": args.temperatures,

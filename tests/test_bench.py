@@ -10,7 +10,7 @@ import pytest
 from bench.cells import Cell, CellKey, cost_map, summarize
 from bench.client import request_body
 from bench.report import markdown, plot, rewrite, targets, write_all
-from bench.run import parse_args, schedule
+from bench.run import parse_args, round_size, schedule
 from bench.theory import (
     attainable_speedup,
     efficiency,
@@ -212,8 +212,12 @@ def test_schedule_interleaves_and_alternates() -> None:
     assert first[0] == ["none", "ngram", "draft", "hf-prompt-lookup"] and first[1] == first[0][::-1]
     four = [order for w, t, n, r, order in plan if w.name == "copy_edit" and t == 0.0 and n == 4]
     assert len(four) == 1 and "hf-prompt-lookup" not in four[0]  # the peer runs at 1 client, greedy only
-    at_least = schedule(workloads, [0.0], [8], ["none", "auto"], [], 4, min_waves=2)
-    assert len(at_least) == 2 * len(workloads)  # 4 requests fit one wave of 8, but a cell gets 2
+    at_least = schedule(workloads, [0.0], [8], ["none", "auto"], [], 4, min_rounds=2)
+    assert len(at_least) == 2 * len(workloads)  # 4 requests fit one round of 8, but a cell gets 2
+    # Rounds of closed loops: 3 requests per client, so 4 clients send 12 a round; one client one.
+    assert round_size(4, 3) == 12 and round_size(1, 3) == 1
+    loops = schedule(workloads[:1], [0.0], [1, 4], ["none", "auto"], [], 24, min_rounds=2, per_client=3)
+    assert [n for _, _, n, _, _ in loops].count(4) == 2 and [n for _, _, n, _, _ in loops].count(1) == 24
     hot = [order for w, t, n, r, order in plan if t == 0.8 and n == 1]
     assert all("hf-prompt-lookup" not in o for o in hot)
     starts = {order[0] for *_, r, order in plan if r == 0}
@@ -233,8 +237,47 @@ def test_request_body_sends_k_only_where_it_means_something() -> None:
     assert "seed" not in request_body("m", p, "draft", 6, 48, 0.0, None)
 
 
+def test_clients_run_closed_loops() -> None:
+    """At N clients each client sends its next request when its answer arrives: never more than N in
+    flight, every body sent once, answers kept in the bodies' order."""
+    import asyncio
+
+    import httpx
+
+    from bench.client import run_round
+
+    in_flight, most, order = 0, 0, []
+
+    async def reply(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        body = json.loads(request.content)
+        order.append(body["seed"])
+        await asyncio.sleep(0.01 * (body["seed"] % 3))  # uneven answers: the free client takes the next
+        in_flight -= 1
+        spec = {"method": "none", "draft_tokens": 0, "accepted_tokens": 0, "decode_steps": body["seed"]}
+        return httpx.Response(200, json={"choices": [{"index": 0}],
+                                         "usage": {"completion_tokens": body["seed"], "speculation": spec}})
+
+    (chat,) = load_workloads(["chat"])
+    bodies = [request_body("m", chat.prompts[0], "none", None, 8, 0.8, seed) for seed in range(1, 8)]
+
+    async def go(clients):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            return await run_round(client, "http://x", bodies, clients)
+
+    result = asyncio.run(go(2))
+    assert most == 2 and sorted(order) == list(range(1, 8)) and order[:2] == [1, 2]
+    assert (result.requests, result.completion_tokens, result.decode_steps) == (7, 28, 28)
+    in_flight, most, order = 0, 0, []
+    asyncio.run(go(None))  # a synchronised wave: everything at once
+    assert most == 7
+
+
 def test_quick_defaults_are_small() -> None:
     quick, full = parse_args(["--quick"]), parse_args([])
+    assert full.per_client == 3 and quick.per_client == 1 and parse_args(["--min-waves", "3"]).min_rounds == 3
     assert quick.max_tokens < full.max_tokens and quick.requests < full.requests
     assert full.clients == [1, 4, 8] and full.temperatures == [0.0, 0.8]
     assert parse_args(["--methods", "none,ngram", "--clients", "1"]).methods == ["none", "ngram"]
@@ -278,7 +321,7 @@ def test_methods_and_k_come_from_the_registry() -> None:
 
 def test_eagle_gets_cells_in_every_block() -> None:
     workloads = load_workloads(["copy_edit", "chat"])
-    plan = schedule(workloads, [0.0, 0.8], [1, 4, 8], ["none", "ngram", "eagle", "auto"], [], 2, min_waves=2)
+    plan = schedule(workloads, [0.0, 0.8], [1, 4, 8], ["none", "ngram", "eagle", "auto"], [], 2, min_rounds=2)
     blocks = {(w.name, t, n) for w, t, n, _, order in plan if "eagle" in order}
     assert blocks == {(w, t, n) for w in ("copy_edit", "chat") for t in (0.0, 0.8) for n in (1, 4, 8)}
 
@@ -488,12 +531,12 @@ def test_head_cost_is_measured_through_its_own_runner(tiny_target, prompt_ids, t
     assert cost_map([c.to_json() for c in costs.values()])[2]["eagle"] == costs[2].c_eagle
 
 
-def test_run_wave_sums_each_proposers_figures_from_the_origins() -> None:
+def test_run_round_sums_each_proposers_figures_from_the_origins() -> None:
     import asyncio
 
     import httpx
 
-    from bench.client import run_wave
+    from bench.client import run_round
 
     def reply(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -508,7 +551,7 @@ def test_run_wave_sums_each_proposers_figures_from_the_origins() -> None:
 
     async def wave():
         async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
-            return await run_wave(client, "http://x", bodies)
+            return await run_round(client, "http://x", bodies)
 
     result = asyncio.run(wave())
     eagle = result.proposers["eagle"]
