@@ -53,7 +53,7 @@ class FixedCosts(CostModel):
         for name, ratio in (draft or {}).items():
             super().observe_draft(name, 4, 4 * ratio)
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
+    def observe_verify(self, tokens: int, seconds: float, prior: bool = False, rows: int | None = None) -> None:
         """Ignored: the costs are fixed."""
 
     def observe_draft(self, proposer: str, forwards: int, seconds: float) -> None:

@@ -499,3 +499,21 @@ def test_cost_lists_follow_every_new_timing():
         policy.cost.observe_draft("draft", 4, 4 * 0.5)  # and the draft model slower
     assert policy.method_costs("draft", 4, 3)[0] > dearer[0]
     assert policy.method_cost("draft", 4, 2) == policy.method_costs("draft", 4, 2)[1]
+
+
+def test_each_batch_size_reads_its_own_curve():
+    """8 tokens cost less as one row drafting 7 than as 8 plain rows, and one draft token in a batch of 8
+    costs what its packed pass measured; a batch size with a single width timed reads the pooled curve."""
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_verify(1, 0.045, rows=1)
+        cost.observe_verify(8, 0.070, rows=1)  # one row, 7 drafts
+        cost.observe_verify(8, 0.086, rows=8)  # eight rows, nobody drafting
+        cost.observe_verify(9, 0.105, rows=8)  # eight rows, one drafting one token
+    assert cost.verify_time(8, rows=1) == pytest.approx(0.070)
+    assert cost.verify_time(8, rows=8) == pytest.approx(0.086)
+    assert cost.verify_time(8) == pytest.approx(0.078)  # pooled: both shapes' timings
+    assert cost.token_cost(8, 1, packed=True) == pytest.approx(8 * 0.019 / 0.086)
+    assert cost.verify_time(20, rows=8) > cost.verify_time(9, rows=8)  # past its widths: the pooled slope
+    cost.observe_verify(4, 0.060, rows=4)
+    assert cost.verify_time(5, rows=4) == pytest.approx(cost.verify_time(5))

@@ -11,7 +11,7 @@ import pytest
 from server.config import Settings
 from server.engine import calibration
 from server.engine import engine as engine_module
-from server.engine.calibration import batch_sizes, cache_path, calibrate, calibration_key, widths
+from server.engine.calibration import batch_shapes, batch_sizes, cache_path, calibrate, calibration_key, widths
 from server.model.runner import ModelRunner
 from tests.engine_helpers import request, run
 
@@ -21,6 +21,8 @@ UNBOUNDED = 1e9  # seconds: every point is measured, whatever the machine's spee
 def test_widths_and_batch_sizes_cover_what_auto_may_choose():
     assert widths(8) == [1, 2, 4, 8, 9] and widths(1) == [1, 2]
     assert batch_sizes(8) == [1, 2, 4, 8] and batch_sizes(6) == [1, 2, 4, 6] and batch_sizes(1) == [1]
+    assert batch_shapes(4, 16) == [[1] * 4, [2, 1, 1, 1], [2] * 4, [3] * 4, [17] * 4]
+    assert batch_shapes(2, 1) == [[1, 1], [2, 1], [2, 2], [3, 3]]  # nothing timed twice
 
 
 def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_engine_factory, tmp_path):
@@ -31,14 +33,30 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     cost = engine.planner.policy.cost
     assert not cost.fitted and cost.draft_forward_time("draft") is None
     result = calibrate(engine, budget_s=UNBOUNDED)
-    expected = ([1, 2, 4] + [2 * 1, 2 * 4]) * calibration.REPEATS  # one row at widths 1, 2, K+1; two at 1, K+1
-    assert sorted(n for n, _ in result.verify) == sorted(expected) and result.complete
+    # one row at widths 1, 2, K+1; two rows plain (2 tokens), one of them drafting one (3), both drafting
+    # one (4) and two (6), both at K+1 (8)
+    expected = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 3), (2, 4), (2, 6), (2, 8)] * calibration.REPEATS
+    assert sorted((rows, n) for rows, n, _ in result.verify) == sorted(expected) and result.complete
     assert [k for k, _ in result.draft["draft"]] == [2, 2, 2, 2]  # 2 timed drafts of K at batch 1 and at 2
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
     assert cost.fitted and cost.draft_forward_time("draft") is not None
+
     assert not result.loaded
     stored = json.loads(cache_path(tmp_path, result.key).read_text())
     assert stored["key"] == calibration_key(engine) and len(stored["verify"]) == len(expected)
+
+
+def test_the_cost_model_reads_each_batch_sizes_own_timings(tiny_engine_factory, tmp_path):
+    """Three tokens as one row drafting two and as two rows, one drafting one, cost differently; fed
+    to the cost model, each batch size's question gets its own answer."""
+    engine = tiny_engine_factory(cache_dir=tmp_path)
+    timed = [(1, 1, 0.10), (1, 3, 0.12), (1, 9, 0.20), (2, 2, 0.15), (2, 3, 0.24), (2, 18, 0.40)]
+    calibration.Calibration({}, timed).feed(engine)
+    cost = engine.planner.policy.cost
+    assert cost.verify_time(3, rows=1) == pytest.approx(0.12)
+    assert cost.verify_time(3, rows=2) == pytest.approx(0.24)
+    # one draft token in a 2-row packed pass: 0.09 s more than the plain pass, 60% of it
+    assert cost.token_cost(2, 1, packed=True) == pytest.approx(2 * 0.09 / 0.15)
 
 
 def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engine_factory, tmp_path, monkeypatch):

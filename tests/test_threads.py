@@ -134,7 +134,8 @@ def test_probe_steps_do_not_teach_the_cost_model(tiny_engine_factory, monkeypatc
         cost = engine.planner.policy.cost
         learned: list[float] = []
         observe = cost.observe_verify
-        monkeypatch.setattr(cost, "observe_verify", lambda n, s, prior=False: (learned.append(s), observe(n, s, prior)))
+        monkeypatch.setattr(cost, "observe_verify",
+                            lambda n, s, prior=False, rows=None: (learned.append(s), observe(n, s, prior, rows)))
         _generate(engine, request)
     finally:
         torch.set_num_threads(before)

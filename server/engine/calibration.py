@@ -6,11 +6,14 @@ steps; a fresh server would otherwise plan its first steps from a prior slope, a
 verifying one width at a time never shows the slope at all. At start-up (while `/health` says
 loading) `calibrate` therefore times:
 
-* the target's verify forward (logits and their softmax, as a step computes) over scratch caches of
+* the target's verify pass (the forward, then p and the rejection sampler's verdict over every padded
+  position, as a step computes them, for a request with default sampling) over scratch caches of
   its own holding `CONTEXT` tokens per row: one row at widths 1, 2, 4, ... K + 1 (K: the larger of the
   fixed methods' K and `auto`'s ceiling, so every width a request may verify by default), then batch
-  sizes 2, 4, ... `max_batch_size` at widths 1 and K + 1 (the cost model is linear in rows x width),
-  `REPEATS` passes each;
+  sizes 2, 4, ... `max_batch_size`: every row plain, one row drafting one token (what `auto` weighs
+  first in a batch: it costs far more than a row's share of the tokens, as the pass is packed), every
+  row drafting one and two, and every row at K + 1 (`batch_shapes`); `REPEATS` passes each, each
+  timing kept with its batch size (the cost model keeps a curve per batch size);
 * each model proposer's drafting (proposers without a declared cost per draft token), through the
   proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
   batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
@@ -40,7 +43,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from server.model.runner import ModelRunner
+from server.sampling import BatchSampling, probabilities
 from server.speculation.planner import elapsed_since
+from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # bump when what is measured changes: older files are then ignored
+VERSION = 2  # bump when what is measured changes: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
 REPEATS = 2  # timings per (batch, width)
 BUDGET_S = 8.0  # stop timing after this long (a CPU times everything in a few seconds)
@@ -56,11 +61,11 @@ BUDGET_S = 8.0  # stop timing after this long (a CPU times everything in a few s
 
 @dataclass
 class Calibration:
-    """Timings: verify passes as (fed tokens, seconds), and per model proposer its drafting as
+    """Timings: verify passes as (rows, fed tokens, seconds), and per model proposer its drafting as
     (draft tokens per row, seconds)."""
 
     key: dict[str, object]
-    verify: list[tuple[int, float]] = field(default_factory=list)
+    verify: list[tuple[int, int, float]] = field(default_factory=list)
     draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     loaded: bool = False  # read from the cache directory rather than measured now
     complete: bool = False  # every planned timing was taken (the budget did not cut it short)
@@ -68,8 +73,8 @@ class Calibration:
     def feed(self, engine: Engine) -> None:
         """Give the timings to the engine's step-cost model."""
         cost = engine.planner.policy.cost
-        for tokens, seconds in self.verify:
-            cost.observe_verify(tokens, seconds, prior=True)
+        for rows, tokens, seconds in self.verify:
+            cost.observe_verify(tokens, seconds, prior=True, rows=rows)
         for name, points in self.draft.items():
             for forwards, seconds in points:
                 cost.observe_draft(name, forwards, seconds, prior=True)
@@ -114,7 +119,7 @@ def load(path: Path, key: dict[str, object]) -> Calibration | None:
     if data.get("complete") is not True:  # cut short by the budget (a busy machine): measure again
         return None
     try:
-        verify = [(int(n), float(s)) for n, s in data["verify"]]
+        verify = [(int(r), int(n), float(s)) for r, n, s in data["verify"]]
         draft = {str(name): [(int(k), float(s)) for k, s in pts] for name, pts in data["draft"].items()}
     except (KeyError, TypeError, ValueError):
         return None
@@ -157,6 +162,15 @@ def batch_sizes(max_batch: int) -> list[int]:
     return _doubling(max_batch)
 
 
+def batch_shapes(rows: int, widest: int) -> list[list[int]]:
+    """Passes to time at a batch of `rows` (tokens per row): plain; one row drafting one token; every
+    row drafting one, then two; every row at the widest. A pass's time is far from linear in its
+    tokens over the first few drafts of a batch (packing, then per-position work), which is where
+    `auto` decides; the widest pass bounds the rest."""
+    shapes = [[1] * rows, [2] + [1] * (rows - 1), [2] * rows, [3] * rows, [widest + 1] * rows]
+    return [s for i, s in enumerate(shapes) if s not in shapes[:i]]
+
+
 def _doubling(top: int) -> list[int]:
     out, n = [], 1
     while n < top:
@@ -171,19 +185,19 @@ def measure(engine: Engine, key: dict[str, object], budget_s: float = BUDGET_S) 
     deadline = time.perf_counter() + budget_s
     result = Calibration(key)
     s = engine.settings
-    k, widest, top = s.num_speculative_tokens, s.widest_drafts, s.max_batch_size
+    widest, top = s.widest_drafts, s.max_batch_size
     proposers = _model_proposers(engine)
-    tasks: list[tuple[str, int, list[int]]] = [("verify", 1, widths(widest))]
-    tasks += [(name, 1, [k]) for name in proposers]
-    # the fit is linear in rows x width
-    tasks += [("verify", rows, [1, widest + 1]) for rows in batch_sizes(top)[1:]]
-    tasks += [(name, top, [k]) for name in proposers if top > 1]
+    # (what, rows, per pass the tokens each row feeds)
+    tasks: list[tuple[str, int, list[list[int]]]] = [("verify", 1, [[w] for w in widths(widest)])]
+    tasks += [(name, 1, []) for name in proposers]
+    tasks += [("verify", rows, batch_shapes(rows, widest)) for rows in batch_sizes(top)[1:]]
+    tasks += [(name, top, []) for name in proposers if top > 1]
     with torch.no_grad():
-        for what, rows, ws in tasks:
+        for what, rows, shapes in tasks:
             if time.perf_counter() > deadline:
                 return result
             if what == "verify":
-                result.verify += _time_verify(engine, rows, ws)
+                result.verify += _time_verify(engine, rows, shapes)
             else:
                 result.draft.setdefault(what, []).extend(_time_drafting(engine, what, rows))
     result.complete = True
@@ -201,26 +215,31 @@ def _scratch_tokens(engine: Engine, rows: int, length: int) -> list[list[int]]:
     return [[(17 + 31 * (r * length + i)) % vocab for i in range(length)] for r in range(rows)]
 
 
-def _time_verify(engine: Engine, rows: int, widths: list[int]) -> list[tuple[int, float]]:
-    """(rows x width, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
-    tokens each (the engine's own rows are untouched); every pass is rolled back after it."""
-    points: list[tuple[int, float]] = []
+def _time_verify(engine: Engine, rows: int, shapes: list[list[int]]) -> list[tuple[int, int, float]]:
+    """(rows, tokens fed, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
+    tokens each (the engine's own rows are untouched), row b feeding `shape[b]` tokens in each pass
+    (packed where rows feed unequal numbers, as the engine's passes are); every pass is rolled back."""
+    points: list[tuple[int, int, float]] = []
     runner = ModelRunner(engine.target.model)
     ids = [f"calibration-{r}" for r in range(rows)]
     runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
-    fed_rows = _scratch_tokens(engine, rows, max(widths))
+    fed_rows = _scratch_tokens(engine, rows, max(n for shape in shapes for n in shape))
+    sampling = BatchSampling.from_params([SamplingParams()] * rows, engine.device)  # a request that sets nothing
+    gens = [torch.Generator(device=engine.device).manual_seed(r) for r in range(rows)]
     try:
         runner.forward([r[:1] for r in fed_rows])  # a fresh cache's first pass allocates: not timed
         for b in range(rows):
             runner.rollback(b, 1)
         for _ in range(REPEATS):
-            for width in widths:
+            for shape in shapes:
                 started = time.perf_counter()
-                logits = runner.forward([r[:width] for r in fed_rows]).logits  # [rows, width, vocab]
-                torch.softmax(logits.float(), dim=-1)
-                points.append((rows * width, elapsed_since(started, engine.device)))
-                for b in range(rows):
-                    runner.rollback(b, width)
+                logits = runner.forward([r[:n] for r, n in zip(fed_rows, shape, strict=True)]).logits
+                # what a step does next, paid per padded position: p [rows, widest, vocab] and the verdict
+                p = probabilities(logits, sampling)
+                rejection_sample([r[1:n] for r, n in zip(fed_rows, shape, strict=True)], p, [None] * rows, gens)
+                points.append((rows, sum(shape), elapsed_since(started, engine.device)))
+                for b, n in enumerate(shape):
+                    runner.rollback(b, n)
     finally:
         runner.leave(set(ids))
     return points

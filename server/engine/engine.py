@@ -369,7 +369,7 @@ class Engine:
         seconds = elapsed_since(started, self.device)
         # A thread-count probe times another configuration: the governor compares it, the cost model skips it.
         probe = self.threads is not None and self.threads.probing
-        predicted = self.planner.observe_verify(out.computed, seconds, record=not probe)
+        predicted = self.planner.observe_verify(out.computed, seconds, record=not probe, rows=len(active))
         if self.threads is not None:
             self.threads.observe(seconds, predicted)
         return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)

@@ -115,6 +115,24 @@ def non_decreasing(values: list[float], weights: list[int]) -> list[float]:
     return [mean for mean, _, n in blocks for _ in range(int(n))]
 
 
+@dataclass
+class _Timings:
+    """Verify timings by pass width (tokens fed), for every pass or for the passes of one batch size."""
+
+    points: dict[int, deque[float]] = field(default_factory=dict)  # width -> its last POINT_WINDOW timings
+    last_seen: dict[int, int] = field(default_factory=dict)  # width -> the number of the pass that last timed it
+    prior: dict[int, list[float]] = field(default_factory=dict)  # width -> calibration's timings
+    curve: tuple[list[int], list[float]] | None = None  # `CostModel._measured`'s result until the next timing
+
+    def add(self, tokens: int, seconds: float, prior: bool, passes: int) -> None:
+        if prior:
+            self.prior.setdefault(tokens, []).append(seconds)
+        else:
+            self.points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
+            self.last_seen[tokens] = passes
+        self.curve = None
+
+
 class CostModel:
     """Step timings, measured online: the verify time T(n) of a pass over n fed tokens, and each timed
     proposer's time per draft token (one batched forward). Relative costs are what the policy needs.
@@ -127,6 +145,14 @@ class CostModel:
     put the marginal token of a 4-row batch at about two thirds of its measured cost, and `auto`
     widened passes that lost.
 
+    A pass's time depends on its rows, not only on its tokens: 8 tokens took 70 ms as one row drafting
+    7, 82 ms as 4 rows of 2 and 86 ms as 8 plain rows (SmolLM2-135M, 2 cores, fp32), and one row
+    drafting one token in a batch of 8 cost +20% (the packed pass's scatter, gathers and per-row
+    attention), not the eighth of a step its token count suggests. So every batch size keeps a curve
+    of its own, and a question about a pass of `rows` rows reads that batch size's curve wherever it has
+    two widths or more (between and beyond them, the pooled curve's slope), else the curve pooled over
+    every pass.
+
     Start-up calibration (server/engine/calibration.py) comes in as *prior* timings: they give the
     curve's shape where traffic has not timed a width yet, scaled by how fast the machine runs now (the
     median ratio of recent timings to prior ones at the widths both have). A calibration taken while
@@ -138,35 +164,35 @@ class CostModel:
     def __init__(self, window: int = 128, prior_token_ratio: float = 0.05) -> None:
         self._window = window
         self._verify: deque[tuple[int, float, bool]] = deque(maxlen=window)  # (tokens, seconds, prior)
-        self._points: dict[int, deque[float]] = {}  # width -> its last POINT_WINDOW timings
-        self._last_seen: dict[int, int] = {}  # width -> the number of the pass that last timed it
+        self._pooled = _Timings()  # every pass, whatever its batch size
+        self._by_rows: dict[int, _Timings] = {}  # batch size -> its passes
         self._passes = 0
         self._draft_forward: dict[str, deque[float]] = {}
-        self._prior: dict[int, list[float]] = {}  # width -> calibration's timings (see the class doc)
         self._prior_seen = 0  # `_passes` when the last prior timing came
         self._prior_draft: dict[str, list[float]] = {}  # proposer -> calibration's seconds per draft token
         self._scale_cache: float | None = None  # `scale`'s result until the next timing
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
-        self._curve: tuple[list[int], list[float]] | None = None  # `_measured`'s result until the next timing
         self._token_costs: dict[tuple[int, int, bool], float] = {}  # `token_cost`'s results until the next timing
         self.version = 0  # counts timings: what is derived from them holds until it changes
 
-    def observe_verify(self, tokens: int, seconds: float, prior: bool = False) -> None:
-        """A pass over `tokens` fed positions took `seconds` (`prior`: timed by start-up calibration)."""
+    def observe_verify(self, tokens: int, seconds: float, prior: bool = False, rows: int | None = None) -> None:
+        """A pass of `rows` rows (None: not known) over `tokens` fed positions took `seconds` (`prior`:
+        timed by start-up calibration)."""
         if prior:
-            self._prior.setdefault(tokens, []).append(seconds)
             self._prior_seen = self._passes
         else:
-            self._points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
             self._passes += 1
-            self._last_seen[tokens] = self._passes
+        self._pooled.add(tokens, seconds, prior, self._passes)
+        if rows is not None:
+            self._by_rows.setdefault(rows, _Timings()).add(tokens, seconds, prior, self._passes)
         self._verify.append((tokens, seconds, prior))
         self.version += 1
         self._fitted = None
-        self._curve = None
         self._scale_cache = None
         self._token_costs.clear()
+        for timings in self._by_rows.values():  # every curve reads the scale and the pass count
+            timings.curve = None
 
     def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False) -> None:
         """`proposer` drafted up to `forwards` tokens per row in `seconds` (`prior`: at calibration)."""
@@ -180,8 +206,9 @@ class CostModel:
         """How much slower (> 1) or faster the machine runs now than at calibration: the median, over the
         widths both timed, of recent timings over prior ones; 1 while they share none."""
         if self._scale_cache is None:
-            shared = [n for n in self._prior if n in self._points]
-            ratios = [statistics.median(self._points[n]) / statistics.median(self._prior[n]) for n in shared]
+            pooled = self._pooled
+            shared = [n for n in pooled.prior if n in pooled.points]
+            ratios = [statistics.median(pooled.points[n]) / statistics.median(pooled.prior[n]) for n in shared]
             self._scale_cache = statistics.median(ratios) if ratios else 1.0
         return self._scale_cache
 
@@ -209,33 +236,36 @@ class CostModel:
         slope = max(slope, 0.0)
         return max(mean_y - slope * mean_n, 1e-6), slope
 
-    def _measured(self) -> tuple[list[int], list[float]]:
-        """(widths, times): each measured width's median timing, made non-decreasing in the width (a
-        wider pass never takes less time) by isotonic regression weighted by how many timings each
-        width has: where noise says otherwise, neighbouring widths share their weighted mean, so a width
-        timed once (slowly) cannot lift every wider width above what they measured many times.
-        Widths traffic has not timed take calibration's timing, scaled (`scale`). Widths not timed in the
-        last `STALE_AFTER` passes (e.g. start-up calibration of batches that never came) are left out
-        while two others remain: the line's slope extends the curve instead."""
-        if self._curve is None:
+    def _measured(self, timings: _Timings | None = None) -> tuple[list[int], list[float]]:
+        """(widths, times) of `timings` (default: every pass): each measured width's median timing, made
+        non-decreasing in the width (a wider pass never takes less time) by isotonic regression weighted
+        by how many timings each width has: where noise says otherwise, neighbouring widths share their
+        weighted mean, so a width timed once (slowly) cannot lift every wider width above what they
+        measured many times. Widths traffic has not timed take calibration's timing, scaled (`scale`).
+        Widths not timed in the last `STALE_AFTER` passes (e.g. start-up calibration of batches that
+        never came) are left out while two others remain: the line's slope extends the curve instead."""
+        timings = timings or self._pooled
+        if timings.curve is None:
             scale = self.scale()
-            median = {n: (statistics.median(t), len(t)) for n, t in self._points.items()}
+            median = {n: (statistics.median(t), len(t)) for n, t in timings.points.items()}
             median.update(
-                {n: (statistics.median(t) * scale, len(t)) for n, t in self._prior.items() if n not in median}
+                {n: (statistics.median(t) * scale, len(t)) for n, t in timings.prior.items() if n not in median}
             )
-            recent = [n for n, seen in self._last_seen.items() if self._passes - seen < STALE_AFTER]
+            recent = [n for n, seen in timings.last_seen.items() if self._passes - seen < STALE_AFTER]
             if self._passes - self._prior_seen < STALE_AFTER:
-                recent += [n for n in self._prior if n not in self._points]
+                recent += [n for n in timings.prior if n not in timings.points]
             widths = sorted(recent if len(recent) >= 2 else median)
-            self._curve = (widths, non_decreasing([median[n][0] for n in widths], [median[n][1] for n in widths]))
-        return self._curve
+            timings.curve = (widths, non_decreasing([median[n][0] for n in widths], [median[n][1] for n in widths]))
+        return timings.curve
 
     @property
     def fitted(self) -> bool:
         """Enough timings (4) to predict a pass's time from its width."""
         return self._fit() is not None
 
-    def verify_time(self, tokens: int) -> float | None:
+    def verify_time(self, tokens: int, rows: int | None = None) -> float | None:
+        """Predicted seconds of a pass over `tokens` fed positions, of `rows` rows when given (see the
+        class doc: that batch size's own curve where it has two widths)."""
         fit = self._fit()
         if fit is None:
             if not self._verify:
@@ -243,7 +273,10 @@ class CostModel:
             scale = self.scale()
             return sum(s * scale if prior else s for _, s, prior in self._verify) / len(self._verify)
         slope = fit[1]
-        widths, times = self._measured()
+        own = self._by_rows.get(rows) if rows is not None else None
+        widths, times = self._measured(own) if own is not None else self._measured()
+        if len(widths) < 2:
+            widths, times = self._measured()
         i = bisect.bisect_left(widths, tokens)
         if i < len(widths) and widths[i] == tokens:
             return times[i]
@@ -267,8 +300,8 @@ class CostModel:
             return r * rows / (1 + r * (rows - 1)) if packed else r * rows
         cost = self._token_costs.get((rows, k, packed))
         if cost is None:  # asked for every row, proposer and K of a step: computed once per timing
-            plain = self.verify_time(rows)
-            wider = self.verify_time(rows + k if packed else rows * (k + 1))
+            plain = self.verify_time(rows, rows)
+            wider = self.verify_time(rows + k if packed else rows * (k + 1), rows)
             assert plain is not None and wider is not None
             added = max(wider - plain, 0.0)
             cost = self._token_costs[(rows, k, packed)] = (rows * added if packed else added) / (k * plain)
@@ -286,7 +319,7 @@ class CostModel:
     def draft_cost(self, proposer: str, rows: int) -> float | None:
         """Relative cost of one of `proposer`'s draft tokens (one batched forward) against a plain step."""
         forward = self.draft_forward_time(proposer)
-        step = self.verify_time(rows) if forward is not None else None
+        step = self.verify_time(rows, rows) if forward is not None else None
         return forward / step if step else None
 
 
@@ -489,7 +522,7 @@ class AdaptivePolicy:
         drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
         for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
             most = max(r.k for r in rows if r.proposer == name and not r.flexible)
-            drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows)) or 0.0)
+            drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows), len(rows)) or 0.0)
         expected = [  # per flexible row: expected tokens with 0..flexible drafts
             expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.flexible, r.level, r.sampled), r.flexible)
             for r in rows if r.flexible
@@ -513,7 +546,7 @@ class AdaptivePolicy:
         tokens = fixed_tokens + len(flexible)
 
         def score(n: int) -> float:
-            return tokens / (self.cost.verify_time(fed + n) + drafting_s)
+            return tokens / (self.cost.verify_time(fed + n, len(rows)) + drafting_s)
 
         best_n, best = 0, score(0)
         floor = best * (MIN_GAIN if fed == len(rows) else 1.0)
@@ -546,7 +579,7 @@ class AdaptivePolicy:
 
         def score(w: int) -> float:
             tokens = fixed_tokens + sum(e[min(w, len(e) - 1)] for e in expected)
-            return tokens / (self.cost.verify_time(len(rows) * (w + 1)) + drafting_s)
+            return tokens / (self.cost.verify_time(len(rows) * (w + 1), len(rows)) + drafting_s)
 
         best_w, best = fixed_w, score(fixed_w)
         floor = best * (MIN_GAIN if fixed_w == 0 else 1.0)

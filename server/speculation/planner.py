@@ -151,13 +151,13 @@ class Planner:
         for name, proposer in self.proposers.items():
             proposer.restore(states[name])
 
-    def observe_verify(self, tokens: int, seconds: float, record: bool = True) -> float | None:
-        """The verify pass computed `tokens` positions (packed: the real tokens; padded: rows x widest
-        row) and took `seconds`; the cost model learns it when `record`. Returns what the cost model
-        predicted for such a pass before this timing (None while it has none)."""
-        predicted = self.policy.cost.verify_time(tokens)
+    def observe_verify(self, tokens: int, seconds: float, record: bool = True, rows: int | None = None) -> float | None:
+        """The verify pass of `rows` rows computed `tokens` positions (packed: the real tokens; padded:
+        rows x widest row) and took `seconds`; the cost model learns it when `record`. Returns what the
+        cost model predicted for such a pass before this timing (None while it has none)."""
+        predicted = self.policy.cost.verify_time(tokens, rows)
         if record:
-            self.policy.cost.observe_verify(tokens, seconds)
+            self.policy.cost.observe_verify(tokens, seconds, rows=rows)
         return predicted
 
     def commit(
