@@ -145,10 +145,14 @@ class Cell:
     decode_steps: int = 0
     reported_methods: set[str] = field(default_factory=set)
     proposers: dict[str, ProposerFigures] = field(default_factory=dict)  # from origins (see response_figures)
+    rounds: dict[int, tuple[int, float]] = field(default_factory=dict)  # round -> (completion tokens, wall s)
 
     def add(self, requests: int, completion_tokens: int, wall_s: float, draft_tokens: int = 0,
             accepted_tokens: int = 0, decode_steps: int = 0, reported_methods: tuple[str, ...] = (),
-            proposers: dict[str, ProposerFigures] | None = None) -> None:
+            proposers: dict[str, ProposerFigures] | None = None, round_index: int | None = None) -> None:
+        if round_index is not None:
+            tokens, wall = self.rounds.get(round_index, (0, 0.0))
+            self.rounds[round_index] = (tokens + completion_tokens, wall + wall_s)
         self.requests += requests
         self.completion_tokens += completion_tokens
         self.wall_s += wall_s
@@ -259,6 +263,17 @@ def proposers_from_rows(rows: dict[str, dict[str, Any]]) -> dict[str, ProposerFi
     return {name: ProposerFigures(**{k: r[k] for k in RAW_FIELDS if k in r}) for name, r in rows.items()}
 
 
+def round_ratios(cell: Cell, plain: Cell) -> list[float]:
+    """The cell's tokens/s over `none`'s, round by round (each round gives every method the same
+    prompts and seeds, back to back): how far a single round strays from the cell's ratio."""
+    out = []
+    for r, (tokens, wall) in sorted(cell.rounds.items()):
+        base = plain.rounds.get(r)
+        if base and wall and base[0] and base[1]:
+            out.append(round((tokens / wall) / (base[0] / base[1]), 3))
+    return out
+
+
 def summarize(cells: list[Cell], costs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """One JSON-ready row per cell with the derived figures.
 
@@ -267,11 +282,13 @@ def summarize(cells: list[Cell], costs: dict[int, dict[str, Any]]) -> list[dict[
     attainable bound use each proposer's own acceptance and c, weighted by its passes (`_theory`).
     """
     tps = {c.key: c.tokens_per_s for c in cells}
+    by_key = {c.key: c for c in cells}
     rows = []
     for cell in cells:
         k = cell.key
         base = tps.get(CellKey(k.workload, "none", k.clients, k.temperature))
         ratio = cell.tokens_per_s / base if base else None
+        plain = by_key.get(CellKey(k.workload, "none", k.clients, k.temperature))
         peer = k.method.startswith("hf-")
         batch_costs = costs.get(k.clients, {})
         figs = {} if peer else cell.figures()
@@ -294,6 +311,8 @@ def summarize(cells: list[Cell], costs: dict[int, dict[str, Any]]) -> list[dict[
             "wall_s": round(cell.wall_s, 3),
             "tokens_per_s": cell.tokens_per_s,
             "ratio_to_none": ratio,
+            "round_ratios": round_ratios(cell, plain) if plain is not None and k.method != PLAIN else [],
+            "rounds": {str(r): [t, round(w, 3)] for r, (t, w) in sorted(cell.rounds.items())},
             "draft_tokens": None if peer else cell.draft_tokens,
             "accepted_tokens": None if peer else cell.accepted_tokens,
             "decode_steps": None if peer else cell.decode_steps,

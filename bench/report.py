@@ -220,7 +220,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
 
     lines += ["", "## All cells", "",
               "tok/s = completion tokens / wall time of the cell's rounds; x none = ratio to `none` in the same "
-              "run, same workload, clients and temperature (interleaved); accept = accepted / draft tokens; "
+              "run, same workload, clients and temperature (interleaved); rounds = the lowest and highest "
+              "ratio of a single round (each round runs the methods back to back on the same prompts): how "
+              "far this machine's drift moves one round; accept = accepted / draft tokens; "
               "first = passes whose first draft token was accepted / passes that drafted; "
               "len = mean accepted length (1 + accepted / steps); mix = each proposer's share of the draft tokens "
               "and its own acceptance (auto); c = the proposers' measured cost per draft token (draft-weighted); "
@@ -228,17 +230,24 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
               "(plain passes count 1 token for 1 step); eff = x none / theory; bound = tokens per pass / (drafting "
               "cost + verify cost of the drafts per pass + 1 tokens), the speedup the measured tokens per step allow "
               "at the measured forward costs; x bound = x none / bound (what per-step overhead leaves of it).", ""]
-    lines += ["| workload | T | clients | method | tok/s | x none | accept | first | len | drafts/step | mix | c "
-              "| theory | eff | bound | x bound |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += ["| workload | T | clients | method | tok/s | x none | rounds | accept | first | len | drafts/step | mix "
+              "| c | theory | eff | bound | x bound |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=_sort_key):
         lines.append(
             f"| {r['workload']} | {r['temperature']:g} | {r['clients']} | {r['method']} | {r['tokens_per_s']:.1f} "
-            f"| {_fmt(r['ratio_to_none'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r.get('first_position_acceptance'))} "
+            f"| {_fmt(r['ratio_to_none'])} | {_spread(r)} | {_fmt(r['acceptance_rate'])} "
+            f"| {_fmt(r.get('first_position_acceptance'))} "
             f"| {_fmt(r['mean_accepted_length'])} | {_fmt(r['drafts_per_step'], '.1f')} | {_mix(r)} "
             f"| {_fmt(r['c'], '.3f')} | {_fmt(r['theoretical_speedup'])} "
             f"| {_fmt(r['efficiency'])} | {_fmt(r.get('attainable_speedup'))} | {_fmt(r.get('overhead_efficiency'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """'lowest-highest' of a cell's per-round ratios to `none` (two rounds or more), else a dash."""
+    ratios = row.get("round_ratios") or []
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) >= 2 else "—"
 
 
 def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks: dict[str, int]) -> None:
@@ -321,6 +330,7 @@ def rewrite(json_path: Path) -> None:
         cell.add(r["requests"], r["completion_tokens"], r["wall_s"], r["draft_tokens"] or 0,
                  r["accepted_tokens"] or 0, r["decode_steps"] or 0, tuple(r["reported_methods"]),
                  proposers_from_rows(r.get("by_proposer") or {}))
+        cell.rounds = {int(i): (int(t), float(w)) for i, (t, w) in (r.get("rounds") or {}).items()}
         cells.append(cell)
     costs = data["costs"]
     write_all(json_path.parent, data["meta"], summarize(cells, cost_map(costs)), costs)

@@ -195,7 +195,7 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                 if method.startswith("hf-"):  # in-process, one client (the server idles meanwhile)
                     (prompt,) = picks
                     run = peer_runner.generate(method, prompt_ids[prompt.id], args.max_tokens)
-                    cell.add(1, run.completion_tokens, run.wall_s)
+                    cell.add(1, run.completion_tokens, run.wall_s, round_index=r)
                     progress.tick(label, run.completion_tokens, run.wall_s)
                     continue
                 seeds = [None if t == 0 else args.seed + 1000 * r + i for i in range(size)]
@@ -204,7 +204,7 @@ async def run_grid(args: argparse.Namespace, url: str, workloads: list[Workload]
                           for p, s, salt in zip(picks, seeds, salts, strict=True)]
                 done = await run_round(client, url, bodies, n)
                 cell.add(done.requests, done.completion_tokens, done.wall_s, done.draft_tokens,
-                         done.accepted_tokens, done.decode_steps, done.reported_methods, done.proposers)
+                         done.accepted_tokens, done.decode_steps, done.reported_methods, done.proposers, round_index=r)
                 progress.tick(label, done.completion_tokens, done.wall_s)
 
 
