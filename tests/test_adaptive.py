@@ -503,7 +503,7 @@ def test_cost_lists_follow_every_new_timing():
 
 def test_each_batch_size_reads_its_own_curve():
     """8 tokens cost less as one row drafting 7 than as 8 plain rows, and one draft token in a batch of 8
-    costs what its packed pass measured; a batch size with a single width timed reads the pooled curve."""
+    costs what its packed pass measured; a batch size with a single width timed borrows another's."""
     cost = CostModel()
     for _ in range(3):
         cost.observe_verify(1, 0.045, rows=1)
@@ -515,5 +515,9 @@ def test_each_batch_size_reads_its_own_curve():
     assert cost.verify_time(8) == pytest.approx(0.078)  # pooled: both shapes' timings
     assert cost.token_cost(8, 1, packed=True) == pytest.approx(8 * 0.019 / 0.086)
     assert cost.verify_time(20, rows=8) > cost.verify_time(9, rows=8)  # past its widths: the pooled slope
+    # A batch size timed at one width (plain) adds what the same drafts added at the next larger batch
+    # size with a curve (a closed loop's 7 rows between two requests read the 8-row costs).
     cost.observe_verify(4, 0.060, rows=4)
-    assert cost.verify_time(5, rows=4) == pytest.approx(cost.verify_time(5))
+    assert cost.verify_time(5, rows=4) == pytest.approx(0.060 + 0.019)
+    assert cost.token_cost(4, 1, packed=True) == pytest.approx(4 * 0.019 / 0.060)
+    assert cost.verify_time(10, rows=9) > cost.verify_time(9, rows=9)  # above every curve: the largest below

@@ -96,6 +96,20 @@ POINT_WINDOW = 8  # timings kept per pass width: their median is that width's me
 STALE_AFTER = 1024  # passes: a width not timed in this many is dropped from the curve (the machine's load moves)
 
 
+def _interpolate(widths: list[int], times: list[float], tokens: int, slope: float) -> float:
+    """A measured curve's time at `tokens`: between two widths, on the line joining them; past either
+    end, continued with `slope` (seconds per token)."""
+    i = bisect.bisect_left(widths, tokens)
+    if i < len(widths) and widths[i] == tokens:
+        return times[i]
+    if i == 0:  # narrower than any measured pass
+        return max(times[0] - slope * (widths[0] - tokens), 1e-6)
+    if i == len(widths):  # wider than any measured pass
+        return times[-1] + slope * (tokens - widths[-1])
+    lo, hi = widths[i - 1], widths[i]
+    return times[i - 1] + (times[i] - times[i - 1]) * (tokens - lo) / (hi - lo)
+
+
 def non_decreasing(values: list[float], weights: list[int]) -> list[float]:
     """The weighted least-squares non-decreasing fit of `values` (isotonic regression, pool adjacent
     violators): runs that decrease are replaced by their weighted mean.
@@ -265,7 +279,9 @@ class CostModel:
 
     def verify_time(self, tokens: int, rows: int | None = None) -> float | None:
         """Predicted seconds of a pass over `tokens` fed positions, of `rows` rows when given (see the
-        class doc: that batch size's own curve where it has two widths)."""
+        class doc: that batch size's own curve where it has two widths; else, when another batch size
+        has one, the plain pass at `rows` plus what the same number of drafts added at the nearest such
+        batch size, `_nearest_curve`)."""
         fit = self._fit()
         if fit is None:
             if not self._verify:
@@ -274,18 +290,31 @@ class CostModel:
             return sum(s * scale if prior else s for _, s, prior in self._verify) / len(self._verify)
         slope = fit[1]
         own = self._by_rows.get(rows) if rows is not None else None
-        widths, times = self._measured(own) if own is not None else self._measured()
-        if len(widths) < 2:
-            widths, times = self._measured()
-        i = bisect.bisect_left(widths, tokens)
-        if i < len(widths) and widths[i] == tokens:
-            return times[i]
-        if i == 0:  # narrower than any measured pass
-            return max(times[0] - slope * (widths[0] - tokens), 1e-6)
-        if i == len(widths):  # wider than any measured pass
-            return times[-1] + slope * (tokens - widths[-1])
-        lo, hi = widths[i - 1], widths[i]
-        return times[i - 1] + (times[i] - times[i - 1]) * (tokens - lo) / (hi - lo)
+        if own is not None and len(self._measured(own)[0]) >= 2:
+            return _interpolate(*self._measured(own), tokens, slope)
+        pooled = self._measured()
+        nearest = self._nearest_curve(rows) if rows is not None else None
+        if nearest is None:
+            return _interpolate(*pooled, tokens, slope)
+        near, (widths, times) = nearest
+        base = self._measured(own) if own is not None and own.points else pooled  # its plain passes' times
+        if tokens <= rows:
+            return _interpolate(*base, tokens, slope)
+        plain = _interpolate(*base, rows, slope)
+        drafts = tokens - rows
+        added = _interpolate(widths, times, near + drafts, slope) - _interpolate(widths, times, near, slope)
+        return plain + max(added, 0.0)
+
+    def _nearest_curve(self, rows: int) -> tuple[int, tuple[list[int], list[float]]] | None:
+        """The smallest batch size above `rows` whose own curve has two widths (a draft costs more in a
+        larger batch: erring there drafts less), else the largest below it, and that curve; None when
+        no batch size has one."""
+        sizes = [b for b, t in self._by_rows.items() if b != rows and len(self._measured(t)[0]) >= 2]
+        above = [b for b in sizes if b > rows]
+        if not sizes:
+            return None
+        near = min(above) if above else max(sizes)
+        return near, self._measured(self._by_rows[near])
 
     def token_cost(self, rows: int, k: int = 1, packed: bool = False) -> float:
         """Relative cost, per draft token, for one of `rows` sequences, of verifying k more tokens.
