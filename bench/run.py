@@ -112,7 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_tokens = args.max_tokens or (32 if quick else 48)
     args.requests = args.requests or (1 if quick else 8)
     args.min_rounds = args.min_rounds or (1 if quick else 2)
-    args.per_client = args.per_client or (1 if quick else 3)
+    if args.per_client is None:
+        args.per_client = 1 if quick else 3
     if args.per_client < 1:
         p.error("--per-client must be at least 1")
     return args

@@ -296,6 +296,9 @@ def test_clients_run_closed_loops() -> None:
 def test_quick_defaults_are_small() -> None:
     quick, full = parse_args(["--quick"]), parse_args([])
     assert full.per_client == 3 and quick.per_client == 1 and parse_args(["--min-waves", "3"]).min_rounds == 3
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            parse_args(["--per-client", bad])
     assert quick.max_tokens < full.max_tokens and quick.requests < full.requests
     assert full.clients == [1, 4, 8] and full.temperatures == [0.0, 0.8]
     assert parse_args(["--methods", "none,ngram", "--clients", "1"]).methods == ["none", "ngram"]
