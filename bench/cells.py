@@ -281,14 +281,13 @@ def summarize(cells: list[Cell], costs: dict[int, dict[str, Any]]) -> list[dict[
     "verify" to the cost of a K+1-token target pass in target steps and "k" to that K. Theory and the
     attainable bound use each proposer's own acceptance and c, weighted by its passes (`_theory`).
     """
-    tps = {c.key: c.tokens_per_s for c in cells}
     by_key = {c.key: c for c in cells}
     rows = []
     for cell in cells:
         k = cell.key
-        base = tps.get(CellKey(k.workload, "none", k.clients, k.temperature))
-        ratio = cell.tokens_per_s / base if base else None
         plain = by_key.get(CellKey(k.workload, "none", k.clients, k.temperature))
+        base = plain.tokens_per_s if plain is not None else None
+        ratio = cell.tokens_per_s / base if base else None
         peer = k.method.startswith("hf-")
         batch_costs = costs.get(k.clients, {})
         figs = {} if peer else cell.figures()

@@ -144,7 +144,6 @@ class _Timings:
         else:
             self.points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
             self.last_seen[tokens] = passes
-        self.curve = None
 
 
 class CostModel:
@@ -205,7 +204,7 @@ class CostModel:
         self._fitted = None
         self._scale_cache = None
         self._token_costs.clear()
-        for timings in self._by_rows.values():  # every curve reads the scale and the pass count
+        for timings in (self._pooled, *self._by_rows.values()):  # every curve reads the scale and the pass count
             timings.curve = None
 
     def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False) -> None:
@@ -290,14 +289,15 @@ class CostModel:
             return sum(s * scale if prior else s for _, s, prior in self._verify) / len(self._verify)
         slope = fit[1]
         own = self._by_rows.get(rows) if rows is not None else None
-        if own is not None and len(self._measured(own)[0]) >= 2:
-            return _interpolate(*self._measured(own), tokens, slope)
+        own_curve = self._measured(own) if own is not None else None
+        if own_curve is not None and len(own_curve[0]) >= 2:
+            return _interpolate(*own_curve, tokens, slope)
         pooled = self._measured()
         nearest = self._nearest_curve(rows) if rows is not None else None
         if nearest is None:
             return _interpolate(*pooled, tokens, slope)
         near, (widths, times) = nearest
-        base = self._measured(own) if own is not None and own.points else pooled  # its plain passes' times
+        base = own_curve if own_curve is not None and own.points else pooled  # its plain passes' times
         if tokens <= rows:
             return _interpolate(*base, tokens, slope)
         plain = _interpolate(*base, rows, slope)

@@ -309,7 +309,7 @@ class Planner:
                 continue
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
-            if max(ks) and proposer.traits.draft_token_cost is None:
+            if proposer.traits.draft_token_cost is None:
                 self.policy.cost.observe_draft(name, max(ks), elapsed_since(started, self.device))
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
