@@ -35,9 +35,14 @@ def corpus(tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-def per_call_us(proposer, seq: _Seq, k: int, calls: int = 200) -> float:
+def per_call_us(proposer, seq: _Seq, k: int, calls: int = 200, forget: bool = False) -> float:
+    """Median microseconds of one `propose` for `seq`; `forget`: the suffix proposer's global pools
+    forget their remembered walks before each call (a node not looked up since the index changed)."""
     times = []
     for _ in range(calls):
+        if forget:
+            for pool in proposer.shared.partitions.values():
+                pool.walks.clear()
         started = time.perf_counter()
         proposer.propose([seq], [k])
         times.append(time.perf_counter() - started)
@@ -50,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=8)
     args = p.parse_args(argv)
     tokens = corpus(load_default_tokenizer())
-    print(f"{'tokens':>7} {'ngram us':>9} {'suffix us':>10}  (suffix: global index of {GLOBAL_TOKENS} tokens)")
+    print(f"{'tokens':>7} {'ngram us':>9} {'suffix us':>10} {'remembered':>10}  (suffix: global index of "
+          f"{GLOBAL_TOKENS} tokens; remembered: its walk from the matched node known from an earlier lookup)")
     for n in (int(x) for x in args.lengths.split(",")):
         text = (tokens * (n // len(tokens) + 2))[len(tokens) // 3 :][:n]  # starts mid-corpus, repeats later
         seq = _Seq("r", text)
@@ -60,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             start = int(rng.integers(0, len(tokens) - 512))
             suffix.shared.add(np.asarray(tokens[start : start + 512], dtype=np.int64))
         suffix.join([seq], None)
-        print(f"{n:>7} {per_call_us(NgramProposer(), seq, args.k):>9.1f} {per_call_us(suffix, seq, args.k):>10.1f}")
+        ngram = per_call_us(NgramProposer(), seq, args.k)
+        cold, warm = per_call_us(suffix, seq, args.k, forget=True), per_call_us(suffix, seq, args.k)
+        print(f"{n:>7} {ngram:>9.1f} {cold:>10.1f} {warm:>10.1f}")
     return 0
 
 

@@ -8,17 +8,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from server.speculation.registry import BUILTIN, Registry
 from server.speculation.suffix import (
     MATCH_CAP,
+    SEPARATOR,
     SPEC_FACTOR,
+    WALK_OCCURRENCES,
     GlobalIndex,
     RequestIndex,
     SharedIndex,
     SuffixProposer,
     best_match,
     confidence_level,
+    walk,
 )
 from tests.engine_helpers import final_stats, request, run
 
@@ -91,6 +96,59 @@ def test_confidence_levels_order_match_length_then_dominance():
     assert confidence_level(5, 0.5) == 4 and confidence_level(20, 0.9) == 7
     levels = [confidence_level(m, p) for m in (1, 2, 4, 9) for p in (0.3, 0.9)]
     assert levels == sorted(levels) == list(range(8))
+
+
+def reference_walk(hay: list[int], ends: list[int], limit: int, stop: int) -> tuple[list[int], list[float]]:
+    """The suffix tree's walk spelled out: from the node's most recent `WALK_OCCURRENCES` occurrences,
+    repeatedly take the most frequent next token (ties: the one in the most recent occurrence) while it
+    follows at least MIN_PROB of the occurrences still followed, then keep the occurrences it follows."""
+    from server.speculation.suffix import MIN_PROB
+
+    followed = sorted(ends)[-WALK_OCCURRENCES:]
+    drafts: list[int] = []
+    probs: list[float] = []
+    for j in range(limit):
+        nexts = [(e, hay[e + 1 + j]) for e in followed if e + 1 + j < stop and hay[e + 1 + j] != SEPARATOR]
+        nexts = [(e, t) for e, t in nexts if all(hay[e + 1 + i] == drafts[i] for i in range(j))]
+        if not nexts:
+            break
+        counts = {t: sum(1 for _, u in nexts if u == t) for _, t in nexts}
+        top = max(counts.values())
+        token = max((e, t) for e, t in nexts if counts[t] == top)[1]
+        if top < MIN_PROB * len(nexts):
+            break
+        drafts.append(token)
+        probs.append(top / len(nexts))
+        followed = [e for e, t in nexts if t == token]
+    return drafts, probs
+
+
+@settings(max_examples=300, deadline=None)
+@example(hay=[0, 1] * 20 + [0, 2] * 20 + [0], token=0, limit=3, cut=1.0)  # a tie among 40 occurrences
+@example(hay=[0, 2] * 20 + [0, 1] * 20 + [0], token=0, limit=3, cut=1.0)
+@example(hay=[0, 1, 2, SEPARATOR] * 20, token=0, limit=6, cut=1.0)  # one copied run, up to a separator
+@given(
+    hay=st.lists(st.integers(0, 5) | st.just(SEPARATOR), min_size=2, max_size=400),
+    token=st.integers(0, 5),
+    limit=st.integers(0, 9),
+    cut=st.floats(0.0, 1.0),
+)
+def test_the_walk_follows_the_most_frequent_child_as_a_suffix_tree_would(hay, token, limit, cut):
+    # A small alphabet over up to 400 tokens: nodes with hundreds of occurrences (counted with numpy),
+    # a few (counted in Python), copied runs, ties and separators.
+    stop = max(1, int(len(hay) * cut))
+    ends = [i for i in range(stop) if hay[i] == token]
+    got = walk(np.array(hay, dtype=np.int64), np.array(ends, dtype=np.int64), limit, stop)
+    assert got == reference_walk(hay, ends, limit, stop)
+
+
+def test_a_remembered_walk_follows_the_index_when_a_request_joins_it():
+    g = GlobalIndex()
+    g.add(np.array([1, 2, 3, 10]))
+    assert g.lookup(np.array([2, 3]), 4).drafts == [10]
+    g.add(np.array([1, 2, 3, 20]))
+    g.add(np.array([1, 2, 3, 20]))
+    assert g.lookup(np.array([2, 3]), 4).drafts == [20]  # not the walk remembered before
 
 
 # ---- the global tree -------------------------------------------------------------------------------

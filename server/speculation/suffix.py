@@ -11,7 +11,10 @@ Walking down to the most frequent child is a count over the tokens after those p
 recent `WALK_OCCURRENCES`), narrowed to the occurrences that continue with the chosen token. The counts
 and the walk are a suffix tree's; nothing is built per token, so the per-request index is just the
 token array (O(n) memory, no build cost), and a lookup costs a few numpy calls (`python -m
-bench.lookup_cost` measures it: about as much as an `ngram` lookup).
+bench.lookup_cost` measures it). The global pools, which change only when a request leaves, keep their
+positions ordered by token (a token's occurrences are one slice, not a scan of 32k tokens) and
+remember each node's walk until they change: a common token's node (a comma, " the") has hundreds of
+occurrences to count, and every row of a batch asks for such nodes at every step.
 
 Draft length follows the match: at most `SPEC_FACTOR` x the match length tokens, and the walk stops
 where the chosen continuation's frequency among the node's occurrences drops below `MIN_PROB`.
@@ -42,6 +45,8 @@ MIN_PROB = 0.1  # stop the walk where the chosen continuation has a lower freque
 GLOBAL_TOKENS = 32768  # tokens the global index keeps (outputs plus their prompt tails), FIFO by request
 NARROW_TO = 64  # candidates compared position by position before the rest are compared at once
 WALK_OCCURRENCES = 256  # a node's most recent occurrences counted when walking down (bounds a lookup's cost)
+MEMO_WALKS = 4096  # walks remembered per global pool between two changes of its hay
+FEW_OCCURRENCES = 16  # followed occurrences below which the walk counts in Python (numpy's per-call cost dominates)
 SEPARATOR = -1  # between requests in the global index: never equals a token, so no match crosses it
 
 # Confidence levels: (match length bucket, dominant continuation?). Match buckets 1, 2, 3-7, 8+ as
@@ -118,34 +123,67 @@ def deepest_node(hay: np.ndarray, ends: np.ndarray, text: np.ndarray, cap: int =
 def walk(hay: np.ndarray, ends: np.ndarray, limit: int, stop: int) -> tuple[list[int], list[float]]:
     """Follow the most frequent child from the node whose occurrences end at `ends`: up to `limit`
     tokens, never reading at or past `stop` nor a separator. Ties go to the most recent occurrence.
-    Returns the tokens and each one's frequency among the occurrences still followed."""
+    Returns the tokens and each one's frequency among the occurrences still followed.
+
+    The first children of a common token's node are counted over hundreds of occurrences, with numpy;
+    once the followed occurrences are few (`FEW_OCCURRENCES`), plain Python counts the rest faster."""
     if limit <= 0:
         return [], []
-    ends = ends[-WALK_OCCURRENCES:]  # the most recent ones (positions ascend)
+    ends = ends[-WALK_OCCURRENCES:][::-1]  # the most recent ones (positions ascend), most recent first
     index = ends[:, None] + 1 + np.arange(limit)  # [occurrences, limit]: each occurrence's continuation
     matrix = np.where(index < stop, hay[np.minimum(index, stop - 1)], SEPARATOR)
-    # identical continuations counted once, with their number; dict order = most recent occurrence last
-    paths: dict[tuple[int, ...], int] = {}
-    for row in map(tuple, matrix.tolist()):
-        paths[row] = paths.pop(row, 0) + 1
     drafts: list[int] = []
     probs: list[float] = []
-    for j in range(limit):
-        counts: dict[int, int] = {}
-        for row, n in paths.items():
+    while len(drafts) < limit and len(matrix) > FEW_OCCURRENCES:
+        rest = matrix[:, len(drafts):]
+        agreed = (rest == rest[0]).all(axis=0)  # columns every followed occurrence continues alike
+        run = len(agreed) if agreed.all() else int(agreed.argmin())
+        if run:  # a copied passage: its leading agreed tokens, each with frequency 1
+            block = rest[0, :run].tolist()
+            cut = block.index(SEPARATOR) if SEPARATOR in block else run
+            drafts += block[:cut]
+            probs += [1.0] * cut
+            if cut < run:
+                return drafts, probs
+            continue
+        col = matrix[:, len(drafts)]
+        live = col != SEPARATOR
+        if not live.all():
+            matrix, col = matrix[live], col[live]
+        token, top = _most_frequent(col) if len(col) else (SEPARATOR, 0)
+        if not top or top < MIN_PROB * len(col):
+            return drafts, probs
+        drafts.append(token)
+        probs.append(top / len(col))
+        matrix = matrix[col == token]
+    rows = matrix[:, len(drafts):].tolist()
+    for j in range(limit - len(drafts)):
+        counts: dict[int, int] = {}  # first seen = in the most recent occurrence
+        for row in rows:
             if row[j] != SEPARATOR:
-                counts[row[j]] = counts.pop(row[j], 0) + n  # re-inserted: the latest path's token last
+                counts[row[j]] = counts.get(row[j], 0) + 1
         if not counts:
             break
         top = max(counts.values())
-        token = next(t for t in reversed(counts) if counts[t] == top)  # ties: the most recent occurrence
-        prob = top / sum(counts.values())
-        if prob < MIN_PROB:
+        total = sum(counts.values())
+        if top < MIN_PROB * total:
             break
+        token = next(t for t, n in counts.items() if n == top)  # ties: the most recent occurrence
         drafts.append(token)
-        probs.append(prob)
-        paths = {row: n for row, n in paths.items() if row[j] == token}
+        probs.append(top / total)
+        rows = [row for row in rows if row[j] == token]
     return drafts, probs
+
+
+def _most_frequent(col: np.ndarray) -> tuple[int, int]:
+    """The most frequent value of `col` (ordered most recent first) and its count; ties go to the one
+    seen first."""
+    order = np.argsort(col, kind="stable")  # equal values keep their order: each group's first = its most recent
+    ordered = col[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    counts = np.diff(np.append(starts, len(ordered)))
+    best = int(np.argmax(counts * (len(ordered) + 1) - order[starts]))
+    return int(ordered[starts[best]]), int(counts[best])
 
 
 class RequestIndex:
@@ -202,6 +240,13 @@ class GlobalIndex:
     parts: deque[np.ndarray] = field(default_factory=deque)
     hay: np.ndarray = field(default_factory=lambda: np.full(1, SEPARATOR, dtype=np.int64))
     tokens: int = 0  # tokens held (separators not counted)
+    # hay's positions ordered by token, then position: a token's occurrences are one slice of it (a
+    # lookup reads them instead of scanning the whole index; rebuilt when a request joins or leaves)
+    by_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    sorted_tokens: np.ndarray = field(default_factory=lambda: np.full(1, SEPARATOR, dtype=np.int64))
+    # (matched suffix, limit) -> the walk from its node: a node's continuations do not change until the
+    # hay does, and common nodes (a comma, " the") are asked for by many rows and steps
+    walks: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def add(self, tokens: np.ndarray) -> None:
         self.parts.append(tokens)
@@ -218,17 +263,32 @@ class GlobalIndex:
         for part in self.parts:
             pieces += [part, pieces[0]]
         self.hay = np.concatenate(pieces)  # SEP part SEP part ... SEP
+        self.by_token = np.argsort(self.hay, kind="stable")
+        self.sorted_tokens = self.hay[self.by_token]
+        self.walks.clear()
+
+    def occurrences(self, token: int) -> np.ndarray:
+        """Where `token` occurs in the hay, ascending."""
+        lo, hi = np.searchsorted(self.sorted_tokens, [token, token + 1])
+        return self.by_token[lo:hi]
 
     def lookup(self, text: np.ndarray, k: int) -> Match:
         """Drafts from earlier requests' continuations of the text's longest suffix."""
         if k <= 0 or len(self.hay) < 3 or not len(text):
             return NO_MATCH
         hay = self.hay
-        ends, length = deepest_node(hay, np.flatnonzero(hay[:-1] == text[-1]), text)
+        ends, length = deepest_node(hay, self.occurrences(int(text[-1])), text)  # hay ends with a separator
         if not length:
             return NO_MATCH
-        drafts, probs = walk(hay, ends, min(k, math.ceil(SPEC_FACTOR * length)), len(hay))
-        return Match(drafts, length, tuple(probs), "global") if drafts else NO_MATCH
+        limit = min(k, math.ceil(SPEC_FACTOR * length))
+        key = (tuple(text[-length:].tolist()), limit)
+        found = self.walks.get(key)
+        if found is None:
+            if len(self.walks) >= MEMO_WALKS:
+                self.walks.clear()
+            found = self.walks[key] = walk(hay, ends, limit, len(hay))
+        drafts, probs = found
+        return Match(list(drafts), length, tuple(probs), "global") if drafts else NO_MATCH
 
 
 class SharedIndex:
