@@ -82,10 +82,13 @@ def best_k(a: float | list[float], c: float | list[float], k_max: int) -> tuple[
     relative to a plain step, or per K (index K - 1) that cost per token when K are drafted (a
     measured pass time is not linear in its width).
     """
-    rates = [a] * k_max if isinstance(a, float | int) else a
+    rates = [a] if isinstance(a, float | int) else a
     costs = [c] * k_max if isinstance(c, float | int) else c
     best = (0, 1.0)
-    for k, expected in enumerate(expected_tokens_upto(rates, k_max)[1:], start=1):
+    run = expected = 1.0  # as `expected_tokens_upto`, without its list: asked for every row, proposer and step
+    for k in range(1, k_max + 1):
+        run *= rates[min(k - 1, len(rates) - 1)]
+        expected += run
         s = expected / (costs[k - 1] * k + 1.0)
         if s > best[1]:
             best = (k, s)
@@ -449,6 +452,7 @@ class AdaptivePolicy:
         self.seqs: dict[str, _SeqState] = {}
         # (proposer, rows, K) -> c per K: asked for every row of a step, derived from timings only
         self._costs: dict[tuple[str, int, int], list[float]] = {}
+        self._ceilings: dict[tuple[str, int, int], float] = {}  # `ceiling`'s, alike
         self._costs_version = -1
 
     def forget(self, request_id: str) -> None:
@@ -482,15 +486,30 @@ class AdaptivePolicy:
     def method_costs(self, proposer: str, rows: int, k_max: int) -> list[float]:
         """`method_cost` for K = 1..k_max (index K - 1), computed once per timing: every row of a
         step asks for the same lists."""
-        if self._costs_version != self.cost.version:
-            self._costs.clear()
-            self._costs_version = self.cost.version
+        self._follow_timings()
         key = (proposer, rows, k_max)
         costs = self._costs.get(key)
         if costs is None:
             own = self.own_cost(proposer, rows)
             costs = self._costs[key] = [self.cost.token_cost(rows, k, self.packed) + own for k in range(1, k_max + 1)]
         return costs
+
+    def ceiling(self, proposer: str, rows: int, k_max: int) -> float:
+        """The speedup `proposer` would give one of `rows` rows drafting up to k_max tokens if every draft
+        were accepted: an upper bound on what any acceptance can make of it (computed once per timing)."""
+        self._follow_timings()
+        key = (proposer, rows, k_max)
+        ceiling = self._ceilings.get(key)
+        if ceiling is None:
+            ceiling = self._ceilings[key] = best_k(1.0, self.method_costs(proposer, rows, k_max), k_max)[1]
+        return ceiling
+
+    def _follow_timings(self) -> None:
+        """Drop what was derived from the cost model's timings once it has a new one."""
+        if self._costs_version != self.cost.version:
+            self._costs.clear()
+            self._ceilings.clear()
+            self._costs_version = self.cost.version
 
     def usable(self, proposer: str, offers: dict[str, Offer]) -> bool:
         """Whether `proposer` may draft for a row this step: a lookahead proposer only with something
@@ -518,6 +537,8 @@ class AdaptivePolicy:
                 continue
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
+            if self.ceiling(name, rows, limit) <= MIN_GAIN:  # cannot pay even if every draft were kept
+                continue
             a = self.acceptance(request_id, name, limit, offer.level, sampled)
             k, gain = best_k(a, self.method_costs(name, rows, limit), limit)
             if k and gain > best.predicted_speedup * (MIN_GAIN if best.proposer is None else 1.0):
