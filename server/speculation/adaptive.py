@@ -583,7 +583,9 @@ class AdaptivePolicy:
         """Drafts per row when a pass costs the tokens it computes. Each flexible row's j-th draft adds
         its chance of being accepted (every earlier one accepted too: non-increasing in j) to the
         expected tokens and one token to the pass; taking the likeliest drafts first, the pass gets as
-        many as maximise expected tokens over the pass's measured time."""
+        many as maximise expected tokens over the pass's measured time (no wider pass is timed once
+        even every draft left, all accepted, could not beat the best so far: a step asks this for
+        every batch, with up to K drafts offered per row)."""
         if not self.cost.fitted:
             return None
         fixed_tokens, drafting_s, expected = self._fixed(rows)
@@ -594,17 +596,17 @@ class AdaptivePolicy:
             key=lambda g: -g[0],
         )
         tokens = fixed_tokens + len(flexible)
-
-        def score(n: int) -> float:
-            return tokens / (self.cost.verify_time(fed + n, len(rows)) + drafting_s)
-
-        best_n, best = 0, score(0)
+        best_n, best = 0, tokens / (self.cost.verify_time(fed, len(rows)) + drafting_s)
         floor = best * (MIN_GAIN if fed == len(rows) else 1.0)
+        rest = sum(gain for gain, _ in gains)  # what the drafts not taken yet could add, at most
         for n, (gain, _) in enumerate(gains, start=1):
+            seconds = self.cost.verify_time(fed + n, len(rows)) + drafting_s
+            if (tokens + rest) / seconds <= max(best, floor):
+                break  # wider passes take at least as long, and the gains left only shrink
             tokens += gain
-            s = score(n)
-            if s > max(best, floor):
-                best_n, best = n, s
+            rest -= gain
+            if tokens / seconds > max(best, floor):
+                best_n, best = n, tokens / seconds
         ks = [0 if r.flexible else r.k for r in rows]
         for _, b in gains[:best_n]:
             ks[b] += 1
