@@ -15,11 +15,14 @@ row's column (`kv_cache.py`), and attention, the one place rows must be told apa
 queries back into the batch's padded layout [rows, W] and gathers the outputs again. On a CPU, where
 attention's own cost grows with every padded query, each row's first query is attended in one batched
 call and only the rows that feed more run their other queries, one call per row (`Packing.split`).
+The packed order puts every row's first token ahead of the others, so that batched call reads a slice
+of the queries and the outputs are one concatenation: at 8 rows on 2 cores, a pass where one row
+drafts one token costs ~8% more than the plain pass where gathering and scattering per layer cost ~15%.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,31 +34,45 @@ NAME = "specula_gqa_sdpa"
 
 @dataclass(frozen=True)
 class Packing:
-    """Where the N packed tokens of one forward sit in the batch's padded layout [rows, width]."""
+    """Where the N packed tokens of one forward sit in the batch's padded layout [rows, width].
+
+    Packed order: every fed row's first token (in row order), then the other tokens of each row that
+    feeds more, row after row. Each row's first query is then a slice of the packed queries (attended
+    in one batched call without a gather) and each row's further queries a contiguous run."""
 
     rows: torch.Tensor  # [N] long: each packed token's row
     steps: torch.Tensor  # [N] long: its position among the row's new tokens
-    counts: tuple[int, ...]  # tokens per row (packed row-major: row 0's, then row 1's, ...)
-    starts: tuple[int, ...]  # each row's first packed index (rows that feed nothing: where they would start)
+    counts: tuple[int, ...]  # tokens per row
+    fed: tuple[int, ...]  # the rows that feed a token: their first tokens are packed indices 0..len(fed)-1
+    rests: tuple[tuple[int, int, int], ...]  # (row, first packed index, how many) of each row's other tokens
     width: int  # the widest row
     split: bool  # attend each row's first query batched and the rest row by row (see the module doc)
 
     @classmethod
     def of(cls, counts: list[int], device: torch.device) -> Packing:
         width = max(counts)
-        starts = (0, *itertools.accumulate(counts[:-1]))
-        sizes = torch.tensor(counts)
-        rows = torch.repeat_interleave(torch.arange(len(counts)), sizes)
-        steps = torch.arange(int(sum(counts))) - torch.repeat_interleave(torch.tensor(starts), sizes)
+        fed = tuple(b for b, n in enumerate(counts) if n)
+        rests, start = [], len(fed)
+        for b, n in enumerate(counts):
+            if n > 1:
+                rests.append((b, start, n - 1))
+                start += n - 1
+        rows = [*fed, *(b for b, _, m in rests for _ in range(m))]
+        steps = [0] * len(fed) + [j for _, _, m in rests for j in range(1, m + 1)]
         # Padded attention computes rows x width queries; split, about one per row plus the extra
         # queries of the rows that feed more, at a call per such row (worth ~2 queries each on a CPU).
-        extra = sum(n for n in counts if n > 1)
-        split = device.type == "cpu" and len(counts) * width > len(counts) + extra + 2 * sum(n > 1 for n in counts)
-        return cls(rows.to(device), steps.to(device), tuple(counts), starts, width, split)
+        extra = sum(m for _, _, m in rests)
+        split = device.type == "cpu" and len(counts) * width > len(counts) + extra + 2 * len(rests)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(rows), as_tensor(steps), tuple(counts), fed, tuple(rests), width, split)
 
     @property
     def tokens(self) -> int:
         return len(self.rows)
+
+    def pieces(self, inputs: Sequence[Sequence]) -> list[Sequence]:
+        """Every row's inputs cut into the packed order (`Packing`): concatenated, they are the N tokens."""
+        return [inputs[b][:1] for b in self.fed] + [inputs[b][1:] for b, _, _ in self.rests]
 
 
 def gqa_sdpa_attention(
@@ -95,21 +112,20 @@ def _packed(
             padded.transpose(1, 2), key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
         ).transpose(1, 2)  # [batch, W, heads, d]
         return out[pack.rows, pack.steps][None]
-    out = q.new_empty(q.shape)
-    fed = [b for b, n in enumerate(pack.counts) if n]
-    first_at = [pack.starts[b] for b in fed]  # packed index of each fed row's first token
-    first = q.new_zeros(batch, heads, 1, dim)  # rows that feed nothing attend a zero query (discarded)
-    first[fed, :, 0] = q[first_at]
-    firsts = F.scaled_dot_product_attention(first, key, value, attn_mask=mask[:, :, :1], scale=scaling, enable_gqa=gqa)
-    out[first_at] = firsts[fed, :, 0]
-    for b, (n, start) in enumerate(zip(pack.counts, pack.starts, strict=True)):
-        if n > 1:
-            rest = F.scaled_dot_product_attention(
-                q[start + 1 : start + n].transpose(0, 1)[None], key[b : b + 1], value[b : b + 1],
-                attn_mask=mask[b : b + 1, :, 1:n], scale=scaling, enable_gqa=gqa,
-            )  # [1, heads, n - 1, d]
-            out[start + 1 : start + n] = rest[0].transpose(0, 1)
-    return out[None]
+    first_q = q[: len(pack.fed), :, None]  # [fed, heads, 1, d]: each fed row's first query
+    if len(pack.fed) < batch:  # rows that feed nothing attend a zero query (discarded)
+        first_q = q.new_zeros(batch, heads, 1, dim).index_copy_(0, pack.rows[: len(pack.fed)], first_q)
+    firsts = F.scaled_dot_product_attention(
+        first_q, key, value, attn_mask=mask[:, :, :1], scale=scaling, enable_gqa=gqa
+    )  # [batch, heads, 1, d]
+    parts = [firsts[:, :, 0] if len(pack.fed) == batch else firsts[list(pack.fed), :, 0]]
+    for b, start, m in pack.rests:
+        rest = F.scaled_dot_product_attention(
+            q[start : start + m].transpose(0, 1)[None], key[b : b + 1], value[b : b + 1],
+            attn_mask=mask[b : b + 1, :, 1 : m + 1], scale=scaling, enable_gqa=gqa,
+        )  # [1, heads, m, d]
+        parts.append(rest[0].transpose(0, 1))
+    return torch.cat(parts)[None]
 
 
 AttentionInterface.register(NAME, gqa_sdpa_attention)

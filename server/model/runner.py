@@ -90,7 +90,7 @@ class ModelRunner:
         extra = {"logits_to_keep": 0 if logits else 1} if self.has_lm_head else {}
         if pack is not None:
             extra["packing"] = pack
-            feed = self._feed_packed(inputs)
+            feed = self._feed_packed(inputs, pack)
             position_ids = (torch.tensor(kv.positions, device=self.device)[pack.rows] + pack.steps)[None]  # [1, N]
         else:
             feed = self._feed(inputs, width)
@@ -133,12 +133,12 @@ class ModelRunner:
             ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
         return {"input_ids": ids.to(self.device)}
 
-    def _feed_packed(self, inputs: Inputs) -> dict[str, torch.Tensor]:
-        """Every row's inputs, one after another: token ids [1, N] or input embeddings [1, N, hidden]."""
+    def _feed_packed(self, inputs: Inputs, pack: Packing) -> dict[str, torch.Tensor]:
+        """Every row's inputs in the packed order (`Packing`): token ids [1, N] or input embeddings [1, N, hidden]."""
         if inputs and isinstance(inputs[0], torch.Tensor):
-            embeds = torch.cat([x for x in inputs if len(x)])  # type: ignore[misc]
+            embeds = torch.cat(pack.pieces(inputs))  # type: ignore[arg-type]
             return {"inputs_embeds": embeds[None].to(self.device, self.model.dtype)}
-        ids = [int(t) for row in inputs for t in row]
+        ids = [int(t) for piece in pack.pieces(inputs) for t in piece]
         return {"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)}
 
     def _attention_mask(self, counts: list[int], width: int) -> torch.Tensor:
