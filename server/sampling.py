@@ -17,8 +17,8 @@ argmax) -> temperature -> min_p -> top_k and top_p -> softmax.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -106,6 +106,37 @@ class BatchSampling:
             any_penalty=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
         )
 
+
+    def at_positions(self, lengths: Sequence[int]) -> BatchSampling:
+        """These parameters with one row per verify position: row b's `lengths[b]` positions in turn (a
+        verify pass's outputs row after row, as the engine reads them). Position j of row b follows
+        `generated[b] + j` tokens (its drafts before j), which is what `min_tokens` reads."""
+        if all(n == 1 for n in lengths):
+            return self
+        device = self.temperature.device
+        counts = torch.tensor(list(lengths), device=device)
+        row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)  # [positions]
+        starts = counts.cumsum(0) - counts
+        step = torch.arange(len(row_of), device=device) - starts[row_of]
+
+        def spread(rows: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """Per-row entries (rows [n] with their values) as per-position entries: one per position."""
+            reps = counts[rows]
+            first = torch.repeat_interleave(reps.cumsum(0) - reps, reps)
+            at = torch.repeat_interleave(starts[rows], reps) + torch.arange(int(reps.sum()), device=device) - first
+            return (at, *(torch.repeat_interleave(v, reps) for v in values))
+
+        take = lambda t: t.index_select(0, row_of)  # noqa: E731
+        return replace(
+            self,
+            temperature=take(self.temperature), top_k=take(self.top_k), top_p=take(self.top_p),
+            min_p=take(self.min_p), presence=take(self.presence), frequency=take(self.frequency),
+            repetition=take(self.repetition), greedy=take(self.greedy),
+            bias=spread(*self.bias) if self.bias is not None else None,  # type: ignore[arg-type]
+            banned=spread(*self.banned) if self.banned is not None else None,  # type: ignore[arg-type]
+            generated=take(self.generated) + step, min_tokens=take(self.min_tokens),
+            prompts=tuple(self.prompts[b] for b in row_of.tolist()) if self.prompts is not None else None,
+        )
 
 def probabilities(
     logits: torch.Tensor,

@@ -124,9 +124,10 @@ def test_always_accept_rule_is_detected(pair, monkeypatch, method):
     """Accepting every draft token returns the draft's distribution: the same check must fail."""
 
     def always_accept(drafts, target_probs, draft_probs, generators, greedy=None):
-        tokens = []
+        tokens, at = [], 0
         for b, gen in enumerate(generators):
-            bonus = int(torch.multinomial(target_probs[b, len(drafts[b])], 1, generator=gen))
+            at += len(drafts[b]) + 1  # p holds each row's positions in turn: its bonus position is the last
+            bonus = int(torch.multinomial(target_probs[at - 1], 1, generator=gen))
             tokens.append([*drafts[b], bonus])
         return Verdict(accepted=[len(d) for d in drafts], tokens=tokens)
 

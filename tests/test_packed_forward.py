@@ -51,6 +51,14 @@ def test_packed_forward_equals_the_padded_one(model, counts):
         for row, x in enumerate(fed):
             torch.testing.assert_close(a.logits[row, : len(x)], b.logits[row, : len(x)], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(a.hidden[row, : len(x)], b.hidden[row, : len(x)], atol=1e-4, rtol=1e-4)
+        # what the verify step reads: the chosen rows' fed positions, row after row, one per computed token
+        live = [row for row, x in enumerate(fed) if x]
+        for out in (a, b):
+            logits, hidden = out.of_rows(live)
+            expect = torch.cat([b.logits[row, : len(fed[row])] for row in live])
+            torch.testing.assert_close(logits, expect, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden, torch.cat([b.hidden[row, : len(fed[row])] for row in live]),
+                                       atol=1e-4, rtol=1e-4)
         assert packed.kv.positions == padded.kv.positions
 
 

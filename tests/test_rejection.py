@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -10,6 +11,18 @@ from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
 
 V = 6
+
+
+def verdict(drafts, p, qs, generators, greedy=None):
+    """The sampler on p given per row [rows, W, V] (tests write it so): each row's k + 1 positions,
+    row after row, are what it reads."""
+    flat = torch.cat([p[b, : len(d) + 1] for b, d in enumerate(drafts)])
+    return rejection_sample(drafts, flat, qs, generators, greedy)
+
+
+def test_p_must_hold_each_rows_positions():
+    with pytest.raises(ValueError, match="positions"):
+        rejection_sample([[1, 2]], one_hot(1, 2), [None], gens(1))
 
 
 def one_hot(*idx: int) -> torch.Tensor:
@@ -22,19 +35,19 @@ def gens(n: int, seed: int = 0) -> list[torch.Generator]:
 
 def test_perfect_match_accepts_all_and_adds_bonus():
     p = one_hot(1, 2, 3, 4)[None]  # greedy target: argmax 1, 2, 3 then bonus 4
-    v = rejection_sample([[1, 2, 3]], p, [None], gens(1))
+    v = verdict([[1, 2, 3]], p, [None], gens(1))
     assert v.accepted == [3] and v.tokens == [[1, 2, 3, 4]]
 
 
 def test_early_mismatch_stops_and_recovers_target_token():
     p = one_hot(1, 5, 3, 4)[None]
-    v = rejection_sample([[1, 2, 3]], p, [None], gens(1))
+    v = verdict([[1, 2, 3]], p, [None], gens(1))
     assert v.accepted == [1] and v.tokens == [[1, 5]]  # recovered = argmax p at the mismatch
 
 
 def test_ragged_rows_in_one_batch():
     p = torch.stack([one_hot(0, 1, 2), one_hot(4, 0, 0), one_hot(3, 3, 3)])
-    v = rejection_sample([[0, 1], [], [2]], p, [None] * 3, gens(3))
+    v = verdict([[0, 1], [], [2]], p, [None] * 3, gens(3))
     assert v.accepted == [2, 0, 0]
     assert v.tokens == [[0, 1, 2], [4], [3]]
 
@@ -46,8 +59,8 @@ def test_acceptance_probability_is_p_over_q_capped_at_one():
     likely = torch.tensor([[0.25, 0.15, 0.15, 0.25, 0.1, 0.1]])  # q(3) = 0.25 < p(3) = 0.5
     unlikely = torch.tensor([[0.1, 0.4, 0.1, 0.2, 0.1, 0.1]])  # q(1) = 0.4 > p(1) = 0.1: keep 1/4
     for seed in range(100):
-        assert rejection_sample([[3]], p, [likely], gens(1, seed)).accepted == [1]
-    kept = sum(rejection_sample([[1]], p, [unlikely], gens(1, seed)).accepted[0] for seed in range(400))
+        assert verdict([[3]], p, [likely], gens(1, seed)).accepted == [1]
+    kept = sum(verdict([[1]], p, [unlikely], gens(1, seed)).accepted[0] for seed in range(400))
     assert 0.18 < kept / 400 < 0.32
 
 
@@ -55,13 +68,13 @@ def test_seeded_determinism_and_independence_from_batch_mates():
     torch.manual_seed(0)
     p = torch.softmax(torch.randn(1, 4, V), -1)
     q = torch.softmax(torch.randn(1, 3, V), -1)
-    alone = rejection_sample([[1, 2, 3]], p, [q[0]], gens(1, 42))
-    again = rejection_sample([[1, 2, 3]], p, [q[0]], gens(1, 42))
+    alone = verdict([[1, 2, 3]], p, [q[0]], gens(1, 42))
+    again = verdict([[1, 2, 3]], p, [q[0]], gens(1, 42))
     assert alone == again
     p2 = torch.cat([p, torch.softmax(torch.randn(1, 4, V), -1)])
     q2 = torch.cat([q, torch.softmax(torch.randn(1, 3, V), -1)])
     g = [torch.Generator().manual_seed(42), torch.Generator().manual_seed(7)]
-    batched = rejection_sample([[1, 2, 3], [0]], p2, [q2[0], q2[1, :1]], g)
+    batched = verdict([[1, 2, 3], [0]], p2, [q2[0], q2[1, :1]], g)
     assert batched.tokens[0] == alone.tokens[0]
 
 
@@ -76,7 +89,7 @@ def test_top_k_top_p_apply_to_p_and_q_alike():
     # Drafted tokens outside the nucleus are never accepted: p(x) = 0 there.
     q = probabilities(torch.zeros(1, 1, V), BatchSampling.from_params(params[:1], torch.device("cpu")))
     for seed in range(20):
-        v = rejection_sample([[5]], probs[:1].expand(1, 2, V).contiguous(), [q[0]], gens(1, seed))
+        v = verdict([[5]], probs[:1].expand(1, 2, V).contiguous(), [q[0]], gens(1, seed))
         assert v.accepted == [0] and v.tokens[0][0] in (0, 1)
 
 
@@ -95,7 +108,7 @@ def _first_token_histogram(p: torch.Tensor, q: torch.Tensor, n: int, accept_all:
         if accept_all:
             token = x
         else:
-            token = rejection_sample([[x]], p, [q[0]], [gen]).tokens[0][0]
+            token = verdict([[x]], p, [q[0]], [gen]).tokens[0][0]
         counts[token] += 1
     return counts
 
@@ -121,7 +134,7 @@ def test_deterministic_drafts_do_not_change_what_a_seed_samples():
     plain = []
     gen = torch.Generator().manual_seed(7)
     for j in range(5):  # plain decoding: one token per pass, from the same seed
-        plain.append(rejection_sample([[]], p[:, j : j + 1], [None], [gen]).tokens[0][0])
+        plain.append(verdict([[]], p[:, j : j + 1], [None], [gen]).tokens[0][0])
     rng = torch.Generator().manual_seed(1)
     for trial in range(20):  # any drafts at all, right or wrong, of any length
         gen = torch.Generator().manual_seed(7)
@@ -132,13 +145,13 @@ def test_deterministic_drafts_do_not_change_what_a_seed_samples():
             wrong = torch.randint(0, V, (k,), generator=rng).tolist()
             mix = torch.rand(k, generator=rng) < 0.5
             drafts = right if trial % 2 else [w if m else r for w, r, m in zip(wrong, right, mix, strict=True)]
-            v = rejection_sample([drafts], p[:, len(out) : len(out) + k + 1], [None], [gen])
+            v = verdict([drafts], p[:, len(out) : len(out) + k + 1], [None], [gen])
             out += v.tokens[0]
         assert out == plain
     # a mixed batch: the n-gram row keeps that property next to a draft-model row
     q = torch.softmax(torch.randn(2, V), dim=-1)
     gen, other = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)
-    v = rejection_sample([plain[:4], [1, 2]], torch.cat([p, p]), [None, q], [gen, other])
+    v = verdict([plain[:4], [1, 2]], torch.cat([p, p]), [None, q], [gen, other])
     assert v.tokens[0] == plain and v.accepted[0] == 4
 
 
@@ -146,6 +159,6 @@ def test_a_sampled_row_that_is_one_hot_at_first_still_samples_later_positions():
     """A nucleus can shrink to one token at one position (top_p) and not at the next: only rows that
     decode greedily take the argmax everywhere."""
     p = torch.stack([one_hot(2)[0], torch.full((V,), 1.0 / V)])[None]  # [1, 2, V]
-    seconds = {rejection_sample([[2]], p, [None], gens(1, seed), greedy=[False]).tokens[0][1] for seed in range(40)}
+    seconds = {verdict([[2]], p, [None], gens(1, seed), greedy=[False]).tokens[0][1] for seed in range(40)}
     assert len(seconds) > 3  # sampled, not always the same token
-    assert rejection_sample([[2]], p, [None], gens(1), greedy=[True]).tokens[0] == [2, int(p[0, 1].argmax())]
+    assert verdict([[2]], p, [None], gens(1), greedy=[True]).tokens[0] == [2, int(p[0, 1].argmax())]

@@ -83,6 +83,28 @@ def test_repetition_penalty_counts_prompt_output_and_earlier_drafts():
     assert torch.allclose(p[0, 0], expected0) and torch.allclose(p[0, 1], expected1)
 
 
+def test_each_verify_position_as_its_own_row_gives_the_padded_p():
+    """The engine reads p row after row, k + 1 positions a row (`at_positions`): every control that
+    depends on the row (bias, penalties, the nucleus) or on the position (min_tokens) gives, position by
+    position, the p the padded layout [rows, W, vocab] gives."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 4]
+    logits = torch.randn(3, 4, V, generator=gen) * 2
+    counts = torch.randint(0, 2, (3, 4, V), generator=gen).float()
+    params = [
+        SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.3, min_tokens=4, logit_bias=((5, 3.0),)),
+        SamplingParams(temperature=0, presence_penalty=0.5, logit_bias=((1, -2.0), (6, 1.0))),
+        SamplingParams(temperature=1.2, top_p=0.6, frequency_penalty=0.4, min_tokens=2, stop_token_ids=(6,)),
+    ]
+    sampling = BatchSampling.from_params(params, CPU, generated=[2, 0, 1], eos_ids={EOS}, prompts=[(0, 3), (4,), ()])
+    padded = probabilities(logits, sampling, counts)
+    flat = lambda x: torch.cat([x[b, :n] for b, n in enumerate(lengths)])  # noqa: E731
+    at = sampling.at_positions(lengths)
+    per_position = probabilities(flat(logits)[:, None], at, flat(counts)[:, None])[:, 0]
+    torch.testing.assert_close(per_position, flat(padded))
+    assert at.generated.tolist() == [2, 3, 4, 0, 1, 2, 3, 4]  # position j of a row follows j more tokens
+
+
 def test_repetition_penalty_without_prompts_is_refused():
     with pytest.raises(ValueError, match="prompts"):
         BatchSampling.from_params([SamplingParams(repetition_penalty=1.2)], CPU)

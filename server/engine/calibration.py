@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
+VERSION = 4  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
 REPEATS = 2  # timings per (batch, width)
 BUDGET_S = 8.0  # stop timing after this long (a CPU times everything in a few seconds)
@@ -233,9 +233,10 @@ def _time_verify(engine: Engine, rows: int, shapes: list[list[int]]) -> list[tup
         for _ in range(REPEATS):
             for shape in shapes:
                 started = time.perf_counter()
-                logits = runner.forward([r[:n] for r, n in zip(fed_rows, shape, strict=True)]).logits
-                # what a step does next, paid per padded position: p [rows, widest, vocab] and the verdict
-                p = probabilities(logits, sampling)
+                out = runner.forward([r[:n] for r, n in zip(fed_rows, shape, strict=True)])
+                # what a step does next, per verify position: p [positions, vocab] and the verdict
+                logits, _ = out.of_rows(range(rows))
+                p = probabilities(logits[:, None], sampling.at_positions(shape))[:, 0]
                 rejection_sample([r[1:n] for r, n in zip(fed_rows, shape, strict=True)], p, [None] * rows, gens)
                 points.append((rows, sum(shape), elapsed_since(started, engine.device)))
                 for b, n in enumerate(shape):

@@ -350,19 +350,19 @@ class Engine:
                for seq, row in zip(seqs, plan.rows, strict=True)]
         started = time.perf_counter()
         out = self.runner.forward(fed, hidden=self.planner.needs_hidden)
-        pick = torch.tensor(active, device=self.device) if len(active) < len(seqs) else None
-        logits = out.logits if pick is None else out.logits.index_select(0, pick)  # [active, K+1, vocab]
-        hidden = out.hidden if pick is None or out.hidden is None else out.hidden.index_select(0, pick)
         rows = [plan.rows[b] for b in active]
         kept = [seqs[b] for b in active]
         drafts = [r.drafts for r in rows]
+        # Row after row, each active row's k + 1 verify positions: what follows costs the computed tokens.
+        logits, hidden = out.of_rows(active)  # [positions, vocab], [positions, hidden]
         sampling = BatchSampling.from_params(
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],
         )  # min_tokens and repetition_penalty need each row's history
-        counts = self._token_counts(kept, drafts, logits.shape[1]) if sampling.any_penalty else None
-        allowed = self._allowed(kept, drafts, logits.shape[1])  # constrained rows' grammars
-        p = probabilities(logits, sampling, counts, allowed)  # [active, K+1, vocab]
+        counts = self._token_counts(kept, drafts) if sampling.any_penalty else None
+        allowed = self._allowed(kept, drafts)  # constrained rows' grammars
+        at = sampling.at_positions([len(d) + 1 for d in drafts])
+        p = probabilities(logits[:, None], at, _one(counts), _one(allowed))[:, 0]  # [positions, vocab]
         gens = [s.generator for s in kept]
         verdict = rejection_sample(drafts, p, [r.q for r in rows], gens, sampling.greedy.tolist())
         # The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
@@ -379,18 +379,19 @@ class Engine:
     ) -> list[SeqStepStats]:
         """Roll back the rejected drafts and commit what each verified row emitted; a row whose commit
         raises joins `failed` (its state is dropped when it leaves; the other rows never read it)."""
-        stats = []
+        stats, start = [], 0
         for i, (b, seq, row) in enumerate(zip(v.cache_rows, v.seqs, v.rows, strict=True)):
+            at, start = start, start + len(row.drafts) + 1  # row i's verify positions: at .. at + k
             try:
                 k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
                 self.runner.rollback(b, k - accepted)  # the one place target rollback happens
-                hidden = v.hidden[i, : accepted + 1] if v.hidden is not None else None  # the committed fed tokens
+                hidden = v.hidden[at : at + accepted + 1] if v.hidden is not None else None  # the committed fed tokens
                 self.planner.commit(seq, row, emitted, hidden)
                 sources = _sources(row, accepted, seq.stats.decode_steps)
                 self._record(seq, row, accepted)
                 step_stats = SeqStepStats(seq.request_id, seq.mode, row.proposer or "none", k, accepted, len(emitted),
                                           k > 0 and accepted == k)
-                logprobs = self._logprobs(v.logits[i], emitted, seq.sampling.logprobs)
+                logprobs = self._logprobs(v.logits[at : at + k + 1], emitted, seq.sampling.logprobs)
                 if seq.grammar is not None:
                     emitted = self._follow_grammar(seq, emitted)
                 kept = self._append(seq, emitted)
@@ -404,15 +405,17 @@ class Engine:
             outputs.append(output)
         return stats
 
-    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor | None:
-        """[batch, W, vocab] bool: what each constrained row's grammar allows at each verify position
-        (None when no row is constrained)."""
+    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+        """[positions, vocab] bool, row after row: what each constrained row's grammar allows at each of
+        its verify positions (None when no row is constrained)."""
         if all(seq.grammar is None for seq in seqs):
             return None
-        allowed = torch.ones(len(seqs), width, self.vocab_size, dtype=torch.bool)
-        for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+        allowed = torch.ones(sum(len(d) + 1 for d in drafts), self.vocab_size, dtype=torch.bool)
+        at = 0
+        for seq, d in zip(seqs, drafts, strict=True):
             if seq.grammar is not None:
-                allowed[b, : len(d) + 1] = seq.grammar.masks(d)
+                allowed[at : at + len(d) + 1] = seq.grammar.masks(d)
+            at += len(d) + 1
         return allowed.to(self.device)
 
     def _follow_grammar(self, seq: Sequence, emitted: list[int]) -> list[int]:
@@ -429,14 +432,18 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], width: int) -> torch.Tensor:
-        """[batch, W, vocab]: generated tokens before each verify position (drafts before it included)."""
-        counts = torch.zeros(len(seqs), width, self.vocab_size, device=self.device)
-        for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+    def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """[positions, vocab], row after row: the tokens generated before each verify position (the
+        row's drafts before it included)."""
+        counts = torch.zeros(sum(len(d) + 1 for d in drafts), self.vocab_size, device=self.device)
+        at = 0
+        for seq, d in zip(seqs, drafts, strict=True):
             if seq.output_ids:
-                counts[b] += torch.bincount(torch.tensor(seq.output_ids), minlength=self.vocab_size).to(self.device)
+                counts[at : at + len(d) + 1] += torch.bincount(
+                    torch.tensor(seq.output_ids), minlength=self.vocab_size).to(self.device)
             for j, token in enumerate(d):
-                counts[b, j + 1 :, token] += 1
+                counts[at + j + 1 : at + len(d) + 1, token] += 1
+            at += len(d) + 1
         return counts
 
     def _record(self, seq: Sequence, row: RowPlan, accepted: int) -> None:
@@ -520,8 +527,8 @@ class _Verified:
     cache_rows: list[int]  # row i's index in the target cache
     seqs: list[Sequence]
     rows: list[RowPlan]
-    logits: torch.Tensor  # [active, K+1, vocab]
-    hidden: torch.Tensor | None  # [active, K+1, hidden] when a proposer reads the target's features
+    logits: torch.Tensor  # [positions, vocab]: row i's k_i + 1 verify positions, row after row
+    hidden: torch.Tensor | None  # [positions, hidden] when a proposer reads the target's features
     accepted: list[int]
     tokens: list[list[int]]  # emitted: accepted drafts + the recovered or bonus token
 
@@ -543,6 +550,11 @@ class _Checkpoint:
         self.planner.restore(self.planner_state)
         for gen, state in self.generators:
             gen.set_state(state)
+
+
+def _one(x: torch.Tensor | None) -> torch.Tensor | None:
+    """[positions, ...] -> [positions, 1, ...]: each verify position a row of width 1 for `probabilities`."""
+    return x[:, None] if x is not None else None
 
 
 def _reservation(request: GenerationRequest) -> int:

@@ -70,6 +70,15 @@ class Packing:
     def tokens(self) -> int:
         return len(self.rows)
 
+    def index(self) -> tuple[tuple[int, ...], ...]:
+        """Per row, the packed indices of its tokens in order (empty for a row that feeds none)."""
+        index: list[tuple[int, ...]] = [() for _ in self.counts]
+        for i, b in enumerate(self.fed):
+            index[b] = (i,)
+        for b, start, m in self.rests:
+            index[b] += tuple(range(start, start + m))
+        return tuple(index)
+
     def pieces(self, inputs: Sequence[Sequence]) -> list[Sequence]:
         """Every row's inputs cut into the packed order (`Packing`): concatenated, they are the N tokens."""
         return [inputs[b][:1] for b in self.fed] + [inputs[b][1:] for b, _, _ in self.rests]

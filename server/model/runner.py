@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import PreTrainedModel
@@ -24,14 +25,58 @@ from server.model.lean_forward import LeanForward
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ForwardOutput:
-    """What one forward computed for the fed positions (row b's position j >= n_b is padding)."""
+    """What one forward computed for the fed positions.
 
-    logits: torch.Tensor | None  # [batch, W, vocab] float32; None when not asked for
-    hidden: torch.Tensor | None = None  # [batch, W, hidden]: after the final norm (what the LM head reads)
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # chosen layer index -> [batch, W, hidden]
-    computed: int = 0  # positions the model computed: rows x W padded, the real tokens only when packed
+    `flat_logits` and `flat_hidden` hold every position the model computed once, [N, ...], in the
+    order it computed them (packed: `Packing`; else row after row, W each, padding included); row b's
+    fed position j is flat row `index[b][j]`. `logits`, `hidden` and `layers` are the batch's padded
+    layout [batch, W, ...] (zeros past each row's inputs when packed), built on first read. The verify
+    step reads `of_rows`, so what follows its forward is paid per computed token, not per padded one.
+    """
+
+    flat_logits: torch.Tensor | None  # [N, vocab] float32; None when not asked for
+    flat_hidden: torch.Tensor | None  # [N, hidden]: after the final norm (what the LM head reads)
+    flat_layers: dict[int, torch.Tensor]  # chosen layer index -> [N, hidden]
+    index: tuple[tuple[int, ...], ...]  # per row, the flat rows of its fed positions
+    width: int  # the widest row
+    pack: Packing | None  # how the tokens were packed; None when every row was padded to `width`
+
+    @property
+    def computed(self) -> int:
+        """Positions the model computed: rows x W padded, the real tokens only when packed."""
+        return self.pack.tokens if self.pack is not None else len(self.index) * self.width
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat output [N, ...] in the batch's padded layout [batch, W, ...]."""
+        if self.pack is None:
+            return flat.view(len(self.index), self.width, *flat.shape[1:])
+        return _unpack(flat, self.pack)
+
+    @cached_property
+    def logits(self) -> torch.Tensor | None:
+        return self.padded(self.flat_logits) if self.flat_logits is not None else None
+
+    @cached_property
+    def hidden(self) -> torch.Tensor | None:
+        return self.padded(self.flat_hidden) if self.flat_hidden is not None else None
+
+    @cached_property
+    def layers(self) -> dict[int, torch.Tensor]:
+        return {i: self.padded(x) for i, x in self.flat_layers.items()}
+
+    def of_rows(self, rows: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, hidden) of `rows`' fed positions, row after row ([sum of their inputs, ...]): the flat
+        tensors themselves when that is their order already (every row fed W tokens), else one gather."""
+        order = [i for b in rows for i in self.index[b]]
+        flat = self.flat_logits if self.flat_logits is not None else self.flat_hidden
+        if flat is None or order == list(range(len(flat))):
+            return self.flat_logits, self.flat_hidden
+        take = torch.tensor(order, device=flat.device)
+        logits, hidden = self.flat_logits, self.flat_hidden
+        return (logits.index_select(0, take) if logits is not None else None,
+                hidden.index_select(0, take) if hidden is not None else None)
 
 
 class ModelRunner:
@@ -112,12 +157,18 @@ class ModelRunner:
         kv.advance(counts, width)
         states = out.hidden_states if want_states else None
         final = (states[-1] if self.has_lm_head else out.last_hidden_state) if hidden else None
-        unpack = (lambda x: x) if pack is None else (lambda x: _unpack(x, pack))
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [batch, W, ...] or [1, N, ...] -> [N, ...]
+        if pack is not None:
+            index = pack.index()
+        else:
+            index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
         return ForwardOutput(
-            logits=unpack(out.logits.float()) if logits else None,
-            hidden=unpack(final) if final is not None else None,
-            layers={i: unpack(states[i]) for i in layers} if states is not None else {},
-            computed=pack.tokens if pack is not None else batch * width,
+            flat_logits=flat(out.logits.float()) if logits else None,
+            flat_hidden=flat(final) if final is not None else None,
+            flat_layers={i: flat(states[i]) for i in layers} if states is not None else {},
+            index=index,
+            width=width,
+            pack=pack,
         )
 
     def _feed(self, inputs: Inputs, width: int) -> dict[str, torch.Tensor]:
@@ -202,9 +253,9 @@ class ModelRunner:
         self.kv.rollback(row, num_tokens)
 
 
-def _unpack(packed: torch.Tensor, pack: Packing) -> torch.Tensor:
-    """A packed forward's output [1, N, ...] in the batch's padded layout [rows, W, ...] (zeros past
-    each row's tokens)."""
-    out = packed.new_zeros(len(pack.counts), pack.width, *packed.shape[2:])
-    out[pack.rows, pack.steps] = packed[0]
+def _unpack(flat: torch.Tensor, pack: Packing) -> torch.Tensor:
+    """A packed forward's output [N, ...] in the batch's padded layout [rows, W, ...] (zeros past each
+    row's tokens)."""
+    out = flat.new_zeros(len(pack.counts), pack.width, *flat.shape[1:])
+    out[pack.rows, pack.steps] = flat
     return out

@@ -40,7 +40,8 @@ def rejection_sample(
     """Accept/reject every row's drafts against the target in one pass.
 
     drafts: per row, its k_b draft tokens (k_b may be 0, and may differ between rows).
-    target_probs: p, [batch, K + 1, vocab], K = max k_b; row b's position j scores drafts[b][j].
+    target_probs: p, [sum of (k_b + 1), vocab]: each row's k_b + 1 verify positions, row after row;
+        row b's position j scores drafts[b][j] (the last one is its bonus position).
     draft_probs: per row, q [k_b, vocab] from a model proposer, or None for a deterministic proposer
         (q one-hot at its drafts) or a row without drafts: those rows sample-and-compare (see above).
     generators: one per row; each row draws only from its own, so a seeded request reproduces
@@ -53,17 +54,25 @@ def rejection_sample(
     """
     if greedy is None:
         greedy = [False] * len(drafts)
+    starts, at = [], 0
+    for d in drafts:
+        starts.append(at)
+        at += len(d) + 1
+    if at != len(target_probs):
+        raise ValueError(f"p has {len(target_probs)} positions; the drafts need {at}")
     verdict = Verdict(accepted=[0] * len(drafts), tokens=[[] for _ in drafts])
     exact = [b for b, q in enumerate(draft_probs) if q is None]
     ruled = [b for b, q in enumerate(draft_probs) if q is not None]
     parts = []
     if exact:
         gens, greedy_rows = [generators[b] for b in exact], [greedy[b] for b in exact]
-        parts.append((exact, _sample_and_compare([drafts[b] for b in exact], target_probs[exact], gens, greedy_rows)))
+        parts.append((exact, _sample_and_compare(
+            [drafts[b] for b in exact], target_probs, [starts[b] for b in exact], gens, greedy_rows)))
     if ruled:
         qs = [draft_probs[b] for b in ruled]
         gens = [generators[b] for b in ruled]
-        parts.append((ruled, _accept_reject([drafts[b] for b in ruled], target_probs[ruled], qs, gens)))
+        parts.append((ruled, _accept_reject(
+            [drafts[b] for b in ruled], target_probs, [starts[b] for b in ruled], qs, gens)))  # type: ignore[misc]
     for rows, part in parts:
         for i, b in enumerate(rows):
             verdict.accepted[b], verdict.tokens[b] = part.accepted[i], part.tokens[i]
@@ -73,14 +82,20 @@ def rejection_sample(
 def _accept_reject(
     drafts: list[list[int]],
     target_probs: torch.Tensor,
+    starts: list[int],
     draft_probs: list[torch.Tensor],
     generators: list[torch.Generator],
 ) -> Verdict:
-    """The min(1, p/q) rule for rows whose q comes from a model (every row here has a q)."""
-    batch, width, vocab = target_probs.shape
-    k_max = width - 1
+    """The min(1, p/q) rule for rows whose q comes from a model (every row here has a q); row b's
+    positions in `target_probs` start at `starts[b]`."""
+    batch, vocab = len(drafts), target_probs.shape[-1]
+    k_max = max(len(d) for d in drafts)
     device = target_probs.device
     lengths = torch.tensor([len(d) for d in drafts], device=device)
+    first = torch.tensor(starts, device=device)
+    # [batch, K]: the flat position of each draft; past a row's drafts, its bonus position (never read:
+    # the uniform there is 2.0)
+    where = first[:, None] + torch.minimum(torch.arange(k_max, device=device)[None, :], lengths[:, None])
     draft_ids = torch.zeros(batch, k_max, dtype=torch.long, device=device)  # [batch, K]
     q = torch.zeros(batch, k_max, vocab, device=device)  # [batch, K, vocab]; zero past each row's drafts
     for b, d in enumerate(drafts):
@@ -88,7 +103,7 @@ def _accept_reject(
             draft_ids[b, : len(d)] = torch.tensor(d, device=device)
             q[b, : len(d)] = draft_probs[b].to(device)
 
-    p_x = target_probs[:, :k_max].gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
+    p_x = target_probs[where, draft_ids]  # [batch, K]
     q_x = q.gather(-1, draft_ids[..., None])[..., 0]  # [batch, K]
     # q(x) > 0 for any token actually sampled from q; the clamp only guards the padded positions.
     accept_prob = (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0)  # p >= q: always accept
@@ -102,7 +117,7 @@ def _accept_reject(
     num_accepted = torch.minimum(accepted_mask.cumprod(dim=1).sum(dim=1), lengths)  # leading accepts
 
     rows = torch.arange(batch, device=device)
-    final_p = target_probs[rows, num_accepted]  # [batch, vocab]: p at the first rejection or bonus slot
+    final_p = target_probs[first + num_accepted]  # [batch, vocab]: p at the first rejection or bonus slot
     rejected = num_accepted < lengths
     if bool(rejected.any()):
         final_q = q[rows, num_accepted.clamp(max=max(k_max - 1, 0))]
@@ -118,21 +133,26 @@ def _accept_reject(
 
 
 def _sample_and_compare(
-    drafts: list[list[int]], target_probs: torch.Tensor, generators: list[torch.Generator], greedy: list[bool]
+    drafts: list[list[int]],
+    target_probs: torch.Tensor,
+    starts: list[int],
+    generators: list[torch.Generator],
+    greedy: list[bool],
 ) -> Verdict:
     """Deterministic drafts: draw each position's token from p as plain decoding would, and keep
     going while it equals the draft. Emits the drawn tokens; consumes one uniform per sampled token.
-    Greedy rows (one-hot p) need no draw: a draft is kept while p gives it 1, then the argmax."""
+    Greedy rows (one-hot p) need no draw: a draft is kept while it is p's one token, then that token.
+    Row b's positions in `target_probs` start at `starts[b]`."""
+    best = target_probs.max(dim=-1).indices.tolist() if any(greedy) else []  # one-hot: the argmax
     accepted, tokens = [], []
-    for b, (d, gen) in enumerate(zip(drafts, generators, strict=True)):
+    for b, (d, gen, s) in enumerate(zip(drafts, generators, starts, strict=True)):
         if greedy[b]:
-            hits = target_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.long)].tolist() if d else []
-            kept = next((j for j, h in enumerate(hits) if h < 1.0), len(d))
-            out = [*d[:kept], int(target_probs[b, kept].argmax())]
+            kept = next((j for j, x in enumerate(d) if best[s + j] != x), len(d))
+            out = [*d[:kept], best[s + kept]]
         else:
             out = []
             for j in range(len(d) + 1):
-                token = sample(target_probs[b, j], gen)
+                token = sample(target_probs[s + j], gen)
                 out.append(token)
                 if j == len(d) or token != d[j]:
                     break
