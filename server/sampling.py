@@ -106,7 +106,6 @@ class BatchSampling:
             any_penalty=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
         )
 
-
     def at_positions(self, lengths: Sequence[int]) -> BatchSampling:
         """These parameters with one row per verify position: row b's `lengths[b]` positions in turn (a
         verify pass's outputs row after row, as the engine reads them). Position j of row b follows
@@ -137,6 +136,7 @@ class BatchSampling:
             generated=take(self.generated) + step, min_tokens=take(self.min_tokens),
             prompts=tuple(self.prompts[b] for b in row_of.tolist()) if self.prompts is not None else None,
         )
+
 
 def probabilities(
     logits: torch.Tensor,

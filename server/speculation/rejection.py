@@ -72,7 +72,7 @@ def rejection_sample(
         qs = [draft_probs[b] for b in ruled]
         gens = [generators[b] for b in ruled]
         parts.append((ruled, _accept_reject(
-            [drafts[b] for b in ruled], target_probs, [starts[b] for b in ruled], qs, gens)))  # type: ignore[misc]
+            [drafts[b] for b in ruled], target_probs, [starts[b] for b in ruled], qs, gens)))
     for rows, part in parts:
         for i, b in enumerate(rows):
             verdict.accepted[b], verdict.tokens[b] = part.accepted[i], part.tokens[i]
