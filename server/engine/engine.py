@@ -35,7 +35,7 @@ from server.speculation.adaptive import CostModel
 from server.speculation.planner import Planner, RowPlan, elapsed_since
 from server.speculation.proposer import BuildContext
 from server.speculation.registry import BUILTIN, Registry
-from server.speculation.rejection import rejection_sample
+from server.speculation.rejection import rejection_sample, row_bounds
 from server.types import (
     GenerationRequest,
     ProposerTally,
@@ -359,8 +359,9 @@ class Engine:
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],
         )  # min_tokens and repetition_penalty need each row's history
-        counts = self._token_counts(kept, drafts) if sampling.any_penalty else None
-        allowed = self._allowed(kept, drafts)  # constrained rows' grammars
+        bounds = row_bounds(drafts)  # row i's verify positions: bounds[i]:bounds[i + 1]
+        counts = self._token_counts(kept, drafts, bounds) if sampling.any_penalty else None
+        allowed = self._allowed(kept, drafts, bounds)  # constrained rows' grammars
         at = sampling.at_positions([len(d) + 1 for d in drafts])
         p = probabilities(logits[:, None], at, _one(counts), _one(allowed))[:, 0]  # [positions, vocab]
         gens = [s.generator for s in kept]
@@ -372,16 +373,16 @@ class Engine:
         predicted = self.planner.observe_verify(out.computed, seconds, record=not probe, rows=len(active))
         if self.threads is not None:
             self.threads.observe(seconds, predicted)
-        return _Verified(active, kept, rows, logits, hidden, verdict.accepted, verdict.tokens)
+        return _Verified(active, kept, rows, logits, hidden, bounds, verdict.accepted, verdict.tokens)
 
     def _commit(
         self, v: _Verified, outputs: list[RequestOutput], failed: dict[str, Exception]
     ) -> list[SeqStepStats]:
         """Roll back the rejected drafts and commit what each verified row emitted; a row whose commit
         raises joins `failed` (its state is dropped when it leaves; the other rows never read it)."""
-        stats, start = [], 0
+        stats = []
         for i, (b, seq, row) in enumerate(zip(v.cache_rows, v.seqs, v.rows, strict=True)):
-            at, start = start, start + len(row.drafts) + 1  # row i's verify positions: at .. at + k
+            at = v.bounds[i]  # row i's verify positions: at .. at + k
             try:
                 k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
                 self.runner.rollback(b, k - accepted)  # the one place target rollback happens
@@ -405,17 +406,15 @@ class Engine:
             outputs.append(output)
         return stats
 
-    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+    def _allowed(self, seqs: list[Sequence], drafts: list[list[int]], bounds: list[int]) -> torch.Tensor | None:
         """[positions, vocab] bool, row after row: what each constrained row's grammar allows at each of
         its verify positions (None when no row is constrained)."""
         if all(seq.grammar is None for seq in seqs):
             return None
-        allowed = torch.ones(sum(len(d) + 1 for d in drafts), self.vocab_size, dtype=torch.bool)
-        at = 0
-        for seq, d in zip(seqs, drafts, strict=True):
+        allowed = torch.ones(bounds[-1], self.vocab_size, dtype=torch.bool)
+        for seq, d, at in zip(seqs, drafts, bounds[:-1], strict=True):
             if seq.grammar is not None:
                 allowed[at : at + len(d) + 1] = seq.grammar.masks(d)
-            at += len(d) + 1
         return allowed.to(self.device)
 
     def _follow_grammar(self, seq: Sequence, emitted: list[int]) -> list[int]:
@@ -432,18 +431,16 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+    def _token_counts(self, seqs: list[Sequence], drafts: list[list[int]], bounds: list[int]) -> torch.Tensor:
         """[positions, vocab], row after row: the tokens generated before each verify position (the
         row's drafts before it included)."""
-        counts = torch.zeros(sum(len(d) + 1 for d in drafts), self.vocab_size, device=self.device)
-        at = 0
-        for seq, d in zip(seqs, drafts, strict=True):
+        counts = torch.zeros(bounds[-1], self.vocab_size, device=self.device)
+        for seq, d, at in zip(seqs, drafts, bounds[:-1], strict=True):
             if seq.output_ids:
                 counts[at : at + len(d) + 1] += torch.bincount(
                     torch.tensor(seq.output_ids), minlength=self.vocab_size).to(self.device)
             for j, token in enumerate(d):
                 counts[at + j + 1 : at + len(d) + 1, token] += 1
-            at += len(d) + 1
         return counts
 
     def _record(self, seq: Sequence, row: RowPlan, accepted: int) -> None:
@@ -529,6 +526,7 @@ class _Verified:
     rows: list[RowPlan]
     logits: torch.Tensor  # [positions, vocab]: row i's k_i + 1 verify positions, row after row
     hidden: torch.Tensor | None  # [positions, hidden] when a proposer reads the target's features
+    bounds: list[int]  # row i's verify positions in logits and hidden: bounds[i]:bounds[i + 1]
     accepted: list[int]
     tokens: list[list[int]]  # emitted: accepted drafts + the recovered or bonus token
 

@@ -30,6 +30,15 @@ class Verdict:
     tokens: list[list[int]]  # emitted tokens per row: accepted drafts + one recovered/bonus token
 
 
+def row_bounds(drafts: list[list[int]]) -> list[int]:
+    """Where each row's verify positions lie in p given row after row: row b's k_b + 1 positions are
+    `bounds[b]:bounds[b + 1]`, and `bounds[-1]` is how many there are in all."""
+    bounds = [0]
+    for d in drafts:
+        bounds.append(bounds[-1] + len(d) + 1)
+    return bounds
+
+
 def rejection_sample(
     drafts: list[list[int]],
     target_probs: torch.Tensor,
@@ -54,12 +63,10 @@ def rejection_sample(
     """
     if greedy is None:
         greedy = [False] * len(drafts)
-    starts, at = [], 0
-    for d in drafts:
-        starts.append(at)
-        at += len(d) + 1
-    if at != len(target_probs):
-        raise ValueError(f"p has {len(target_probs)} positions; the drafts need {at}")
+    bounds = row_bounds(drafts)
+    if bounds[-1] != len(target_probs):
+        raise ValueError(f"p has {len(target_probs)} positions; the drafts need {bounds[-1]}")
+    starts = bounds[:-1]
     verdict = Verdict(accepted=[0] * len(drafts), tokens=[[] for _ in drafts])
     exact = [b for b, q in enumerate(draft_probs) if q is None]
     ruled = [b for b, q in enumerate(draft_probs) if q is not None]
