@@ -5,6 +5,7 @@ engine as it found it, and that the setting skips it. No assertion depends on ho
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -35,7 +36,8 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     result = calibrate(engine, budget_s=UNBOUNDED)
     # one row at widths 1, 2, K+1; two rows plain (2 tokens), one of them drafting one (3), both drafting
     # one (4) and two (6), both at K+1 (8)
-    expected = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 3), (2, 4), (2, 6), (2, 8)] * calibration.REPEATS
+    # (each timed between two plain passes of its batch: one more plain pass than others per repeat)
+    expected = ([(1, 1)] * 3 + [(1, 2), (1, 4)] + [(2, 2)] * 5 + [(2, 3), (2, 4), (2, 6), (2, 8)]) * calibration.REPEATS
     assert sorted((rows, n) for rows, n, _ in result.verify) == sorted(expected) and result.complete
     assert [k for k, _ in result.draft["draft"]] == [2, 2, 2, 2]  # 2 timed drafts of K at batch 1 and at 2
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
@@ -44,6 +46,26 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     assert not result.loaded
     stored = json.loads(cache_path(tmp_path, result.key).read_text())
     assert stored["key"] == calibration_key(engine) and len(stored["verify"]) == len(expected)
+
+
+def test_passes_are_timed_against_the_plain_passes_around_them():
+    """A machine slowing down by 10% a pass (or speeding up), with one pass in a burst three times slower:
+    every width still comes out at its own cost relative to the plain pass."""
+    cost = {1: 1.0, 2: 1.3, 4: 1.6, 17: 4.0}  # a pass's time at a steady speed, per tokens fed
+    for drift in (1.1, 0.9):
+        def timer(shape: list[int], drift: float = drift, calls: list[list[int]] = []) -> float:  # noqa: B006
+            calls.append(shape)  # a pass's place in the sequence: 7 passes a repeat (plain, 2, plain, 4, ...)
+            burst = 3.0 if len(calls) == 11 else 1.0  # the second repeat's 4-token pass
+            return cost[sum(shape)] * drift ** len(calls) * burst
+
+        shapes = [[1], [2], [4], [17]]
+        timed = calibration.sandwiched(timer, shapes, repeats=3)
+        plain = statistics.median(t for shape, t in timed if shape == [1])
+        for shape in shapes[1:]:
+            got = [t for s, t in timed if s == shape]
+            assert len(got) == 3
+            assert statistics.median(got) / plain == pytest.approx(cost[sum(shape)], rel=0.01)
+        assert [shape for shape, _ in timed].count([1]) == 3 * len(shapes)  # a plain pass before and after each
 
 
 def test_the_cost_model_reads_each_batch_sizes_own_timings(tiny_engine_factory, tmp_path):

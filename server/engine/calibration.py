@@ -13,7 +13,9 @@ loading) `calibrate` therefore times:
   sizes 2, 4, ... `max_batch_size`: every row plain, one row drafting one token (what `auto` weighs
   first in a batch: it costs far more than a row's share of the tokens, as the pass is packed), every
   row drafting one and two, and every row at K + 1 (`batch_shapes`); `REPEATS` passes each, each
-  timing kept with its batch size (the cost model keeps a curve per batch size);
+  timed between two plain passes of its batch and kept as its ratio to them (`sandwiched`: a shared
+  host's speed drifts between passes, and the curve's shape is what `auto` reads), with its batch size
+  (the cost model keeps a curve per batch size);
 * each model proposer's drafting (proposers without a declared cost per draft token), through the
   proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
   batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
@@ -35,7 +37,9 @@ import json
 import logging
 import os
 import re
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,10 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
+VERSION = 5  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
-REPEATS = 2  # timings per (batch, width)
-BUDGET_S = 8.0  # stop timing after this long (a CPU times everything in a few seconds)
+REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes by 50%)
+BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in about 12 s)
 
 
 @dataclass
@@ -215,32 +219,63 @@ def _scratch_tokens(engine: Engine, rows: int, length: int) -> list[list[int]]:
     return [[(17 + 31 * (r * length + i)) % vocab for i in range(length)] for r in range(rows)]
 
 
+def sandwiched(
+    time_shape: Callable[[list[int]], float], shapes: list[list[int]], repeats: int
+) -> list[tuple[list[int], float]]:
+    """(shape, seconds), `repeats` per shape, where `shapes[0]` is the batch's plain pass and every other
+    pass is timed between two plain ones: its seconds are its time over the mean of those two, times the
+    median plain pass. What `auto` weighs is what a wider pass costs relative to a plain one; on a shared
+    host the machine's speed moves between passes (consecutive plain passes of one batch timed 78 and
+    126 ms), and timed alone two passes a second apart compared speeds, not widths (a calibration read a
+    9-token pass of 8 rows as costing what 8 tokens do, and `auto` drafted as if it were free). A drift
+    linear over three passes cancels exactly; a burst moves one ratio, which the median over repeats drops.
+    Each plain pass is given as measured."""
+    plain, others = shapes[0], shapes[1:]
+    plains: list[float] = []
+    ratios: list[list[float]] = [[] for _ in others]
+    for _ in range(repeats):
+        before = time_shape(plain)
+        plains.append(before)
+        for i, shape in enumerate(others):
+            seconds = time_shape(shape)
+            after = time_shape(plain)
+            plains.append(after)
+            ratios[i].append(seconds / max((before + after) / 2, 1e-9))
+            before = after
+    base = statistics.median(plains)
+    out = [(plain, t) for t in plains]
+    out += [(shape, base * r) for shape, rs in zip(others, ratios, strict=True) for r in rs]
+    return out
+
+
 def _time_verify(engine: Engine, rows: int, shapes: list[list[int]]) -> list[tuple[int, int, float]]:
     """(rows, tokens fed, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
     tokens each (the engine's own rows are untouched), row b feeding `shape[b]` tokens in each pass
     (packed where rows feed unequal numbers, as the engine's passes are); every pass is rolled back."""
-    points: list[tuple[int, int, float]] = []
     runner = ModelRunner(engine.target.model)
     ids = [f"calibration-{r}" for r in range(rows)]
     runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
     fed_rows = _scratch_tokens(engine, rows, max(n for shape in shapes for n in shape))
     sampling = BatchSampling.from_params([SamplingParams()] * rows, engine.device)  # a request that sets nothing
     gens = [torch.Generator(device=engine.device).manual_seed(r) for r in range(rows)]
+
+    def time_shape(shape: list[int]) -> float:
+        started = time.perf_counter()
+        out = runner.forward([r[:n] for r, n in zip(fed_rows, shape, strict=True)])
+        # what a step does next, per verify position: p [positions, vocab] and the verdict
+        logits, _ = out.of_rows(range(rows))
+        p = probabilities(logits[:, None], sampling.at_positions(shape))[:, 0]
+        rejection_sample([r[1:n] for r, n in zip(fed_rows, shape, strict=True)], p, [None] * rows, gens)
+        seconds = elapsed_since(started, engine.device)
+        for b, n in enumerate(shape):
+            runner.rollback(b, n)
+        return seconds
+
     try:
         runner.forward([r[:1] for r in fed_rows])  # a fresh cache's first pass allocates: not timed
         for b in range(rows):
             runner.rollback(b, 1)
-        for _ in range(REPEATS):
-            for shape in shapes:
-                started = time.perf_counter()
-                out = runner.forward([r[:n] for r, n in zip(fed_rows, shape, strict=True)])
-                # what a step does next, per verify position: p [positions, vocab] and the verdict
-                logits, _ = out.of_rows(range(rows))
-                p = probabilities(logits[:, None], sampling.at_positions(shape))[:, 0]
-                rejection_sample([r[1:n] for r, n in zip(fed_rows, shape, strict=True)], p, [None] * rows, gens)
-                points.append((rows, sum(shape), elapsed_since(started, engine.device)))
-                for b, n in enumerate(shape):
-                    runner.rollback(b, n)
+        points = [(rows, sum(shape), seconds) for shape, seconds in sandwiched(time_shape, shapes, REPEATS)]
     finally:
         runner.leave(set(ids))
     return points
