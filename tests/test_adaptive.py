@@ -23,7 +23,6 @@ from server.speculation.adaptive import (
 )
 from server.speculation.draft_model import DraftModelProposer
 from server.speculation.ngram import NgramProposer, confidence_level
-from server.speculation.registry import BUILTIN, Registry
 from tests.engine_helpers import FixedCosts, final_stats, request, run
 
 TRAITS = {"ngram": NgramProposer.traits, "draft": DraftModelProposer.traits}
@@ -522,51 +521,3 @@ def test_each_batch_size_reads_its_own_curve():
     assert cost.verify_time(5, rows=4) == pytest.approx(0.060 + 0.019)
     assert cost.token_cost(4, 1, packed=True) == pytest.approx(4 * 0.019 / 0.060)
     assert cost.verify_time(10, rows=9) > cost.verify_time(9, rows=9)  # above every curve: the largest below
-
-
-class TileCosts(FixedCosts):
-    """Passes as a CPU matrix multiply prices them: a plain pass of the batch costs 1, and each further
-    tile of 8 fed tokens 0.3 more (so one draft token in a batch costs what eight do); a draft model's
-    token costs 0.05."""
-
-    def __init__(self) -> None:
-        super().__init__(draft={"draft": 0.05})
-
-    def verify_time(self, tokens: int, rows: int | None = None) -> float:
-        rows = rows or 1
-        return 1.0 if tokens <= rows else 1.3 + 0.3 * ((tokens - rows - 1) // 8)
-
-
-def engine_with_draft_history(tiny_engine_factory, rate: float):
-    """An engine whose only proposer is the draft model, on `TileCosts`, that has seen earlier requests'
-    drafts: the first right in `rate` of the steps."""
-    engine = tiny_engine_factory(registry=Registry(tuple(e for e in BUILTIN.entries if e.name == "draft")),
-                                 cost=TileCosts())
-    for i in range(400):
-        engine.planner.policy.observe(f"old{i}", "draft", 1, int(i % 10 < 10 * rate))
-    return engine
-
-
-@pytest.mark.parametrize(("rate", "drafts"), [(0.5, 2), (0.1, 0)])
-def test_a_model_drafts_for_every_plain_row_when_the_batch_gains_as_a_whole(
-    tiny_engine_factory, prompt_ids, greedy_reference, rate, drafts
-):
-    """Four auto rows, a draft model right half the time: for one row alone a draft never pays (its pass
-    costs 1.3 plain steps for 1.5 tokens), but the same tile holds every row's drafts, so the batch
-    drafts two tokens a row (7 tokens for 1.4 steps against 4 for 1). Right one time in ten, it drafts
-    nothing. Either way the greedy text is the target's."""
-    engine = engine_with_draft_history(tiny_engine_factory, rate)
-    for i, p in enumerate(prompt_ids[:4]):
-        engine.add_request(request(f"r{i}", p, "auto", 4))
-    assert engine.planner.policy.choose("alone", 4, rows=4).proposer is None  # one row on its own: plain
-    plan = engine.planner.plan([engine.running[rid] for rid in engine.runner.rows])
-    assert [len(r.drafts) for r in plan.rows] == [drafts] * 4
-    assert {r.proposer for r in plan.rows} == ({"draft"} if drafts else {None})
-
-    engine = engine_with_draft_history(tiny_engine_factory, rate)
-    stats = final_stats(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids[:4])])
-    assert (sum(s.draft_tokens for s in stats.values()) > 0) == (drafts > 0)
-    engine = engine_with_draft_history(tiny_engine_factory, rate)
-    assert run(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids[:4])]) == {
-        f"r{i}": greedy_reference[f"r{i}"] for i in range(4)
-    }

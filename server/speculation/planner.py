@@ -4,9 +4,8 @@ The engine hands the planner its running sequences and gets back one `StepPlan`;
 verify pass it hands back the verdict (`commit`). Everything about proposers lives here: building
 them from the registry, telling them who joins and leaves, asking lookahead proposers first (so
 `auto` knows what they offer), the `auto` choice per row, each row's share of a batch's verify pass,
-dropping a model proposer that a whole batch would pay for but not gain from, a model proposer for the
-rows left plain when they gain from it together, and timing proposers whose cost is not declared.
-The engine never names a proposer.
+dropping a model proposer that a whole batch would pay for but not gain from, and timing proposers
+whose cost is not declared. The engine never names a proposer.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 from server.model.attention import packs
 from server.model.kv_cache import KVShape
 from server.model.runner import ModelRunner
-from server.speculation.adaptive import MIN_GAIN, AdaptivePolicy, BatchRow, Choice, CostModel, Offer
+from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
@@ -269,58 +268,6 @@ class Planner:
         for b, (row, k) in enumerate(zip(rows, best[0], strict=True)):
             if row.flexible:
                 choices[b] = (row.proposer, k) if k else (None, 0)
-        self._model_for_idle_rows(seqs, choices, auto_rows, offers)
-
-    def _model_for_idle_rows(
-        self,
-        seqs: list[PlannedSequence],
-        choices: list[tuple[str | None, int]],
-        auto_rows: set[int],
-        offers: dict[int, RowOffers],
-    ) -> None:
-        """Let a model proposer draft for every auto row the plan leaves plain, when the batch gains from
-        that as a whole. Each row weighed a model's draft alone: the pass's widening and the model's
-        forward charged to one row's tokens. But both are paid once for many rows: a packed pass of 8 rows
-        on a CPU costs about as much with eight draft tokens as with one (matrix-multiply tiles: +1 token
-        measured 1.27-1.38x a plain pass, +8 tokens 1.38-1.41x), and one batched forward drafts for every
-        row. So for each model proposer and K = 1, 2, ... (while the score rises) the batch's expected
-        tokens per second with those rows drafting K is compared with the plan's; the best is kept when it
-        beats the plan by `MIN_GAIN` (the estimates are noisy)."""
-        idle = [b for b in auto_rows if choices[b][0] is None and seqs[b].num_drafts() > 0]
-        models = [n for n, p in self.proposers.items() if not p.traits.lookahead]
-        if len(idle) < 2 or not models:
-            return
-
-        def row(b: int, name: str | None, k: int) -> BatchRow:
-            """Row b drafting k with `name`, as the pass will feed it (a lookahead proposer: what it offers)."""
-            level = 0
-            if name is not None and self.proposers[name].traits.lookahead:
-                drafts, level = offers.get(b, {}).get(name, ([], 0))
-                k = min(k, len(drafts))
-            return BatchRow(seqs[b].request_id, name, k if name else 0, level, sampled=seqs[b].sampled)
-
-        plan = [row(b, *choices[b]) for b in range(len(seqs))]
-        scored = self.policy.batch_drafts(plan)
-        if scored is None:
-            return
-        best, pick = scored[1] * MIN_GAIN, None
-        for name in models:
-            last = 0.0
-            for k in range(1, max(seqs[b].num_drafts() for b in idle) + 1):
-                ks = {b: min(k, seqs[b].num_drafts()) for b in idle}
-                trial = list(plan)
-                for b in idle:
-                    trial[b] = row(b, name, ks[b])
-                score = self.policy.batch_drafts(trial)[1]
-                if score > best:
-                    best, pick = score, (name, ks)
-                if score <= last:
-                    break  # more drafts per row only cost more from here (acceptance falls with depth)
-                last = score
-        if pick is not None:
-            name, ks = pick
-            for b in idle:
-                choices[b] = (name, ks[b])
 
     def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
         """A constrained row's drafts as its grammar allows them, or the tokens the grammar forces.
