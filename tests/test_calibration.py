@@ -53,7 +53,9 @@ def test_passes_are_timed_against_the_plain_passes_around_them():
     every width still comes out at its own cost relative to the plain pass."""
     cost = {1: 1.0, 2: 1.3, 4: 1.6, 17: 4.0}  # a pass's time at a steady speed, per tokens fed
     for drift in (1.1, 0.9):
-        def timer(shape: list[int], drift: float = drift, calls: list[list[int]] = []) -> float:  # noqa: B006
+        calls: list[list[int]] = []
+
+        def timer(shape: list[int], drift: float = drift, calls: list[list[int]] = calls) -> float:
             calls.append(shape)  # a pass's place in the sequence: 7 passes a repeat (plain, 2, plain, 4, ...)
             burst = 3.0 if len(calls) == 11 else 1.0  # the second repeat's 4-token pass
             return cost[sum(shape)] * drift ** len(calls) * burst
