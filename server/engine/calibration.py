@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 5  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
+VERSION = 6  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
 REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes by 50%)
 BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in about 12 s)
@@ -96,6 +96,7 @@ def calibration_key(engine: Engine) -> dict[str, object]:
         "dtype": str(engine.target.model.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "threads": torch.get_num_threads(),
+        "forward": engine.runner.forward_kind,
         "draft": [s.draft, s.draft_dtype] if engine.draft_name else None,
         "draft_head": s.draft_head if "eagle" in engine.planner.proposers else None,
         "k": s.num_speculative_tokens,

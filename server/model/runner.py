@@ -95,6 +95,9 @@ class ModelRunner:
         self.has_lm_head = model.get_output_embeddings() is not None
         self.packs = packs(model)  # rows feeding different numbers of tokens are packed (attention.py)
         self.call = (LeanForward.of(model) if lean else None) or model  # the forward, with transformers' keywords
+        # which forward runs (part of the calibration's key: each prices passes differently)
+        lean_call = isinstance(self.call, LeanForward)
+        self.forward_kind = "transformers" if not lean_call else "lean-onednn" if self.call.packed else "lean"
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
 
