@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from server.model.attention import use_gqa_attention
-from server.model.lean_forward import LeanForward, PackedLinear, packs_linears
+from server.model.lean_forward import LeanForward, PackedLinear, linear_kernel, packs_linears
 from server.model.runner import ModelRunner
 from tests.models import tiny_llama
 
@@ -140,6 +140,11 @@ def test_packed_linear_follows_its_weight():
     torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     layer.weight = torch.nn.Parameter(torch.randn(96, 64), requires_grad=False)
     torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    head = torch.nn.Module()  # an output matrix kept as a buffer, no bias (the eagle head's FR vocabulary)
+    head.register_buffer("matrix", torch.randn(50, 64))
+    product = linear_kernel(head, True, weight="matrix", bias=None)
+    assert isinstance(product, PackedLinear)
+    torch.testing.assert_close(product(x), x @ head.matrix.T, atol=1e-5, rtol=1e-5)
 
 
 def test_the_lean_forward_packs_only_where_onednn_runs_it():

@@ -69,28 +69,33 @@ def _plain_linear(module: object) -> bool:
     return type(module) is nn.Linear
 
 
-def _dense(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.linear(x, layer.weight, layer.bias)
+def _dense(owner: nn.Module, weight: str, bias: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: F.linear(x, getattr(owner, weight), getattr(owner, bias) if bias else None)
 
 
 class PackedLinear:
-    """`layer` multiplied through oneDNN's fp32/bf16 kernel, its weight reordered once (see the module doc)."""
+    """`x @ W.T + b` through oneDNN's fp32/bf16 kernel, W reordered once (see the module doc).
 
-    __slots__ = ("layer", "source", "version", "packed")
+    W is `owner.<weight>` (an `nn.Linear`'s weight, or a head's output matrix) and b `owner.<bias>`, read
+    at every call, so a weight that is replaced or changed in place is reordered again."""
 
-    def __init__(self, layer: nn.Linear) -> None:
-        self.layer = layer
+    __slots__ = ("owner", "weight_name", "bias_name", "source", "version", "packed")
+
+    def __init__(self, owner: nn.Module, weight: str = "weight", bias: str | None = "bias") -> None:
+        self.owner, self.weight_name, self.bias_name = owner, weight, bias
         self._pack()
 
     def _pack(self) -> None:
-        self.source = self.layer.weight
+        self.source = getattr(self.owner, self.weight_name)
         self.version = self.source._version
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.source.detach(), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layer.weight is not self.source or self.source._version != self.version:
+        weight = getattr(self.owner, self.weight_name)
+        if weight is not self.source or weight._version != self.version:
             self._pack()  # the weight was replaced or changed in place (loading, training): reorder it again
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.layer.bias, "none", [], "")
+        bias = getattr(self.owner, self.bias_name) if self.bias_name else None
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def packs_linears(model: nn.Module) -> bool:
@@ -105,22 +110,27 @@ def packs_linears(model: nn.Module) -> bool:
     return True
 
 
-def _linear_kernel(layer: nn.Linear, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`layer`'s product as the lean forward runs it: packed when asked and when a probe through the packed
-    kernel reproduces `F.linear` (a torch build whose private oneDNN ops behave otherwise keeps F.linear)."""
+def linear_kernel(
+    owner: nn.Module, pack: bool, weight: str = "weight", bias: str | None = "bias"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x @ owner.<weight>.T + owner.<bias>` as the lean forward runs it: `PackedLinear` when `pack` and
+    when a probe through it reproduces `F.linear` (a torch whose private oneDNN ops behave otherwise
+    keeps F.linear), else `F.linear`."""
     if not pack:
-        return _dense(layer)
+        return _dense(owner, weight, bias)
     try:
-        packed = PackedLinear(layer)
-        probe = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0)).to(layer.weight.dtype)
+        packed = PackedLinear(owner, weight, bias)
+        w = getattr(owner, weight)
+        probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         with torch.no_grad():
-            got, want = packed(probe).float(), F.linear(probe, layer.weight, layer.bias).float()
-        tolerance = 1e-4 if layer.weight.dtype == torch.float32 else 3e-2
+            got = packed(probe).float()
+            want = F.linear(probe, w, getattr(owner, bias) if bias else None).float()
+        tolerance = 1e-4 if w.dtype == torch.float32 else 3e-2
         if torch.allclose(got, want, rtol=tolerance, atol=tolerance * float(want.abs().max())):
             return packed
     except (RuntimeError, AttributeError):
         pass
-    return _dense(layer)
+    return _dense(owner, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -144,8 +154,8 @@ class LeanForward:
         self.base = base
         self.packed = packs_linears(model) if pack is None else pack
         lm_head = model.get_output_embeddings() if model is not base else None
-        self.lm_head = _linear_kernel(lm_head, self.packed) if lm_head is not None else None
-        self.linears = [tuple(_linear_kernel(p, self.packed) for p in _projections(layer)) for layer in base.layers]
+        self.lm_head = linear_kernel(lm_head, self.packed) if lm_head is not None else None
+        self.linears = [tuple(linear_kernel(p, self.packed) for p in _projections(layer)) for layer in base.layers]
         # the final norm: RMSNorm, or whatever module stands there (a draft head's decoder has an identity)
         rms = hasattr(base.norm, "variance_epsilon")
         self.final_norm = (lambda x: _rms_norm(x, base.norm)) if rms else base.norm

@@ -23,6 +23,7 @@ import torch
 
 from server.draft_head.model import EagleHead
 from server.model.attention import use_gqa_attention
+from server.model.lean_forward import linear_kernel, packs_linears
 from server.model.runner import ModelRunner
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposal, SequenceView, Traits
@@ -80,6 +81,10 @@ class EagleProposer(ModelProposer):
         use_gqa_attention(head.decoder)
         self.vocab_size = vocab_size
         self.runner = ModelRunner(head.decoder)
+        # fc and the FR output matrix multiply as the decoder's layers do (oneDNN on CPU: lean_forward.py)
+        pack = packs_linears(head.decoder)
+        self.fc = linear_kernel(head.fc, pack)
+        self.fr_logits = linear_kernel(head, pack, weight="lm_head_fr", bias=None)  # [..., H] -> [..., N]
         self.pending: dict[str, _Pending] = {}
         self.forwards = 0
 
@@ -111,7 +116,7 @@ class EagleProposer(ModelProposer):
         """The decoder's inputs [n, hidden] for pairs (f_t, x_{t+1}): fc([embed(x) ; f])."""
         head = self.head
         embeds = head.embed_weight[torch.tensor(tokens, device=head.embed_weight.device)]
-        return head.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        return self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
 
     @torch.no_grad()
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
@@ -130,7 +135,7 @@ class EagleProposer(ModelProposer):
             self.forwards += 1
             last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=out.device)
             predicted = out[torch.arange(len(ids), device=out.device), last]  # [rows, hidden]: f̂ of the next token
-            logits = self.head.full_logits(self.head.fr_logits(predicted))  # [rows, vocab], -inf outside FR
+            logits = self.head.full_logits(self.fr_logits(predicted))  # [rows, vocab], -inf outside FR
             q, tokens = self._draw(logits, rows, [bool(len(f)) for f in feed])
             next_feed = []
             for b, token in enumerate(tokens):
