@@ -56,5 +56,5 @@ class FixedCosts(CostModel):
     def observe_verify(self, tokens: int, seconds: float, prior: bool = False, rows: int | None = None) -> None:
         """Ignored: the costs are fixed."""
 
-    def observe_draft(self, proposer: str, forwards: int, seconds: float) -> None:
+    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
         """Ignored: the costs are fixed."""

@@ -456,6 +456,26 @@ def busy_calibration(slowdown: float) -> CostModel:
     return cost
 
 
+def test_a_model_proposers_draft_cost_is_read_per_number_of_rows_drafting():
+    """A draft head's forward for one row costs a fraction of its forward for eight (CPU): each batch size
+    reads its own timing, between timed sizes a linear mix, beyond them the nearest, and traffic's
+    timings replace calibration's for the sizes traffic drafted at."""
+    cost = CostModel()
+    for n, seconds in CPU_PASSES.items():
+        cost.observe_verify(n, seconds, prior=True)
+    cost.observe_draft("eagle", 4, 4 * 0.003, prior=True, rows=1)
+    cost.observe_draft("eagle", 4, 4 * 0.010, prior=True, rows=8)
+    assert cost.draft_forward_time("eagle", 1) == pytest.approx(0.003)
+    assert cost.draft_forward_time("eagle", 8) == pytest.approx(0.010)
+    assert cost.draft_forward_time("eagle", 4) == pytest.approx(0.003 + 3 / 7 * 0.007)
+    assert cost.draft_forward_time("eagle", 16) == pytest.approx(0.010)
+    assert cost.draft_cost("eagle", 1) < cost.draft_cost("eagle", 8) * cost.verify_time(8, 8) / cost.verify_time(1, 1)
+    cost.observe_draft("eagle", 2, 2 * 0.002, rows=1)  # traffic at one row: read instead of calibration's
+    assert cost.draft_forward_time("eagle", 1) == pytest.approx(0.002)
+    assert cost.draft_forward_time("eagle", 8) == pytest.approx(0.010)
+    assert cost.draft_forward_time("other") is None
+
+
 def test_a_calibration_taken_on_a_busy_machine_is_scaled_to_the_speed_steps_run_at():
     """Several servers starting at once time every pass ~20x too slow. Scaled by what plain steps
     measure now, the curve keeps calibration's shape (widths traffic has not timed) at today's speed:

@@ -39,7 +39,8 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     # (each timed between two plain passes of its batch: one more plain pass than others per repeat)
     expected = ([(1, 1)] * 3 + [(1, 2), (1, 4)] + [(2, 2)] * 5 + [(2, 3), (2, 4), (2, 6), (2, 8)]) * calibration.REPEATS
     assert sorted((rows, n) for rows, n, _ in result.verify) == sorted(expected) and result.complete
-    assert [k for k, _ in result.draft["draft"]] == [2, 2, 2, 2]  # 2 timed drafts of K at batch 1 and at 2
+    # two timed drafts of K at batch 1, two at batch 2
+    assert [(r, k) for r, k, _ in result.draft["draft"]] == [(1, 2), (1, 2), (2, 2), (2, 2)]
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
     assert cost.fitted and cost.draft_forward_time("draft") is not None
 

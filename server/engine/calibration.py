@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 6  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
+VERSION = 7  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
 REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes by 50%)
 BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in about 12 s)
@@ -66,11 +66,11 @@ BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in a
 @dataclass
 class Calibration:
     """Timings: verify passes as (rows, fed tokens, seconds), and per model proposer its drafting as
-    (draft tokens per row, seconds)."""
+    (rows, draft tokens per row, seconds)."""
 
     key: dict[str, object]
     verify: list[tuple[int, int, float]] = field(default_factory=list)
-    draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    draft: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
     loaded: bool = False  # read from the cache directory rather than measured now
     complete: bool = False  # every planned timing was taken (the budget did not cut it short)
 
@@ -80,8 +80,8 @@ class Calibration:
         for rows, tokens, seconds in self.verify:
             cost.observe_verify(tokens, seconds, prior=True, rows=rows)
         for name, points in self.draft.items():
-            for forwards, seconds in points:
-                cost.observe_draft(name, forwards, seconds, prior=True)
+            for rows, forwards, seconds in points:
+                cost.observe_draft(name, forwards, seconds, prior=True, rows=rows)
 
     def to_json(self) -> dict[str, object]:
         return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft,
@@ -125,7 +125,7 @@ def load(path: Path, key: dict[str, object]) -> Calibration | None:
         return None
     try:
         verify = [(int(r), int(n), float(s)) for r, n, s in data["verify"]]
-        draft = {str(name): [(int(k), float(s)) for k, s in pts] for name, pts in data["draft"].items()}
+        draft = {str(name): [(int(r), int(k), float(s)) for r, k, s in pts] for name, pts in data["draft"].items()}
     except (KeyError, TypeError, ValueError):
         return None
     return Calibration(key, verify, draft, loaded=True, complete=True)
@@ -293,8 +293,8 @@ class _ScratchSequence:
     one_hot_drafts: bool = False  # greedy scratch rows draft their argmax anyway
 
 
-def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, float]]:
-    """(K, seconds) of `name` drafting K tokens for `rows` scratch sequences, after a warm-up draft
+def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, int, float]]:
+    """(rows, K, seconds) of `name` drafting K tokens for `rows` scratch sequences, after a warm-up draft
     (which prefills the proposer's own cache) and its commit, as the planner would time it."""
     proposer = engine.planner.proposers[name]
     k = engine.settings.num_speculative_tokens
@@ -309,7 +309,7 @@ def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, floa
     def hidden(n: int) -> torch.Tensor | None:
         return torch.zeros(n, hidden_size, device=engine.device, dtype=engine.target.model.dtype) if needs else None
 
-    points: list[tuple[int, float]] = []
+    points: list[tuple[int, int, float]] = []
     proposer.join(seqs, [hidden(len(p) - 1) for p in prompts] if needs else None)
     try:
         for timed in (False, True, True):
@@ -317,7 +317,7 @@ def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, floa
             proposal = proposer.propose(seqs, [k if timed else 1] * rows)
             seconds = elapsed_since(started, engine.device)
             if timed:
-                points.append((k, seconds))
+                points.append((rows, k, seconds))
             for seq, drafts in zip(seqs, proposal.drafts, strict=True):
                 emitted = [*drafts, seq.tokens[0]]  # every draft accepted, then a bonus token
                 proposer.commit(seq, drafts, emitted, hidden(len(emitted)))

@@ -183,9 +183,10 @@ class CostModel:
         self._pooled = _Timings()  # every pass, whatever its batch size
         self._by_rows: dict[int, _Timings] = {}  # batch size -> its passes
         self._passes = 0
-        self._draft_forward: dict[str, deque[float]] = {}
+        # proposer -> rows drafting together -> recent seconds per draft token (one batched forward)
+        self._draft_forward: dict[str, dict[int, deque[float]]] = {}
         self._prior_seen = 0  # `_passes` when the last prior timing came
-        self._prior_draft: dict[str, list[float]] = {}  # proposer -> calibration's seconds per draft token
+        self._prior_draft: dict[str, dict[int, list[float]]] = {}  # the same, from calibration
         self._scale_cache: float | None = None  # `scale`'s result until the next timing
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
@@ -210,12 +211,13 @@ class CostModel:
         for timings in (self._pooled, *self._by_rows.values()):  # every curve reads the scale and the pass count
             timings.curve = None
 
-    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False) -> None:
-        """`proposer` drafted up to `forwards` tokens per row in `seconds` (`prior`: at calibration)."""
+    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
+        """`proposer` drafted up to `forwards` tokens per row for `rows` rows at once in `seconds`
+        (`prior`: at calibration)."""
         if forwards:
             self.version += 1
-            into = self._prior_draft.setdefault(proposer, []) if prior else (
-                self._draft_forward.setdefault(proposer, deque(maxlen=self._window)))
+            table = (self._prior_draft if prior else self._draft_forward).setdefault(proposer, {})
+            into = table.setdefault(rows, [] if prior else deque(maxlen=self._window))
             into.append(seconds / forwards)
 
     def scale(self) -> float:
@@ -339,18 +341,31 @@ class CostModel:
             cost = self._token_costs[(rows, k, packed)] = (rows * added if packed else added) / (k * plain)
         return cost
 
-    def draft_forward_time(self, proposer: str) -> float | None:
-        """Mean seconds of one of `proposer`'s draft tokens: timed by traffic, else calibration's timings
-        scaled (`scale`), else None."""
-        times = self._draft_forward.get(proposer)
-        if times:
-            return sum(times) / len(times)
-        prior = self._prior_draft.get(proposer)
-        return sum(prior) / len(prior) * self.scale() if prior else None
+    def draft_forward_time(self, proposer: str, rows: int = 1) -> float | None:
+        """Mean seconds of one of `proposer`'s draft tokens (a batched forward) when `rows` rows draft:
+        per number of rows, timed by traffic, else calibration's timings scaled (`scale`); between the
+        numbers of rows timed, linear; beyond them, the nearest; None before any timing. A model's
+        forward for one row costs a fraction of its forward for eight on a CPU (2-core machine, eagle
+        head: 3-4 ms against 9 ms a token), so one mean over batch sizes would price a lone row's draft
+        at twice its cost, and eight rows' at half."""
+        known = {r: sum(t) / len(t) * self.scale() for r, t in self._prior_draft.get(proposer, {}).items() if t}
+        known.update({r: sum(t) / len(t) for r, t in self._draft_forward.get(proposer, {}).items() if t})
+        if not known:
+            return None
+        if rows in known:
+            return known[rows]
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is None or above is None:
+            return known[above if below is None else below]
+        share = (rows - below) / (above - below)
+        return known[below] * (1 - share) + known[above] * share
 
     def draft_cost(self, proposer: str, rows: int) -> float | None:
-        """Relative cost of one of `proposer`'s draft tokens (one batched forward) against a plain step."""
-        forward = self.draft_forward_time(proposer)
+        """Relative cost of one of `proposer`'s draft tokens (one batched forward) against a plain step of
+        a batch of `rows`, the forward priced as if every row drafted (the planner's per-row choice
+        cannot know how many will)."""
+        forward = self.draft_forward_time(proposer, rows)
         step = self.verify_time(rows, rows) if forward is not None else None
         return forward / step if step else None
 

@@ -310,7 +310,8 @@ class Planner:
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
             if proposer.traits.draft_token_cost is None:
-                self.policy.cost.observe_draft(name, max(ks), elapsed_since(started, self.device))
+                drafting = sum(1 for k in ks if k)
+                self.policy.cost.observe_draft(name, max(ks), elapsed_since(started, self.device), rows=drafting)
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
                 if ks[i] and proposal.drafts[i]:
