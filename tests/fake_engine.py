@@ -57,6 +57,7 @@ class FakeEngine:
         self.running: dict[str, _Running] = {}
         self.batches: list[list[str]] = []  # request ids of each step
         self.aborted: list[str] = []
+        self.releases: list[int] = []  # per release_idle_memory call: rows running then
 
     @property
     def num_running(self) -> int:
@@ -72,6 +73,9 @@ class FakeEngine:
     def abort_request(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def release_idle_memory(self) -> None:
+        self.releases.append(len(self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.running)

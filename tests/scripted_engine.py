@@ -33,6 +33,7 @@ class ScriptedEngine:
         self.draft_name = None
         self.running: dict[str, _Running] = {}
         self.requests: list[GenerationRequest] = []
+        self.releases: list[int] = []  # per release_idle_memory call: rows running then
 
     @property
     def num_running(self) -> int:
@@ -47,6 +48,9 @@ class ScriptedEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.running.pop(request_id, None)
+
+    def release_idle_memory(self) -> None:
+        self.releases.append(len(self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.running)

@@ -27,9 +27,12 @@ async def collect(stream) -> dict[int, list[int]]:
 async def make_scheduler(tokenizer):
     made: list[Scheduler] = []
 
-    def make(max_batch_size: int = 4, max_waiting: int = 8, metrics=None, **engine_kw) -> tuple[Scheduler, FakeEngine]:
+    def make(
+        max_batch_size: int = 4, max_waiting: int = 8, metrics=None, idle_release_s: float = 1.0, **engine_kw
+    ) -> tuple[Scheduler, FakeEngine]:
         engine = FakeEngine(tokenizer, **engine_kw)
-        s = Scheduler(engine, max_batch_size=max_batch_size, max_waiting=max_waiting, metrics=metrics)
+        s = Scheduler(engine, max_batch_size=max_batch_size, max_waiting=max_waiting, metrics=metrics,
+                      idle_release_s=idle_release_s)
         s.start()
         made.append(s)
         return s, engine
@@ -190,3 +193,22 @@ async def test_aborted_requests_are_counted_as_abort(make_scheduler):
     assert finished == ["abort", "abort"]
     await collect(sched.submit([req("ok", 2)]))
     assert finished == ["abort", "abort", "length"]
+
+
+async def test_memory_is_released_once_the_worker_has_been_idle_not_between_requests(make_scheduler):
+    """A client sending one request after another leaves the batch empty between them: the engine hands
+    its freed buffers back (malloc_trim) only after the worker found nothing to run for `idle_release_s`,
+    once per idle spell, never while rows run."""
+    sched, engine = make_scheduler(step_s=0.001, idle_release_s=3600.0)
+    for i in range(3):
+        await collect(sched.submit([req(f"r{i}", 4)]))
+    assert engine.releases == []  # an hour's idle wait has not passed
+    sched, engine = make_scheduler(step_s=0.001, idle_release_s=0.01)
+    await collect(sched.submit([req("a", 4)]))
+    for _ in range(500):
+        if engine.releases:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.releases[:1] == [0]  # released with no row running
+    await asyncio.sleep(0.1)
+    assert len(engine.releases) <= 2  # the start-up release and the one after "a": not once per wait

@@ -115,6 +115,12 @@ class Engine:
     def num_running(self) -> int:
         return len(self.running)
 
+    def release_idle_memory(self) -> None:
+        """The batch is empty and stayed so (the scheduler's idle wait): a burst's freed buffers go back to
+        the OS, so the RSS falls back."""
+        if not self.running:
+            self._trim_heap()
+
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
@@ -273,8 +279,6 @@ class Engine:
         self.planner.leave(leaving)
         for seq in leaving:
             del self.running[seq.request_id]
-        if not self.running:
-            self._trim_heap()  # idle: a burst's freed buffers go back to the OS (RSS falls back)
 
     def _remember(self, seq: Sequence) -> None:
         """Store a row's computed tokens in the prefix cache (blocks it holds already are not read again):
