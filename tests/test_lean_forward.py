@@ -130,7 +130,8 @@ def test_the_engine_runs_the_lean_forward(tiny_engine_factory):
 
 @pytest.mark.skipif(not ONEDNN, reason="no oneDNN")
 def test_packed_linear_follows_its_weight():
-    """A weight changed in place or replaced (a checkpoint loaded, a head trained on) is reordered again."""
+    """A weight changed in place, replaced (a checkpoint loaded, a head trained on) or given new storage
+    is reordered again."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 96, bias=True).requires_grad_(False)
     packed = PackedLinear(layer)
@@ -139,6 +140,8 @@ def test_packed_linear_follows_its_weight():
     layer.weight.mul_(-2.0)
     torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     layer.weight = torch.nn.Parameter(torch.randn(96, 64), requires_grad=False)
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.weight.data = torch.randn(96, 64)  # new storage, same parameter and version (what Module.to does)
     torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     head = torch.nn.Module()  # an output matrix kept as a buffer, no bias (the eagle head's FR vocabulary)
     head.register_buffer("matrix", torch.randn(50, 64))
@@ -152,3 +155,21 @@ def test_the_lean_forward_packs_only_where_onednn_runs_it():
     assert LeanForward.of(model, pack=False).packed is False
     assert LeanForward.of(model).packed is packs_linears(model)
     assert not packs_linears(model.to(torch.float16))  # no fp16 oneDNN path: F.linear
+
+
+def test_runners_over_one_model_share_its_lean_forward_until_the_model_changes():
+    """Reordering a model's weights costs time and their size again: every runner over the model (the
+    engine's, calibration's scratch ones) shares one lean forward per kernel choice, made anew when a
+    projection was replaced or the weights changed dtype; a deep copy of the model (a draft made from the
+    target) gets its own."""
+    model = _ready(tiny_llama(1000))
+    first = ModelRunner(model).call
+    assert isinstance(first, LeanForward) and ModelRunner(model).call is first
+    assert LeanForward.of(model, pack=not first.packed) is not first  # the other kernel choice: its own
+    copied = ModelRunner(copy.deepcopy(model)).call
+    assert isinstance(copied, LeanForward) and copied is not first
+    model.model.layers[0].mlp.up_proj = copy.deepcopy(model.model.layers[0].mlp.up_proj)
+    replaced = ModelRunner(model).call
+    assert replaced is not first
+    model.to(torch.bfloat16)
+    assert ModelRunner(model).call is not replaced
