@@ -87,6 +87,7 @@ class EagleProposer(ModelProposer):
         self.fr_logits = linear_kernel(head, pack, weight="lm_head_fr", bias=None)  # [..., H] -> [..., N]
         self.pending: dict[str, _Pending] = {}
         self.forwards = 0
+        self._empty = torch.zeros(0, head.config.hidden_size, device=head.embed_weight.device)
 
     def _start(self, request_ids: list[str]) -> None:
         self.runner.join(request_ids, [[] for _ in request_ids])  # empty rows: their pending pairs feed next
@@ -112,11 +113,17 @@ class EagleProposer(ModelProposer):
             self.pending.pop(rid, None)
 
     # ---- drafting ------------------------------------------------------------------------------
-    def _pairs(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        """The decoder's inputs [n, hidden] for pairs (f_t, x_{t+1}): fc([embed(x) ; f])."""
+    def _pairs(self, features: list[torch.Tensor | None], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Per row, the decoder's inputs [n_b, hidden] for its pairs (f_t, x_{t+1}): fc([embed(x) ; f]), one
+        product for every row's pairs (a row with none gets [0, hidden])."""
         head = self.head
-        embeds = head.embed_weight[torch.tensor(tokens, device=head.embed_weight.device)]
-        return self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        counts = [len(t) for t in tokens]
+        if not any(counts):
+            return [self._empty] * len(tokens)
+        ids = torch.tensor([t for row in tokens for t in row], device=head.embed_weight.device)
+        embeds = head.embed_weight[ids]
+        feats = torch.cat([f for f, n in zip(features, counts, strict=True) if n]).to(embeds.dtype)
+        return list(self.fc(torch.cat([embeds, feats], dim=-1)).split(counts))
 
     @torch.no_grad()
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
@@ -125,27 +132,25 @@ class EagleProposer(ModelProposer):
         ks = [k if self.pending[rid].tokens else 0 for rid, k in zip(ids, rows.ks, strict=True)]
         drafts: list[list[int]] = [[] for _ in ids]
         q_rows: list[list[torch.Tensor]] = [[] for _ in ids]
-        empty = torch.zeros(0, self.head.config.hidden_size, device=self.runner.device)
-        feed = []  # per row: decoder inputs [n_b, hidden]: its pending pairs when it drafts
-        for rid, k in zip(ids, ks, strict=True):
-            feats, tokens = self.pending[rid].take() if k else (None, [])
-            feed.append(self._pairs(feats, tokens) if feats is not None else empty)
+        taken = [self.pending[rid].take() if k else (None, []) for rid, k in zip(ids, ks, strict=True)]
+        feed = self._pairs([f for f, _ in taken], [t for _, t in taken])  # per row: its pending pairs when it drafts
+        rows_at = torch.arange(len(ids), device=self.runner.device)
         while any(len(f) for f in feed):
             out = self.runner.forward(feed, logits=False, hidden=True).hidden  # [rows, W, hidden]
             self.forwards += 1
             last = torch.tensor([max(len(f) - 1, 0) for f in feed], device=out.device)
-            predicted = out[torch.arange(len(ids), device=out.device), last]  # [rows, hidden]: f̂ of the next token
+            predicted = out[rows_at, last]  # [rows, hidden]: f̂ of the next token
             logits = self.head.full_logits(self.fr_logits(predicted))  # [rows, vocab], -inf outside FR
             q, tokens = self._draw(logits, rows, [bool(len(f)) for f in feed])
-            next_feed = []
+            # The last draft is not fed: the target's verdict decides what follows it.
+            more = []
             for b, token in enumerate(tokens):
                 if token is not None:
                     drafts[b].append(token)
                     q_rows[b].append(q[b])
-                # The last draft is not fed: the target's verdict decides what follows it.
-                more = token is not None and len(drafts[b]) < ks[b]
-                next_feed.append(self._pairs(predicted[b : b + 1], [token]) if more else empty)
-            feed = next_feed
+                more.append(token is not None and len(drafts[b]) < ks[b])
+            feed = self._pairs([predicted[b : b + 1] if m else None for b, m in enumerate(more)],
+                               [[tokens[b]] if m else [] for b, m in enumerate(more)])
         return self._in_order(seqs, drafts, q_rows)
 
     # ---- after verification ----------------------------------------------------------------------
