@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 7  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
+VERSION = 8  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
 REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes by 50%)
 BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in about 12 s)
