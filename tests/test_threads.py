@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from server.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, PROBE_STEPS, ThreadGovernor
+from server.engine.threads import FIRST_PROBE_S, HOPELESS, MAX_PROBE_S, PROBE_STEPS, ThreadGovernor
 from server.model.runner import ModelRunner
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
@@ -90,6 +90,19 @@ def test_a_slow_step_or_a_lucky_probe_step_does_not_switch():
         assert gov.before_step() == 1
         gov.observe(next(ratios) * 0.05, 0.05)
     assert gov.current == 2 and gov.switches == 0
+
+
+def test_a_probe_that_cannot_win_stops_after_one_step():
+    """On a host with many cores one thread is several times slower: each probe then costs one step."""
+    gov, clock, _ = governor(threads=16)
+    at_one = 0
+    while clock.now < 60:
+        n = gov.before_step()
+        at_one += n == 1
+        gov.observe({16: 0.5, 1: 0.5 * HOPELESS * 4}[n] * 0.05, 0.05)
+        clock.now += 0.05
+    assert gov.current == 16 and gov.switches == 0
+    assert 1 <= at_one <= 6  # probes at ~2, 6, 14, 30 s: one step each
 
 
 def test_one_thread_or_no_prediction_changes_nothing():

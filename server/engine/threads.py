@@ -12,13 +12,14 @@ thread takes (passive waiting suffered less, 76-100 ms, but pays its cost on eve
 No constant is right for a machine whose load comes and goes, so the engine measures. Each verify pass is
 timed and divided by what the planner's step-cost model predicts for its width (so steps of different
 sizes compare); the governor keeps a moving average of that ratio for the thread count steps run at, and
-now and then runs a probe: `PROBE_STEPS` steps in a row at the other count, scored by their median (after
-a probe that loses, it waits twice as long before the next, up to a bound). It switches only on a probe
-that beats the current count by `MARGIN`; when the current count gets slower than the other was when
-last probed, it probes at once rather than switch on a stale figure. A single step decided both before,
-and on a 2-core VM whose steps vary by 15% from one to the next with no other process running, that
-flapped: 14 switches in a minute, a third of some waves' steps at one thread, and plain decoding at 8
-rows ran 0.96x what it ran at a fixed two threads (in-process, 6 alternating waves).
+now and then runs a probe: `PROBE_STEPS` steps in a row at the other count, scored by their median
+(after a probe that loses, it waits twice as long before the next, up to a bound; a probe step at least
+`HOPELESS` times the current count's ends it, so a many-core host pays one slow step, not three). It
+switches only on a probe that beats the current count by `MARGIN`; when the current count gets slower
+than the other was when last probed, it probes at once rather than switch on a stale figure. A single
+step decided both before, and on a 2-core VM whose steps vary by 15% from one to the next with no other
+process running, that flapped: 14 switches in a minute, a third of some waves' steps at one thread, and
+plain decoding at 8 rows ran 0.96x what it ran at a fixed two threads (in-process, 6 alternating waves).
 Only on CPU, and only when torch has more than one thread to begin with.
 """
 
@@ -38,6 +39,7 @@ MAX_PROBE_S = 120.0  # the longest wait between probes (probes that keep losing 
 ALPHA = 0.3  # weight of a new timing in the current thread count's moving average
 MARGIN = 0.2  # switch only to a count at least this much cheaper (relative), so noise does not flap
 PROBE_STEPS = 3  # steps a probe runs at the other count: their median scores it
+HOPELESS = 2.0  # a probe step this many times the current count's score ends the probe (a many-core host's one thread)
 
 
 class ThreadGovernor:
@@ -99,9 +101,12 @@ class ThreadGovernor:
             return
         if self._probe is not None:
             self._probe.append(ratio)
-            if len(self._probe) < PROBE_STEPS:
+            current = self.score.get(self.current)
+            hopeless = current is not None and ratio >= HOPELESS * current  # no need to run the rest of it
+            if len(self._probe) < PROBE_STEPS and not hopeless:
                 return
-            self.score[other] = statistics.median(self._probe)  # replaces what is known of it (maybe minutes old)
+            # replaces what is known of the other count (maybe minutes old)
+            self.score[other] = ratio if hopeless else statistics.median(self._probe)
             self._probe = None
             if self.current in self.score and self._cheaper(other, self.current):
                 self._switch(other)
