@@ -11,22 +11,15 @@ thread takes (passive waiting suffered less, 76-100 ms, but pays its cost on eve
 
 No constant is right for a machine whose load comes and goes, so the engine measures. Each verify pass is
 timed and divided by what the planner's step-cost model predicts for its width (so steps of different
-sizes compare); the governor keeps a moving average of that ratio for the thread count steps run at, and
-now and then runs a probe: `PROBE_STEPS` steps in a row at the other count, scored by their median
-(after a probe that loses, it waits twice as long before the next, up to a bound; a probe step at least
-`HOPELESS` times the current count's ends it, so a many-core host pays one slow step, not three). It
-switches only on a probe that beats the current count by `MARGIN`; when the current count gets slower
-than the other was when last probed, it probes at once rather than switch on a stale figure. A single
-step decided both before, and on a 2-core VM whose steps vary by 15% from one to the next with no other
-process running, that flapped: 14 switches in a minute, a third of some waves' steps at one thread, and
-plain decoding at 8 rows ran 0.96x what it ran at a fixed two threads (in-process, 6 alternating waves).
+sizes compare); the governor keeps a moving average of that ratio per thread count, runs the steps at
+the count with the lower one, and now and then runs one step at the other count to see whether the
+machine has changed (after a probe that loses, it waits twice as long before the next, up to a bound).
 Only on CPU, and only when torch has more than one thread to begin with.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
@@ -36,10 +29,8 @@ log = logging.getLogger(__name__)
 
 FIRST_PROBE_S = 2.0  # the first look at the other thread count, and the gap again after a switch
 MAX_PROBE_S = 120.0  # the longest wait between probes (probes that keep losing double the wait)
-ALPHA = 0.3  # weight of a new timing in the current thread count's moving average
-MARGIN = 0.2  # switch only to a count at least this much cheaper (relative), so noise does not flap
-PROBE_STEPS = 3  # steps a probe runs at the other count: their median scores it
-HOPELESS = 2.0  # a probe step this many times the current count's score ends the probe (a many-core host's one thread)
+ALPHA = 0.3  # weight of a new timing in a thread count's moving average
+MARGIN = 0.1  # switch only to a count at least this much cheaper (relative), so noise does not flap
 
 
 class ThreadGovernor:
@@ -61,23 +52,21 @@ class ThreadGovernor:
         self._applied = threads  # what torch is set to now
         self._gap = FIRST_PROBE_S
         self._next_probe: float | None = None
-        self._probe: list[float] | None = None  # while probing: the probe's ratios so far
+        self._probing = False
 
     def _other(self) -> int | None:
         return next((n for n in self.options if n != self.current), None)
 
     def before_step(self) -> int:
-        """Set torch's thread count for the coming step (the current count, or the other one while probing)."""
+        """Set torch's thread count for the coming step (the current count, or the other one as a probe)."""
         other = self._other()
         n = self.current
         if other is not None:
             now = self._clock()
             if self._next_probe is None:
                 self._next_probe = now + self._gap
-            elif self._probe is None and now >= self._next_probe:
-                self._probe = []
-            if self._probe is not None:
-                n = other
+            elif now >= self._next_probe:
+                n, self._probing = other, True
         if n != self._applied:
             self._set_threads(n)
             self._applied = n
@@ -87,37 +76,30 @@ class ThreadGovernor:
     def probing(self) -> bool:
         """Whether the coming (or current) step runs at the other thread count, as a probe: its timing
         is not what steps at the current count take, so it must not teach the step-cost model."""
-        return self._probe is not None
+        return self._probing
 
     def observe(self, seconds: float, predicted: float | None) -> None:
         """A verify pass of this step took `seconds`; the cost model predicted `predicted` for its width
         (None before it has timings: nothing to compare with yet)."""
         if predicted is None or predicted <= 0 or seconds <= 0:
             return
-        ratio = seconds / predicted
+        n, ratio = self._applied, seconds / predicted
+        old = self.score.get(n)
+        # A probe's timing replaces what is known of its count (that may be minutes old); the current
+        # count's timings are averaged.
+        self.score[n] = ratio if old is None or self._probing else old + ALPHA * (ratio - old)
         other = self._other()
         if other is None:
-            self.score[self.current] = ratio
             return
-        if self._probe is not None:
-            self._probe.append(ratio)
-            current = self.score.get(self.current)
-            hopeless = current is not None and ratio >= HOPELESS * current  # no need to run the rest of it
-            if len(self._probe) < PROBE_STEPS and not hopeless:
-                return
-            # replaces what is known of the other count (maybe minutes old)
-            self.score[other] = ratio if hopeless else statistics.median(self._probe)
-            self._probe = None
-            if self.current in self.score and self._cheaper(other, self.current):
+        if self._probing:
+            self._probing = False
+            if self._cheaper(other, self.current):
                 self._switch(other)
             else:
                 self._gap = min(2 * self._gap, MAX_PROBE_S)
-                self._next_probe = self._clock() + self._gap
-            return
-        old = self.score.get(self.current)
-        self.score[self.current] = ratio if old is None else old + ALPHA * (ratio - old)
-        if other in self.score and self._cheaper(other, self.current):
-            self._next_probe = self._clock()  # slower than the other was when last seen: look again now
+            self._next_probe = self._clock() + self._gap
+        elif other in self.score and self._cheaper(other, self.current):
+            self._switch(other)  # the current count got slower than the other was when last seen
 
     def _cheaper(self, a: int, b: int) -> bool:
         return self.score[a] < (1 - MARGIN) * self.score[b]
@@ -128,7 +110,6 @@ class ThreadGovernor:
             ", ".join(f"{k} threads {v:.2f}" for k, v in sorted(self.score.items())),
         )
         self.current = n
-        self.score.pop(n, None)  # the count switched to is scored afresh by the steps it now runs
         self.switches += 1
         self._gap = FIRST_PROBE_S
         self._next_probe = self._clock() + self._gap
