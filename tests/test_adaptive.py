@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from server.speculation.adaptive import (
+    IDLE_PLANNING,
+    MAX_IDLE_GAP,
     POINT_WINDOW,
     PROBE_OVERHEAD,
     STALE_AFTER,
@@ -253,6 +256,70 @@ def test_rows_fill_a_pass_another_row_already_widened():
     rows = [BatchRow("fixed", "ngram", 6, level(3)), BatchRow("a", "ngram", level=level(1), flexible=3)]
     assert policy.batch_width(rows)[0] >= 6
     assert AdaptivePolicy({"ngram": NgramProposer.traits}).batch_width(rows) is None  # no timings: no opinion
+
+
+def planned_steps(policy: AdaptivePolicy, rid: str, steps: int, rows: int, accepted: int = 0) -> list[int]:
+    """Steps (of `steps`) at which `rid`, one of `rows` rows, is planned, its drafts gaining `accepted`."""
+    planned = []
+    for step in range(steps):
+        if policy.due(rid):
+            planned.append(step)
+            policy.planned(rid, rows)
+            policy.observe(rid, "ngram" if accepted else None, 4 if accepted else 0, accepted)
+        else:
+            policy.observe(rid, None, 0, 0)  # committed as a plain row
+    return planned
+
+
+def test_rows_whose_plans_gain_nothing_are_planned_within_a_budget_and_copying_rows_every_step():
+    """In a full batch, planning a row costs a share of its step whatever the plan: a row whose drafts
+    stopped gaining is planned only every `idle_gap` steps (planning within IDLE_PLANNING of a step),
+    a row whose drafts are accepted every step, and alone, where planning is cheap, every row is."""
+    policy = AdaptivePolicy(TRAITS, FixedCosts(0.05, {}), packed=True)  # a plain 8-row pass takes 1.35 s
+    policy.observe_planning(0.08, 8)  # 10 ms a row: 8 rows' planning is ~6% of their step
+    share = policy.planning_share(8)
+    assert share == pytest.approx(0.08 / 1.35)
+    gap = policy.idle_gap(8)
+    assert gap == min(MAX_IDLE_GAP, math.ceil(share / IDLE_PLANNING)) > 1
+    for i in range(50):  # rows whose plans gained nothing: a new row starts from their gain
+        planned_steps(policy, f"warm{i}", 10, rows=8)
+    idle = planned_steps(policy, "chat", 80, rows=8)
+    assert len(idle) <= 80 / gap + 2 and all(b - a <= gap for a, b in zip(idle, idle[1:], strict=False))
+    assert planned_steps(policy, "copy", 80, rows=8, accepted=4) == list(range(80))
+    # a row that starts copying is noticed within the gap and planned every step from then on
+    policy.planned("chat", 8)
+    policy.observe("chat", "ngram", 4, 4)
+    assert planned_steps(policy, "chat", 20, rows=8, accepted=4) == list(range(20))
+    alone = AdaptivePolicy(TRAITS, FixedCosts(0.05, {}), packed=True)
+    alone.observe_planning(0.002, 1)  # 2 ms of a 1 s step: 0.2%
+    assert alone.idle_gap(1) == 1
+    assert planned_steps(alone, "r", 40, rows=1) == list(range(40))
+
+
+def test_idle_rows_are_not_looked_up_and_greedy_output_stays_identical(
+    tiny_engine_factory, prompt_ids, greedy_reference
+):
+    """With planning costly (as in a full CPU batch), rows whose plans gained nothing sit out steps: the
+    lookahead proposers are not asked for them, and the text is still plain greedy decoding's."""
+    engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.5))  # verifying costs: drafts rarely pay
+    policy = engine.planner.policy
+    policy.observe_planning = lambda seconds, rows: setattr(policy, "_plan_row_s", 0.2)  # 20% of a step a row
+    run(engine, [request(f"w{i}", p, "auto", 8, max_tokens=48) for i, p in enumerate(prompt_ids)])
+    asked = []
+    ngram = engine.planner.proposers["ngram"]
+    propose = ngram.propose
+    ngram.propose = lambda seqs, ks: asked.append(len(seqs)) or propose(seqs, ks)
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(request(f"r{i}", p, "auto", 8))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+    row_steps = 0
+    while engine.has_unfinished():
+        result = engine.step()
+        row_steps += len(result.seq_stats)
+        for o in result.outputs:
+            out[o.request_id] += o.token_ids
+    assert out == greedy_reference
+    assert 0 < sum(asked) < row_steps / 2
 
 
 def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):

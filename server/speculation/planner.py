@@ -122,19 +122,29 @@ class Planner:
     def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset()) -> StepPlan:
         """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
         drafts of the model proposers chosen. Rows in `hold` (request ids) take no part: no proposer
-        looks at them (model proposers ask them for K = 0) and they draft nothing."""
-        offers = self._lookahead(seqs, hold)
+        looks at them (model proposers ask them for K = 0) and they draft nothing. An `auto` row whose
+        last plan drafted nothing sits out as many steps as keep idle planning cheap (`AdaptivePolicy.due`)."""
+        started = time.perf_counter()
+        # `auto` rows whose last plan drafted nothing sit out some steps as plain rows (`AdaptivePolicy.due`)
+        idle = {s.request_id for s in seqs if s.mode == AUTO and s.request_id not in hold
+                and not self.policy.due(s.request_id)}
+        skip = hold | idle
+        offers = self._lookahead(seqs, skip)
         choices = [
-            (None, 0) if s.request_id in hold else self._choose(s, offers.get(b, {}), len(seqs))
+            (None, 0) if s.request_id in skip else self._choose(s, offers.get(b, {}), len(seqs))
             for b, s in enumerate(seqs)
         ]
-        auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO and s.request_id not in hold}
+        auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO and s.request_id not in skip}
         if len(seqs) > 1 and auto_rows:
             self._widen(seqs, choices, auto_rows, offers)
         rows: list[RowPlan] = []
         for b, (name, k) in enumerate(choices):
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
+        planned = [b for b, s in enumerate(seqs) if s.mode != PLAIN and s.request_id not in skip]
+        self.policy.observe_planning(time.perf_counter() - started, len(planned))
+        for b in auto_rows:
+            self.policy.planned(seqs[b].request_id, len(seqs))
         rows = self._draft_with_models(seqs, choices, rows)
         rows = [
             self._constrain(s, r) if s.grammar is not None and s.request_id not in hold else r
