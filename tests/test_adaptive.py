@@ -303,7 +303,8 @@ def test_idle_rows_are_not_looked_up_and_greedy_output_stays_identical(
     lookahead proposers are not asked for them, and the text is still plain greedy decoding's."""
     engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.5))  # verifying costs: drafts rarely pay
     policy = engine.planner.policy
-    policy.observe_planning = lambda seconds, rows: setattr(policy, "_plan_row_s", 0.2)  # 20% of a step a row
+    timed = policy.observe_planning
+    policy.observe_planning = lambda seconds, rows: timed(0.2 * rows, rows)  # planning a row: 20% of a step
     run(engine, [request(f"w{i}", p, "auto", 8, max_tokens=48) for i, p in enumerate(prompt_ids)])
     asked = []
     ngram = engine.planner.proposers["ngram"]

@@ -47,7 +47,7 @@ DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-he
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
 DEFAULT_DRAFT_COST = 0.75  # a timed proposer's cost per token before timings exist
 PROBE_OVERHEAD = 0.02  # the probes of one unused proposer may cost this fraction of the steps, at most
-IDLE_PLANNING = 0.005  # rows whose last plan drafted nothing are planned again within this fraction of a step
+IDLE_PLANNING = 0.005  # idle rows (plans gaining less than they cost) are planned within this fraction of a step
 MAX_IDLE_GAP = 8  # ... and at least every this many steps (how late an idle row's copying is noticed, at most)
 PLANNING_DECAY = 0.9  # per plan: planning's measured time per row, and a row's gain from it, follow recent ones
 GLOBAL_DECAY = 0.99  # per row plan: every row's gain from planning (a new row's prior)
@@ -477,6 +477,7 @@ class AdaptivePolicy:
         self._ceilings: dict[tuple[str, int, int], float] = {}  # `ceiling`'s, alike
         self._costs_version = -1
         self._plan_row_s: float | None = None  # seconds of planning per row planned (decayed mean)
+        self._shares: dict[int, float] = {}  # `planning_share` per batch size, until the next plan
         self._gain = 1.0  # accepted draft tokens per planned step, every row's (decayed): a new row's prior
 
     def forget(self, request_id: str) -> None:
@@ -497,12 +498,16 @@ class AdaptivePolicy:
             per_row = seconds / rows
             last = self._plan_row_s
             self._plan_row_s = per_row if last is None else PLANNING_DECAY * last + (1 - PLANNING_DECAY) * per_row
+            self._shares.clear()
 
     def planning_share(self, rows: int) -> float:
         """What planning one row of a batch of `rows` costs, over the row's share of a plain step (0
-        before timings)."""
-        step = self.cost.verify_time(rows, rows) if self._plan_row_s is not None else None
-        return self._plan_row_s * rows / step if step else 0.0
+        before timings; computed once per plan: every row of the step asks)."""
+        share = self._shares.get(rows)
+        if share is None:
+            step = self.cost.verify_time(rows, rows) if self._plan_row_s is not None else None
+            share = self._shares[rows] = self._plan_row_s * rows / step if step else 0.0
+        return share
 
     def idle_gap(self, rows: int) -> int:
         """Every how many steps an idle row of a batch of `rows` is planned: the gap that keeps planning

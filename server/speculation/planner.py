@@ -123,9 +123,9 @@ class Planner:
         """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
         drafts of the model proposers chosen. Rows in `hold` (request ids) take no part: no proposer
         looks at them (model proposers ask them for K = 0) and they draft nothing. An `auto` row whose
-        last plan drafted nothing sits out as many steps as keep idle planning cheap (`AdaptivePolicy.due`)."""
+        recent plans gained less than planning it costs sits out some steps (`AdaptivePolicy.due`)."""
         started = time.perf_counter()
-        # `auto` rows whose last plan drafted nothing sit out some steps as plain rows (`AdaptivePolicy.due`)
+        # idle `auto` rows sit out this step as plain rows: no lookups, no choice
         idle = {s.request_id for s in seqs if s.mode == AUTO and s.request_id not in hold
                 and not self.policy.due(s.request_id)}
         skip = hold | idle
