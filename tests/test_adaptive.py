@@ -351,6 +351,23 @@ def test_acceptance_is_tracked_per_confidence_level():
     assert policy.choose("new", 8, 1, offers=ngram(9)).k >= 6
 
 
+def test_acceptance_counts_the_tokens_verification_compared_not_the_ones_after_a_rejection():
+    """Drafts of 16 whose first 3 tokens are kept and the 4th rejected: each token was accepted 3 times
+    in 4 comparisons; the 12 after the rejection were never compared. A new row drafting after such a
+    history (the engine-wide rate is its prior) is predicted ~3/4 per token, and still drafts."""
+    policy = policy_with_costs(token_ratio=0.02)
+    for i in range(30):
+        policy.observe(f"old{i}", "ngram", 16, 3, level(3))
+    rate = policy.global_rate[_key("ngram", level(3), False)].rate(0.0, 0.0)
+    assert rate == pytest.approx(0.75)
+    assert policy.acceptance("new", "ngram", 1, level(3))[0] == pytest.approx(0.75, abs=0.05)
+    assert policy.choose("new", 16, 1, offers=ngram(3, 16)).k >= 3
+    # every draft kept whole: nothing was rejected, so nothing was tested beyond the drafts
+    whole = _Acceptance()
+    whole.update(4, 4)
+    assert whole.rate(0.0, 0.0) == 1.0
+
+
 def test_positions_never_drafted_inherit_the_last_known_rate():
     """A sequence drafting K=2 whose first draft is right half the time, and whose second always is
     when the first was, is offered a long K next: positions 3+ have no evidence yet, and copying

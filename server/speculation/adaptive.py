@@ -385,16 +385,24 @@ def _key(proposer: str, level: int, sampled: bool) -> str:
 
 @dataclass
 class _Acceptance:
-    """Decayed counts: drafted and accepted tokens, and per draft position how often it was reached
-    (every earlier draft accepted) and accepted."""
+    """Decayed counts: drafted, tested and accepted tokens, and per draft position how often it was
+    reached (every earlier draft accepted) and accepted.
+
+    A draft's tokens after its first rejected one are never compared with anything: they are neither
+    accepted nor rejected. The per-token acceptance is therefore accepted over *tested* tokens (the
+    accepted ones plus the one rejected, if any: the maximum-likelihood estimate when each token is
+    accepted with probability a, given the earlier ones were), not over drafted ones: 16 drafts of which
+    the first 3 were kept say a ~ 3/4, where 3/16 would make every longer draft look hopeless."""
 
     drafted: float = 0.0
+    tested: float = 0.0
     accepted: float = 0.0
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
 
     def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         self.drafted = self.drafted * decay + drafted
+        self.tested = self.tested * decay + min(accepted + 1, drafted)
         self.accepted = self.accepted * decay + accepted
         if len(self.reached) < drafted:
             self.reached += [0.0] * (drafted - len(self.reached))
@@ -404,7 +412,8 @@ class _Acceptance:
             self.kept[j] = self.kept[j] * decay + (1.0 if j < accepted else 0.0)
 
     def rate(self, prior: float, weight: float) -> float:
-        return (self.accepted + prior * weight) / (self.drafted + weight)
+        """Per-token acceptance: accepted over tested tokens, with `weight` tested tokens of `prior`."""
+        return (self.accepted + prior * weight) / (self.tested + weight)
 
     def by_position(self, prior: float, weight: float, k_max: int) -> list[float]:
         """Acceptance at each draft position given the earlier ones were accepted. Position 0 is
