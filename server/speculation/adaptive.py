@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 
 from server.speculation.proposer import Traits
 
-PRIOR_WEIGHT = 8.0  # draft tokens' worth of engine-wide history a new sequence starts from
+PRIOR_WEIGHT = 4.0  # comparisons' worth, per draft position, of engine-wide history a sequence starts from
+LEVEL_PRIOR_WEIGHT = 4.0  # comparisons' worth of a confidence level's shipped prior in the engine-wide figures
+RUN_WEIGHT = 2.0  # comparisons' worth of the position before, for a draft position with little evidence
 DECAY = 0.9  # per step: recent acceptance matters more (text alternates copy-heavy and free parts)
 MIN_GAIN = 1.03  # speculate only when it is predicted to pay by a margin (estimates are noisy)
 DEFAULT_DRAFT_COST = 0.75  # a timed proposer's cost per token before timings exist
@@ -385,24 +387,22 @@ def _key(proposer: str, level: int, sampled: bool) -> str:
 
 @dataclass
 class _Acceptance:
-    """Decayed counts: drafted, tested and accepted tokens, and per draft position how often it was
-    reached (every earlier draft accepted) and accepted.
+    """Decayed counts: drafted and accepted tokens, and per draft position how often it was reached
+    (every earlier draft accepted: compared with the target's token) and accepted.
 
-    A draft's tokens after its first rejected one are never compared with anything: they are neither
-    accepted nor rejected. The per-token acceptance is therefore accepted over *tested* tokens (the
-    accepted ones plus the one rejected, if any: the maximum-likelihood estimate when each token is
-    accepted with probability a, given the earlier ones were), not over drafted ones: 16 drafts of which
-    the first 3 were kept say a ~ 3/4, where 3/16 would make every longer draft look hopeless."""
+    Acceptance is estimated per position, from the comparisons made there: a draft's tokens after its
+    first rejected one are never compared, so they are neither accepted nor rejected, and the first
+    position (often a guess) and later ones (usually a copy going on) accept at different rates. One
+    rate over all drafted tokens (16 drafts of which the first 3 were kept: 3/16) made every longer
+    draft look hopeless; one over the compared tokens (3/4) makes a first guess look as good as a run."""
 
     drafted: float = 0.0
-    tested: float = 0.0
     accepted: float = 0.0
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
 
     def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         self.drafted = self.drafted * decay + drafted
-        self.tested = self.tested * decay + min(accepted + 1, drafted)
         self.accepted = self.accepted * decay + accepted
         if len(self.reached) < drafted:
             self.reached += [0.0] * (drafted - len(self.reached))
@@ -411,22 +411,32 @@ class _Acceptance:
             self.reached[j] = self.reached[j] * decay + (1.0 if j <= accepted and j < drafted else 0.0)
             self.kept[j] = self.kept[j] * decay + (1.0 if j < accepted else 0.0)
 
-    def rate(self, prior: float, weight: float) -> float:
-        """Per-token acceptance: accepted over tested tokens, with `weight` tested tokens of `prior`."""
-        return (self.accepted + prior * weight) / (self.tested + weight)
-
-    def by_position(self, prior: float, weight: float, k_max: int) -> list[float]:
-        """Acceptance at each draft position given the earlier ones were accepted. Position 0 is
-        shrunk toward this history's overall rate, each later one toward the position before it,
-        where it has little evidence: positions never drafted yet inherit the last known rate
-        (copying comes in runs, so the conditional rate rarely falls with the position). Without
-        that, a K chosen small would never learn that longer drafts pay."""
+    def chained(self, first: float, weight: float, k_max: int) -> list[float]:
+        """Acceptance at each draft position given the earlier ones were accepted, with one prior: `first`
+        for position 0 (`weight` comparisons' worth), and for each later one the position before it
+        (RUN_WEIGHT), so positions never drafted yet inherit the last known rate (copying comes in runs;
+        without that, a K chosen small would never learn that longer drafts pay)."""
         rates: list[float] = []
-        anchor = self.rate(prior, weight)
+        anchor, w = first, weight
         for j in range(max(k_max, 1)):
             if j < len(self.reached):
-                anchor = (self.kept[j] + anchor * 2.0) / (self.reached[j] + 2.0)
+                anchor = (self.kept[j] + anchor * w) / (self.reached[j] + w)
+            w = RUN_WEIGHT
             rates.append(anchor)
+        return rates
+
+    def by_position(self, prior: list[float], weight: float, k_max: int) -> list[float]:
+        """Acceptance at each draft position given the earlier ones were accepted: this history's
+        comparisons there with `weight` comparisons' worth of `prior[j]` (a wider history's estimate
+        for the same position); positions this history never reached inherit its last known rate."""
+        rates: list[float] = []
+        for j in range(max(k_max, 1)):
+            if j < len(self.reached) or not rates:
+                p = prior[min(j, len(prior) - 1)]
+                reached, kept = (self.reached[j], self.kept[j]) if j < len(self.reached) else (0.0, 0.0)
+                rates.append((kept + p * weight) / (reached + weight))
+            else:
+                rates.append(rates[-1])
         return rates
 
 
@@ -554,11 +564,11 @@ class AdaptivePolicy:
         key = _key(proposer, level, sampled)
         priors = self.traits[proposer].confidence_priors
         prior = priors[min(level, len(priors) - 1)] * (SAMPLED_PRIOR_SCALE if sampled else 1.0)
-        if key in self.global_rate:
-            prior = self.global_rate[key].rate(prior, 4.0)
+        engine_wide = self.global_rate.get(key)
+        rates = engine_wide.chained(prior, LEVEL_PRIOR_WEIGHT, k_max) if engine_wide else [prior] * max(k_max, 1)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(key) if state else None
-        return seq.by_position(prior, PRIOR_WEIGHT, k_max) if seq else [prior] * max(k_max, 1)
+        return seq.by_position(rates, PRIOR_WEIGHT, k_max) if seq else rates
 
     def own_cost(self, proposer: str, rows: int = 1) -> float:
         """One of `proposer`'s draft tokens against a plain step: declared, else timed, else a default."""
