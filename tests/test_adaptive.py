@@ -608,6 +608,24 @@ def test_cost_lists_follow_every_new_timing():
     assert policy.method_cost("draft", 4, 2) == policy.method_costs("draft", 4, 2)[1]
 
 
+def test_a_wider_pass_is_priced_against_the_plain_passes_of_its_moment():
+    """A 4-row batch: plain passes 30 ms and, now and then, a pass with two drafts at 36 ms (x1.2). The
+    machine then runs slower for a while (plain passes 45 ms) and no draft is timed meanwhile: a draft
+    still costs what it did against a plain pass, 1.2x the plain passes of now, not the 36 ms of earlier
+    (which would make drafting look nearly free exactly when plain passes run slow)."""
+    cost = CostModel()
+    for _ in range(8):
+        for _ in range(3):
+            cost.observe_verify(4, 0.030, rows=4)
+        cost.observe_verify(6, 0.036, rows=4)
+    before = cost.token_cost(4, 2, packed=True)
+    for _ in range(8):
+        cost.observe_verify(4, 0.045, rows=4)
+    assert cost.verify_time(4, rows=4) == pytest.approx(0.045)
+    assert cost.verify_time(6, rows=4) == pytest.approx(0.054)
+    assert cost.token_cost(4, 2, packed=True) == pytest.approx(before)
+
+
 def test_each_batch_size_reads_its_own_curve():
     """8 tokens cost less as one row drafting 7 than as 8 plain rows, and one draft token in a batch of 8
     costs what its packed pass measured; a batch size with a single width timed borrows another's."""

@@ -140,9 +140,19 @@ def non_decreasing(values: list[float], weights: list[int]) -> list[float]:
 
 @dataclass
 class _Timings:
-    """Verify timings by pass width (tokens fed), for every pass or for the passes of one batch size."""
+    """Verify timings by pass width (tokens fed), for every pass or for the passes of one batch size.
 
+    A batch size's curve (`plain`: its plain pass's width) also keeps each wider pass's time over the
+    median of the plain passes just before it: the plain width is timed almost every step and wider
+    ones now and then, so their medians come from different moments of a machine whose speed drifts
+    by 10-20% within seconds. Compared as they were, a few slow plain passes made every draft look
+    cheap: `auto` drafted exactly then, and lost (4 open-chat rows: drafting steps predicted 5.2 tokens
+    in 37.5 ms against a plain pass at 33.7, measured 4.9 tokens in 41.0 ms against plain passes of
+    27.9). A wider pass's time is that ratio's median times the plain passes' median now."""
+
+    plain: int | None = None  # the plain pass's width (a batch size's curve); None: the pooled curve
     points: dict[int, deque[float]] = field(default_factory=dict)  # width -> its last POINT_WINDOW timings
+    ratios: dict[int, deque[float]] = field(default_factory=dict)  # width -> its last timings over plain's median
     last_seen: dict[int, int] = field(default_factory=dict)  # width -> the number of the pass that last timed it
     prior: dict[int, list[float]] = field(default_factory=dict)  # width -> calibration's timings
     curve: tuple[list[int], list[float]] | None = None  # `CostModel._measured`'s result until the next timing
@@ -151,8 +161,19 @@ class _Timings:
         if prior:
             self.prior.setdefault(tokens, []).append(seconds)
         else:
+            plain = self.points.get(self.plain) if self.plain is not None and tokens != self.plain else None
+            if plain:
+                self.ratios.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds / statistics.median(plain))
             self.points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
             self.last_seen[tokens] = passes
+
+    def median(self, width: int) -> float:
+        """A timed width's time now: its ratio to the plain pass times the plain passes' median where
+        both are known, else the median of its own timings."""
+        ratios = self.ratios.get(width)
+        if ratios and self.plain is not None and self.points.get(self.plain):
+            return statistics.median(ratios) * statistics.median(self.points[self.plain])
+        return statistics.median(self.points[width])
 
 
 class CostModel:
@@ -208,7 +229,7 @@ class CostModel:
             self._passes += 1
         self._pooled.add(tokens, seconds, prior, self._passes)
         if rows is not None:
-            self._by_rows.setdefault(rows, _Timings()).add(tokens, seconds, prior, self._passes)
+            self._by_rows.setdefault(rows, _Timings(plain=rows)).add(tokens, seconds, prior, self._passes)
         self._verify.append((tokens, seconds, prior))
         self.version += 1
         self._fitted = None
@@ -271,7 +292,7 @@ class CostModel:
         timings = timings or self._pooled
         if timings.curve is None:
             scale = self.scale()
-            median = {n: (statistics.median(t), len(t)) for n, t in timings.points.items()}
+            median = {n: (timings.median(n), len(t)) for n, t in timings.points.items()}
             median.update(
                 {n: (statistics.median(t) * scale, len(t)) for n, t in timings.prior.items() if n not in median}
             )
