@@ -408,8 +408,8 @@ def _key(proposer: str, level: int, sampled: bool) -> str:
 
 @dataclass
 class _Acceptance:
-    """Decayed counts: drafted and accepted tokens, and per draft position how often it was reached
-    (every earlier draft accepted: compared with the target's token) and accepted.
+    """Decayed counts per draft position: how often it was reached (every earlier draft accepted: so
+    it was compared with the target's token) and accepted.
 
     Acceptance is estimated per position, from the comparisons made there: a draft's tokens after its
     first rejected one are never compared, so they are neither accepted nor rejected, and the first
@@ -417,14 +417,10 @@ class _Acceptance:
     rate over all drafted tokens (16 drafts of which the first 3 were kept: 3/16) made every longer
     draft look hopeless; one over the compared tokens (3/4) makes a first guess look as good as a run."""
 
-    drafted: float = 0.0
-    accepted: float = 0.0
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
 
     def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
-        self.drafted = self.drafted * decay + drafted
-        self.accepted = self.accepted * decay + accepted
         if len(self.reached) < drafted:
             self.reached += [0.0] * (drafted - len(self.reached))
             self.kept += [0.0] * (drafted - len(self.kept))
