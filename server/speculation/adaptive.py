@@ -167,13 +167,17 @@ class _Timings:
             self.points.setdefault(tokens, deque(maxlen=POINT_WINDOW)).append(seconds)
             self.last_seen[tokens] = passes
 
-    def median(self, width: int) -> float:
-        """A timed width's time now: its ratio to the plain pass times the plain passes' median where
-        both are known, else the median of its own timings."""
-        ratios = self.ratios.get(width)
-        if ratios and self.plain is not None and self.points.get(self.plain):
-            return statistics.median(ratios) * statistics.median(self.points[self.plain])
-        return statistics.median(self.points[width])
+    def medians(self) -> dict[int, tuple[float, int]]:
+        """Each timed width's time now and its number of timings: its ratio to the plain pass times the
+        plain passes' median where both are known, else the median of its own timings."""
+        plain_points = self.points.get(self.plain) if self.plain is not None else None
+        plain = statistics.median(plain_points) if plain_points else None
+        out = {}
+        for width, timed in self.points.items():
+            ratios = self.ratios.get(width)
+            now = statistics.median(ratios) * plain if ratios and plain is not None else statistics.median(timed)
+            out[width] = (now, len(timed))
+        return out
 
 
 class CostModel:
@@ -292,7 +296,7 @@ class CostModel:
         timings = timings or self._pooled
         if timings.curve is None:
             scale = self.scale()
-            median = {n: (timings.median(n), len(t)) for n, t in timings.points.items()}
+            median = timings.medians()
             median.update(
                 {n: (statistics.median(t) * scale, len(t)) for n, t in timings.prior.items() if n not in median}
             )

@@ -141,8 +141,8 @@ class Planner:
         for b, (name, k) in enumerate(choices):
             offer = offers.get(b, {}).get(name) if name else None
             rows.append(RowPlan(name, offer[0][:k], None, offer[1]) if offer and k else RowPlan(None, []))
-        planned = [b for b, s in enumerate(seqs) if s.mode != PLAIN and s.request_id not in skip]
-        self.policy.observe_planning(time.perf_counter() - started, len(planned))
+        planned = sum(1 for s in seqs if s.mode != PLAIN and s.request_id not in skip)
+        self.policy.observe_planning(time.perf_counter() - started, planned)
         for b in auto_rows:
             self.policy.planned(seqs[b].request_id, len(seqs))
         rows = self._draft_with_models(seqs, choices, rows)
