@@ -563,6 +563,55 @@ def test_a_model_proposers_draft_cost_is_read_per_number_of_rows_drafting():
     assert cost.draft_forward_time("other") is None
 
 
+class _DraftTimings(CostModel):
+    """A cost model that also keeps every traffic timing of a model proposer's drafting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drafts: list[tuple[str, int, int]] = []
+
+    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
+        if not prior:
+            self.drafts.append((proposer, forwards, rows))
+        super().observe_draft(proposer, forwards, seconds, prior, rows)
+
+
+def test_a_model_proposer_is_timed_drafting_not_taking_in_a_backlog(tiny_engine_factory, prompt_ids):
+    """A model proposer's cost per draft token comes from calls that only draft. The call in which a row
+    enters its cache (a prefill of the whole context) is not timed: on the default model one such call
+    priced the draft head at 2-4x its cost per draft token, and `auto` never drafted with it again."""
+    cost = _DraftTimings()
+    engine = tiny_engine_factory(cost=cost)
+    draft = engine.planner.proposers["draft"]
+    calls = []
+    propose = draft.propose
+
+    def recording(seqs, ks):
+        calls.append(draft.backlog([s.request_id for s, k in zip(seqs, ks, strict=True) if k]))
+        return propose(seqs, ks)
+
+    draft.propose = recording
+    final_stats(engine, [request("r", prompt_ids[3], "draft", 4, max_tokens=16)])
+    assert calls[0] == len(prompt_ids[3])  # the first call prefilled the prompt
+    assert len(calls) > 2 and calls[1:] == [0] * (len(calls) - 1)  # then each call only drafted
+    assert len(cost.drafts) == len(calls) - 1 and all(name == "draft" for name, _, _ in cost.drafts)
+
+
+def test_a_row_back_from_steps_it_did_not_draft_has_a_backlog(tiny_engine_factory, prompt_ids):
+    """Each step's commit leaves a row's emitted tokens pending; a row that drafted at its last step takes
+    them in with its first draft forward (no backlog), one that did not has them all to catch up on."""
+    engine = tiny_engine_factory()
+    draft = engine.planner.proposers["draft"]
+    engine.add_request(request("r", prompt_ids[3], "draft", 4, max_tokens=32))
+    engine.step()
+    assert draft.backlog(["r"]) == 0
+    seq = engine.running["r"]
+    draft.commit(seq, [], [11], None)  # two steps in which the row did not draft with it
+    draft.commit(seq, [], [12], None)
+    assert draft.backlog(["r"]) == len(draft.pending["r"]) >= 2
+    assert draft.backlog(["unknown"]) == 0
+
+
 def test_a_calibration_taken_on_a_busy_machine_is_scaled_to_the_speed_steps_run_at():
     """Several servers starting at once time every pass ~20x too slow. Scaled by what plain steps
     measure now, the curve keeps calibration's shape (widths traffic has not timed) at today's speed:

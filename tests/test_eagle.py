@@ -124,3 +124,19 @@ def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine
     assert first.cached_tokens == 0 and seq.stats.cached_tokens >= 16
     assert seq.stats.by_proposer["eagle"].draft_tokens > 0
     assert got == want
+
+
+def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagle_engine, prompt_ids):
+    """What the planner reads before timing the head (`Proposer.backlog`): a joining row has every pair of
+    its prompt to take in; once it drafts every step, only the pairs of the step before, which the first
+    draft forward takes in anyway; after a step without the head, those pairs are a backlog again."""
+    engine = eagle_engine()
+    proposer = engine.planner.proposers["eagle"]
+    engine.add_request(request("r", prompt_ids[3], "eagle", 4, max_tokens=40))
+    assert proposer.backlog(["r"]) == len(prompt_ids[3]) - 1  # one pair per prefilled prompt token
+    engine.step()  # the first draft took them in
+    assert proposer.backlog(["r"]) == 0
+    seq = engine.running["r"]
+    hidden = torch.zeros(1, proposer.head.config.hidden_size)
+    proposer.commit(seq, [], [5], hidden)  # a step in which the row did not draft with the head
+    assert proposer.backlog(["r"]) == len(proposer.pending["r"].tokens) >= 2

@@ -373,14 +373,15 @@ class CostModel:
         return cost
 
     def draft_forward_time(self, proposer: str, rows: int = 1) -> float | None:
-        """Mean seconds of one of `proposer`'s draft tokens (a batched forward) when `rows` rows draft:
+        """Seconds of one of `proposer`'s draft tokens (a batched forward) when `rows` rows draft, the median
+        of its timings (as a pass's time is: the drafts and the passes they save are priced alike):
         per number of rows, timed by traffic, else calibration's timings scaled (`scale`); between the
         numbers of rows timed, linear; beyond them, the nearest; None before any timing. A model's
         forward for one row costs a fraction of its forward for eight on a CPU (2-core machine, eagle
         head: 3-4 ms against 9 ms a token), so one mean over batch sizes would price a lone row's draft
         at twice its cost, and eight rows' at half."""
-        known = {r: sum(t) / len(t) * self.scale() for r, t in self._prior_draft.get(proposer, {}).items() if t}
-        known.update({r: sum(t) / len(t) for r, t in self._draft_forward.get(proposer, {}).items() if t})
+        known = {r: statistics.median(t) * self.scale() for r, t in self._prior_draft.get(proposer, {}).items() if t}
+        known.update({r: statistics.median(t) for r, t in self._draft_forward.get(proposer, {}).items() if t})
         if not known:
             return None
         if rows in known:

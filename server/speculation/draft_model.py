@@ -30,6 +30,7 @@ class DraftModelProposer(ModelProposer):
         self.runner = ModelRunner(draft.model)
         self.forwards = 0
         self.pending: dict[str, list[int]] = {}
+        self._drafted_last = set()
 
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:
         """Nothing is computed yet: a sequence is prefilled into the draft cache the first time it
@@ -48,8 +49,12 @@ class DraftModelProposer(ModelProposer):
     def _copy_pending(pending: dict[str, list[int]]) -> dict[str, list[int]]:
         return {rid: list(tokens) for rid, tokens in pending.items()}
 
+    def _pending_count(self, request_id: str) -> int:
+        return len(self.pending[request_id])
+
     def leave(self, request_ids: set[str]) -> None:
         self.runner.leave(request_ids)
+        self._forget(request_ids)
         for rid in request_ids:
             self.pending.pop(rid, None)
 
@@ -80,6 +85,7 @@ class DraftModelProposer(ModelProposer):
     def commit(self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None) -> None:
         rid = seq.request_id
         accepted = len(emitted) - 1
+        self._committed(rid, bool(drafts))
         if not drafts:  # it drafted nothing this step (or is not in the cache yet): catch up later
             self.pending[rid] += emitted
             return

@@ -86,6 +86,7 @@ class EagleProposer(ModelProposer):
         self.fc = linear_kernel(head.fc, pack)
         self.fr_logits = linear_kernel(head, pack, weight="lm_head_fr", bias=None)  # [..., H] -> [..., N]
         self.pending: dict[str, _Pending] = {}
+        self._drafted_last = set()
         self.forwards = 0
         self._empty = torch.zeros(0, head.config.hidden_size, device=head.embed_weight.device)
 
@@ -107,8 +108,12 @@ class EagleProposer(ModelProposer):
     def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:
         return {rid: _Pending(list(p.features), list(p.tokens)) for rid, p in pending.items()}
 
+    def _pending_count(self, request_id: str) -> int:
+        return len(self.pending[request_id].tokens)
+
     def leave(self, request_ids: set[str]) -> None:
         self.runner.leave(request_ids)
+        self._forget(request_ids)
         for rid in request_ids:
             self.pending.pop(rid, None)
 
@@ -159,6 +164,7 @@ class EagleProposer(ModelProposer):
         rid = seq.request_id
         if drafts:  # the cache holds the pairs of d_1..d_{k-1} with predicted features: replace them
             self.runner.rollback(self.runner.kv.index(rid), len(drafts) - 1)
+        self._committed(rid, bool(drafts))
         pending = self.pending[rid]
         pending.features.append(hidden)  # real features of the fed tokens that were committed...
         pending.tokens += emitted  # ...each paired with the token that followed it

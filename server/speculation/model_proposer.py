@@ -36,6 +36,7 @@ class ModelProposer(Proposer):
     vocab_size: int
     forwards: int = 0  # forwards of the proposer's model so far (tests and the bench read it)
     pending: dict[str, Any]  # per request: what the cache has not been fed yet (the subclass's shape)
+    _drafted_last: set[str]  # requests whose last committed step drafted with it (`backlog`; set in __init__)
 
     # ---- checkpoints (a failed step is undone: proposer.py) -----------------------------------------
     def checkpoint(self) -> object:
@@ -50,6 +51,28 @@ class ModelProposer(Proposer):
     def _copy_pending(pending: dict[str, Any]) -> dict[str, Any]:
         """A copy of `pending` that `propose` cannot change through (the subclass knows its shape)."""
         raise NotImplementedError
+
+    def _pending_count(self, request_id: str) -> int:
+        """How many tokens (or pairs) `pending` holds for the request."""
+        raise NotImplementedError
+
+    def _committed(self, request_id: str, drafted: bool) -> None:
+        """Subclasses' `commit` calls this: whether the row drafted with this proposer at this step."""
+        if drafted:
+            self._drafted_last.add(request_id)
+        else:
+            self._drafted_last.discard(request_id)
+
+    def _forget(self, request_ids: set[str]) -> None:
+        """Subclasses' `leave` calls this."""
+        self._drafted_last.difference_update(request_ids)
+
+    def backlog(self, request_ids: list[str]) -> int:
+        """The pending tokens of rows that did not draft with this proposer at their last step (entering
+        rows: their whole context). A row that drafted then holds only that step's emitted tokens, which
+        the first draft forward takes in anyway."""
+        behind = [rid for rid in request_ids if rid not in self._drafted_last and rid in self.pending]
+        return sum(self._pending_count(rid) for rid in behind)
 
     def _start(self, request_ids: list[str]) -> None:
         """Bring sequences that draft for the first time into the cache (lazily: a sequence that never

@@ -18,6 +18,11 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    appended to seq (a stop may drop some of them from the output afterwards).
 4. `leave(request_ids)`: finished or aborted.
 
+`backlog(request_ids)`, asked before `propose` by the planner when it times a proposer: how many tokens
+of those sequences its model must take in before it can draft for them beyond what one step of drafting
+leaves behind (a row entering its cache, or one back after steps it did not draft: a prefill, timed as
+drafting it would price the proposer at several times its cost per draft token).
+
 A step that fails is undone (server/engine/engine.py): the planner takes every proposer's `checkpoint()`
 before planning, and `restore(state)` returns the proposer to it (then the step is planned again, with
 the rows that failed held back: asked with K = 0). A proposer whose `propose` changes nothing that
@@ -105,6 +110,11 @@ class Proposer(ABC):
 
     def leave(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Sequences that finished or were aborted."""
+
+    def backlog(self, request_ids: list[str]) -> int:
+        """Tokens those sequences must feed before drafting beyond one step's worth (see the module
+        docstring); 0 for a proposer without a model of its own."""
+        return 0
 
     @abstractmethod
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> Proposal:
