@@ -675,6 +675,24 @@ def test_a_wider_pass_is_priced_against_the_plain_passes_of_its_moment():
     assert cost.token_cost(4, 2, packed=True) == pytest.approx(before)
 
 
+def test_one_slow_pass_does_not_reprice_a_width_calibration_measured():
+    """Start-up calibration timed 12 tokens of a 4-row batch at 1.27x its plain pass, three times. Traffic
+    times that width once, at 1.85x (a burst of the host, or noise): the width stays at about what
+    calibration measured. Timed slow again and again, the evidence wins."""
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_verify(4, 0.030, prior=True, rows=4)
+        cost.observe_verify(12, 0.030 * 1.27, prior=True, rows=4)
+    for _ in range(8):
+        cost.observe_verify(4, 0.030, rows=4)
+    cost.observe_verify(12, 0.030 * 1.85, rows=4)
+    assert cost.verify_time(12, rows=4) == pytest.approx(0.030 * 1.27)
+    for _ in range(6):
+        cost.observe_verify(4, 0.030, rows=4)
+        cost.observe_verify(12, 0.030 * 1.85, rows=4)
+    assert cost.verify_time(12, rows=4) == pytest.approx(0.030 * 1.85)
+
+
 def test_each_batch_size_reads_its_own_curve():
     """8 tokens cost less as one row drafting 7 than as 8 plain rows, and one draft token in a batch of 8
     costs what its packed pass measured; a batch size with a single width timed borrows another's."""

@@ -168,15 +168,28 @@ class _Timings:
             self.last_seen[tokens] = passes
 
     def medians(self) -> dict[int, tuple[float, int]]:
-        """Each timed width's time now and its number of timings: its ratio to the plain pass times the
-        plain passes' median where both are known, else the median of its own timings."""
+        """Each width's time now and the number of timings behind it. Where the plain passes are timed, a
+        wider pass costs its ratio to them times their median now: the median of its own ratios with
+        calibration's ratio for that width counted once per timing calibration took (start-up timed
+        each width against the plain passes around it, `calibration.sandwiched`), so one slow pass
+        cannot reprice a width `auto` drafts at rarely (4 chat rows: one pass of 12 tokens at 1.85x
+        the plain pass, where calibration measured 1.27x three times and steps at 1.3x, kept every
+        long draft out of that batch size until it was timed again); widths only calibration timed
+        take its ratio alone. Elsewhere a width's time is the median of its own timings."""
         plain_points = self.points.get(self.plain) if self.plain is not None else None
         plain = statistics.median(plain_points) if plain_points else None
+        prior_plain = self.prior.get(self.plain) if self.plain is not None else None
+        prior_base = statistics.median(prior_plain) if prior_plain else None
         out = {}
-        for width, timed in self.points.items():
-            ratios = self.ratios.get(width)
-            now = statistics.median(ratios) * plain if ratios and plain is not None else statistics.median(timed)
-            out[width] = (now, len(timed))
+        for width in self.points.keys() | (self.prior.keys() if plain is not None and prior_base else set()):
+            timed, ratios = self.points.get(width, ()), list(self.ratios.get(width, ()))
+            prior = self.prior.get(width, []) if width != self.plain and prior_base else []
+            if prior:
+                ratios += [statistics.median(prior) / prior_base] * len(prior)
+            if ratios and plain is not None:
+                out[width] = (statistics.median(ratios) * plain, len(timed) + len(prior))
+            elif timed:
+                out[width] = (statistics.median(timed), len(timed))
         return out
 
 
@@ -290,7 +303,8 @@ class CostModel:
         non-decreasing in the width (a wider pass never takes less time) by isotonic regression weighted
         by how many timings each width has: where noise says otherwise, neighbouring widths share their
         weighted mean, so a width timed once (slowly) cannot lift every wider width above what they
-        measured many times. Widths traffic has not timed take calibration's timing, scaled (`scale`).
+        measured many times. Widths traffic has not timed take calibration's ratio to the plain pass where
+        the batch size's plain passes are timed (`_Timings.medians`), else its timing, scaled (`scale`).
         Widths not timed in the last `STALE_AFTER` passes (e.g. start-up calibration of batches that
         never came) are left out while two others remain: the line's slope extends the curve instead."""
         timings = timings or self._pooled
