@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default="bench/results/tmp/overhead-server.log")
     args = p.parse_args(argv)
     n = args.max_tokens
-    engine = build_engine(Settings.load(device="cpu", speculation="none"))
+    engine = build_engine(Settings.load(device="cpu", speculation="none"), keep_dense=True)  # the peer runs it too
     tok = engine.tokenizer
 
     def in_process(ids: list[int]) -> float:

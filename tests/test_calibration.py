@@ -4,15 +4,18 @@ engine as it found it, and that the setting skips it. No assertion depends on ho
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 
 import pytest
+import torch
 
 from server.config import Settings
 from server.engine import calibration
 from server.engine import engine as engine_module
 from server.engine.calibration import batch_shapes, batch_sizes, cache_path, calibrate, calibration_key, widths
+from server.model.lean_forward import packs_linears
 from server.model.runner import ModelRunner
 from tests.engine_helpers import request, run
 
@@ -136,17 +139,39 @@ def test_a_zero_budget_measures_and_stores_nothing(tiny_engine_factory, tmp_path
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_draft, tmp_path, monkeypatch, enabled):
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: tiny_target)
-    monkeypatch.setattr(engine_module, "load_draft_like", lambda *a, **k: tiny_draft)
+    # copies: the engine build_engine makes owns its models (it drops their dense weights, see below)
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: copy.deepcopy(tiny_target))
+    monkeypatch.setattr(engine_module, "load_draft_like", lambda *a, **k: copy.deepcopy(tiny_draft))
     calls = []
     monkeypatch.setattr(engine_module, "calibrate", lambda engine: calls.append(engine))
     built = engine_module.build_engine(Settings.load(cache_dir=tmp_path, calibrate=enabled))
     assert calls == ([built] if enabled else [])
 
 
+@pytest.mark.skipif(not packs_linears(torch.nn.Linear(2, 2)), reason="no oneDNN: nothing is packed")
+def test_build_engine_drops_the_dense_weights_unless_asked_to_keep_them(tiny_target, tiny_draft, monkeypatch,
+                                                                        prompt_ids):
+    """The server's engine runs its target and draft only through packed kernels (CPU): their dense copies
+    are dropped after calibration, and the engine still decodes the same text. `keep_dense` keeps them
+    for a caller that runs transformers' forward on the same model (bench.overhead's peer)."""
+    def built(**kwargs):
+        monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: copy.deepcopy(tiny_target))
+        monkeypatch.setattr(engine_module, "load_draft_like", lambda *a, **k: copy.deepcopy(tiny_draft))
+        return engine_module.build_engine(Settings.load(calibrate=False, draft="target"), **kwargs)
+
+    def dense(model) -> int:
+        mlps = [layer.mlp for layer in model.model.layers]
+        return sum(p.weight.numel() for mlp in mlps for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+    kept, dropped = built(keep_dense=True), built()
+    assert dense(kept.target.model) > 0 and dense(kept.planner.proposers["draft"].draft.model) > 0
+    assert dense(dropped.target.model) == 0 and dense(dropped.planner.proposers["draft"].draft.model) == 0
+    requests = [request(f"r{i}", p, "draft", 4) for i, p in enumerate(prompt_ids)]
+    assert run(dropped, requests) == run(kept, requests)
+
+
 def test_a_proposer_reading_hidden_states_is_timed_and_left_clean(tiny_target, tiny_draft, tmp_path, prompt_ids,
                                                                   greedy_reference):
-    import torch
 
     from server.draft_head.model import EagleHead
     from server.engine.engine import Engine

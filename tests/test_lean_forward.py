@@ -173,3 +173,34 @@ def test_runners_over_one_model_share_its_lean_forward_until_the_model_changes()
     assert replaced is not first
     model.to(torch.bfloat16)
     assert ModelRunner(model).call is not replaced
+
+
+@pytest.mark.skipif(not ONEDNN, reason="no oneDNN")
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+def test_a_servers_model_drops_the_dense_weights_its_kernels_replace(tied):
+    """On CPU the packed kernels hold reordered copies of the linear layers' weights; a server's model runs
+    only through them, so the dense weights go: the same logits after, transformers' forward raises
+    (never computes from missing weights), and an LM head tied to the input embeddings keeps its weight (the embedding
+    lookup reads it)."""
+    model = _ready(tiny_llama(1000, layers=3))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    runner = ModelRunner(model)
+    prompt = [[5, 9, 13, 200, 7]]
+    before = runner.join(["a"], prompt)
+    projections = [p for layer in model.model.layers for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                   layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                   layer.mlp.down_proj)]
+    dense = sum(p.weight.numel() * 4 for p in projections) + (0 if tied else model.lm_head.weight.numel() * 4)
+    assert runner.release_dense() == dense
+    assert runner.release_dense() == 0  # once
+    assert all(p.weight.numel() == 0 for p in projections)
+    assert (model.lm_head.weight.numel() == 0) is not tied
+    after = ModelRunner(model)  # another runner over the model (calibration's) shares the packed kernels
+    assert after.call is runner.call
+    torch.testing.assert_close(after.join(["a"], prompt), before, atol=0, rtol=0)
+    step = runner.forward([[3]]).logits
+    again = after.forward([[3]]).logits
+    torch.testing.assert_close(again, step, atol=0, rtol=0)
+    with pytest.raises(RuntimeError):
+        model(input_ids=torch.tensor(prompt))

@@ -121,6 +121,14 @@ class Engine:
         if not self.running:
             self._trim_heap()
 
+    def release_dense_weights(self) -> int:
+        """Drop the dense weights every model this engine runs holds a reordered copy of (CPU, oneDNN:
+        `LeanForward.release_dense`), for a process in which nothing else runs these models; bytes dropped."""
+        freed = sum(r.release_dense() for r in (self.runner, *self.planner.model_runners()))
+        if freed:
+            self._trim_heap()
+        return freed
+
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
@@ -592,8 +600,11 @@ def _eos_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
-def build_engine(settings: Settings) -> Engine:
-    """Load the configured target (and draft) and build the engine. Slow: loads weights."""
+def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
+    """Load the configured target (and draft) and build the engine. Slow: loads weights. The models
+    are the engine's alone: the dense weights its packed kernels were reordered from are dropped
+    (`Engine.release_dense_weights`) unless `keep_dense` (a caller that also runs transformers'
+    forward on the same model, as `bench.overhead` does)."""
     started = time.perf_counter()
     target = load_model(
         settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir
@@ -609,4 +620,8 @@ def build_engine(settings: Settings) -> Engine:
     engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
         calibrate(engine)
+    if not keep_dense:
+        freed = engine.release_dense_weights()
+        if freed:
+            log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)
     return engine

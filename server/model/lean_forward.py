@@ -23,8 +23,9 @@ nine), where oneDNN's kernel streams the weights once for all rows (the LM head 
 it. The products agree with `F.linear` to float rounding (about 1e-7 relative). A weight is reordered
 once (again if it is replaced or changes in place); the dense weights stay for whatever else reads them
 (embeddings tied to the LM head, transformers' forward), so on CPU the linear layers' weights are held
-twice. Anything else (a GPU, fp16, a torch without oneDNN, a reorder that does not reproduce `F.linear`
-on a probe) keeps `F.linear`.
+twice, unless the engine that runs the model drops them (`LeanForward.release_dense`: `build_engine`
+does, for the server and `generate`). Anything else (a GPU, fp16, a torch without oneDNN, a reorder that
+does not reproduce `F.linear` on a probe) keeps `F.linear`.
 
 Only decoders whose layers are exactly Llama's shape qualify (`LeanForward.of`: Llama, Mistral without a
 sliding window, Qwen2 with full attention; linear layers that are plain `nn.Linear`; SiLU MLPs; the
@@ -96,10 +97,11 @@ class PackedLinear:
     at every call, so a weight that is replaced, changed in place or given new storage (`Module.to`
     keeps the parameter and its version, not its data) is reordered again."""
 
-    __slots__ = ("owner", "weight_name", "bias_name", "source", "version", "pointer", "packed")
+    __slots__ = ("owner", "weight_name", "bias_name", "source", "version", "pointer", "packed", "released")
 
     def __init__(self, owner: nn.Module, weight: str = "weight", bias: str | None = "bias") -> None:
         self.owner, self.weight_name, self.bias_name = owner, weight, bias
+        self.released = False
         self._pack()
 
     def _pack(self) -> None:
@@ -108,12 +110,31 @@ class PackedLinear:
         self.pointer = self.source.data_ptr()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.source.detach(), None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _follow(self) -> None:
+        """Reorder again if the weight was replaced or changed (loading, training, a dtype) since."""
         weight = getattr(self.owner, self.weight_name)
         if weight is not self.source or weight._version != self.version or weight.data_ptr() != self.pointer:
-            self._pack()  # the weight was replaced or changed (loading, training, a dtype): reorder it again
+            self._pack()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.released:
+            self._follow()
         bias = getattr(self.owner, self.bias_name) if self.bias_name else None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def release(self) -> int:
+        """Drop the dense weight this kernel multiplies a reordered copy of, for a model only this kernel
+        runs (a server's): the owner's parameter becomes an empty tensor, so whatever still multiplies by it
+        raises (a `meta` tensor would not: `F.linear` of a CPU input by one returns uninitialised
+        numbers). Returns the bytes dropped."""
+        weight = getattr(self.owner, self.weight_name)
+        if self.released:
+            return 0
+        self._follow()
+        empty = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        setattr(self.owner, self.weight_name, nn.Parameter(empty, requires_grad=False))
+        self.source, self.released = getattr(self.owner, self.weight_name), True
+        return weight.numel() * weight.element_size()
 
 
 def packs_linears(model: nn.Module) -> bool:
@@ -175,6 +196,9 @@ class LeanForward:
         self.lm_head = linear_kernel(lm_head, self.packed) if lm_head is not None else None
         self.linears = [tuple(linear_kernel(p, self.packed) for p in _projections(layer)) for layer in base.layers]
         self.made_for = _made_for(model, base)  # `of` shares this forward while the model still matches it
+        # an LM head tied to the input embeddings keeps its dense weight: the embedding lookup reads it
+        embeddings = base.get_input_embeddings() if lm_head is not None else None
+        self.head_tied = embeddings is not None and lm_head.weight is embeddings.weight
         # the final norm: RMSNorm, or whatever module stands there (a draft head's decoder has an identity)
         rms = hasattr(base.norm, "variance_epsilon")
         self.final_norm = (lambda x: _rms_norm(x, base.norm)) if rms else base.norm
@@ -214,6 +238,16 @@ class LeanForward:
         if found is None or found.made_for != _made_for(model, base):
             found = shared[packed] = cls(model, base, pack=packed)
         return found
+
+    def release_dense(self) -> int:
+        """Drop the dense weights the packed kernels were reordered from (`PackedLinear.release`): on CPU
+        a model's linear layers are otherwise held twice (SmolLM2-135M: 428 MB of 513 MB again). For a
+        server, whose target runs only through this forward; transformers' forward of the model fails
+        afterwards. Returns the bytes dropped (0 when nothing is packed)."""
+        kernels = [k for layer in self.linears for k in layer]
+        if not self.head_tied:
+            kernels.append(self.lm_head)
+        return sum(k.release() for k in kernels if isinstance(k, PackedLinear))
 
     @torch.no_grad()
     def __call__(

@@ -101,6 +101,11 @@ class ModelRunner:
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
 
+    def release_dense(self) -> int:
+        """Drop the dense copies of the weights the lean forward multiplies reordered copies of (see
+        `LeanForward.release_dense`); bytes dropped."""
+        return self.call.release_dense() if isinstance(self.call, LeanForward) else 0
+
     @staticmethod
     def kv_shape(model: PreTrainedModel) -> KVShape:
         """What one token of this model's cache holds."""

@@ -93,9 +93,13 @@ class Planner:
         """The methods this server can run (proposers that could not be built here are left out)."""
         return (PLAIN, *self.proposers, AUTO)
 
+    def model_runners(self) -> list[ModelRunner]:
+        """The runners of the proposers that run a model of their own."""
+        return [p.runner for p in self.proposers.values() if isinstance(p, ModelProposer)]
+
     def cache_shapes(self) -> list[KVShape]:
         """What one token costs in each model proposer's own KV cache (for the KV budget's share)."""
-        return [ModelRunner.kv_shape(p.runner.model) for p in self.proposers.values() if isinstance(p, ModelProposer)]
+        return [ModelRunner.kv_shape(r.model) for r in self.model_runners()]
 
     @property
     def needs_hidden(self) -> bool:
