@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import LlamaConfig, LlamaModel, MistralConfig, MistralForCausa
 
 from server.model.attention import use_gqa_attention
 from server.model.lean_forward import LeanForward, PackedLinear, linear_kernel, packs_linears
+from server.model.memory import drop_file_pages
 from server.model.runner import ModelRunner
 from tests.models import tiny_llama
 
@@ -204,3 +207,19 @@ def test_a_servers_model_drops_the_dense_weights_its_kernels_replace(tied):
     torch.testing.assert_close(again, step, atol=0, rtol=0)
     with pytest.raises(RuntimeError):
         model(input_ids=torch.tensor(prompt))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux only")
+def test_dropping_pages_of_weights_read_from_a_file_keeps_every_value(tmp_path):
+    """Weights read zero-copy from a file leave the RSS when dropped (the kernel is told their pages
+    will not be read); a page that is read again anyway comes back from the file with its values, and
+    memory that is not mapped from a file (where the same advice would zero it) is left alone."""
+    values = torch.arange(4 * 65536, dtype=torch.float32)
+    path = tmp_path / "weights.bin"
+    values.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32)
+    assert torch.equal(mapped, values)  # every page faulted in
+    heap = values.clone()
+    assert drop_file_pages([mapped]) >= values.numel() * 4 - 2 * os.sysconf("SC_PAGE_SIZE")
+    assert drop_file_pages([heap]) == 0
+    assert torch.equal(mapped, values) and torch.equal(heap, values)

@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from server.model.attention import Packing, gqa_sdpa_attention, packs
+from server.model.memory import drop_file_pages
 
 # Decoder classes (by name, so a model type transformers does not ship here needs no import) whose
 # layers are input norm -> attention (q, k, v, o projections with RoPE) -> residual -> norm -> SiLU MLP.
@@ -122,19 +123,19 @@ class PackedLinear:
         bias = getattr(self.owner, self.bias_name) if self.bias_name else None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
-    def release(self) -> int:
+    def release(self) -> torch.Tensor | None:
         """Drop the dense weight this kernel multiplies a reordered copy of, for a model only this kernel
         runs (a server's): the owner's parameter becomes an empty tensor, so whatever still multiplies by it
         raises (a `meta` tensor would not: `F.linear` of a CPU input by one returns uninitialised
-        numbers). Returns the bytes dropped."""
-        weight = getattr(self.owner, self.weight_name)
+        numbers). Returns the dropped weight (None if it was dropped before)."""
         if self.released:
-            return 0
+            return None
         self._follow()
+        weight = getattr(self.owner, self.weight_name)
         empty = torch.empty(0, dtype=weight.dtype, device=weight.device)
         setattr(self.owner, self.weight_name, nn.Parameter(empty, requires_grad=False))
         self.source, self.released = getattr(self.owner, self.weight_name), True
-        return weight.numel() * weight.element_size()
+        return weight
 
 
 def packs_linears(model: nn.Module) -> bool:
@@ -247,7 +248,9 @@ class LeanForward:
         kernels = [k for layer in self.linears for k in layer]
         if not self.head_tied:
             kernels.append(self.lm_head)
-        return sum(k.release() for k in kernels if isinstance(k, PackedLinear))
+        dropped = [w for w in (k.release() for k in kernels if isinstance(k, PackedLinear)) if w is not None]
+        drop_file_pages(dropped)  # weights read zero-copy from a file: their pages leave the RSS now
+        return sum(w.numel() * w.element_size() for w in dropped)
 
     @torch.no_grad()
     def __call__(

@@ -1,4 +1,5 @@
-"""Memory for the KV cache budget: the budget in bytes on a device, and giving freed heap back.
+"""Memory: the KV cache budget in bytes on a device, giving freed heap back, and dropping the file pages
+of weights no longer read.
 
 `kv_cache_memory` (server/config.py) is bytes or a fraction of the free memory at start-up: on a GPU
 what the driver reports free, on CPU the kernel's MemAvailable.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -48,3 +50,47 @@ class HeapTrimmer:
     def __call__(self) -> None:
         if self._trim is not None:
             self._trim(0)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's memory mapped from files (/proc/self/maps; [] elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    spans = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):  # a path: file-backed (not [heap], [anon...])
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
+
+
+def drop_file_pages(tensors: list[torch.Tensor]) -> int:
+    """Tell the kernel that the pages of these CPU tensors that are mapped from a file (weights read
+    zero-copy from a safetensors file) will not be read again, so they leave the RSS now rather than
+    when memory runs short. Only whole pages inside a tensor and inside a file mapping: such a page
+    read again later is read back from the file, so nothing can lose data (anonymous memory is left
+    alone: there the same call would zero it). Returns the bytes the advice covered."""
+    spans = _file_mappings()
+    libc_name = ctypes.util.find_library("c") if spans else None
+    madvise = getattr(ctypes.CDLL(libc_name), "madvise", None) if libc_name else None
+    if madvise is None:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    covered = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        for lo, hi in spans:
+            a, b = max(start, lo), min(end, hi)
+            a, b = -(-a // page) * page, b // page * page
+            if b > a and madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED) == 0:
+                covered += b - a
+    return covered
