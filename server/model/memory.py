@@ -74,8 +74,9 @@ def drop_file_pages(tensors: list[torch.Tensor]) -> int:
     """Tell the kernel that the pages of these CPU tensors that are mapped from a file (weights read
     zero-copy from a safetensors file) will not be read again, so they leave the RSS now rather than
     when memory runs short. Only whole pages inside a tensor and inside a file mapping: such a page
-    read again later is read back from the file, so nothing can lose data (anonymous memory is left
-    alone: there the same call would zero it). Returns the bytes the advice covered."""
+    read again later is read back from the file as the file has it (anonymous memory is left alone:
+    there the same call would zero it), so give only tensors nothing reads any more. Returns the bytes
+    the advice covered."""
     spans = _file_mappings()
     libc_name = ctypes.util.find_library("c") if spans else None
     madvise = getattr(ctypes.CDLL(libc_name), "madvise", None) if libc_name else None
