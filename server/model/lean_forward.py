@@ -242,7 +242,7 @@ class LeanForward:
 
     def release_dense(self) -> int:
         """Drop the dense weights the packed kernels were reordered from (`PackedLinear.release`): on CPU
-        a model's linear layers are otherwise held twice (SmolLM2-135M: 418 MiB of its 489 MiB again). For a
+        a model's linear layers are otherwise held twice (SmolLM2-135M: 418 MiB of its 513 MiB again). For a
         server, whose target runs only through this forward; transformers' forward of the model fails
         afterwards. Returns the bytes dropped (0 when nothing is packed)."""
         kernels = [k for layer in self.linears for k in layer]
