@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,15 +38,19 @@ def budget_bytes(value: str, device: torch.device, name: str = "kv_cache_memory"
     return int(amount * max(0, free_bytes(device) - reserved)) if isinstance(amount, float) else amount
 
 
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """A function of the C library, or None where there is none (musl without it, macOS)."""
+    library = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(library), name, None) if library else None
+
+
 class HeapTrimmer:
     """Gives the C heap's free pages back to the kernel (glibc `malloc_trim`), so a burst's temporary
     buffers (activations, logits, prefill caches) do not stay in the RSS once the server is idle.
     A no-op where the C library has no `malloc_trim` (musl, macOS)."""
 
     def __init__(self) -> None:
-        name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(name) if name else None
-        self._trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+        self._trim = _libc_function("malloc_trim")
 
     def __call__(self) -> None:
         if self._trim is not None:
@@ -78,8 +83,7 @@ def drop_file_pages(tensors: list[torch.Tensor]) -> int:
     there the same call would zero it), so give only tensors nothing reads any more. Returns the bytes
     the advice covered."""
     spans = _file_mappings()
-    libc_name = ctypes.util.find_library("c") if spans else None
-    madvise = getattr(ctypes.CDLL(libc_name), "madvise", None) if libc_name else None
+    madvise = _libc_function("madvise") if spans else None
     if madvise is None:
         return 0
     page = os.sysconf("SC_PAGE_SIZE")
