@@ -321,17 +321,17 @@ class Planner:
             ks = [choices[b][1] if choices[b][0] == name else 0 for b in members]
             if not any(ks):  # nobody drafts with it: nothing to feed or draw (its pending pairs wait)
                 continue
-            timed = proposer.traits.draft_token_cost is None
+            drafting = [seqs[b].request_id for b, k in zip(members, ks, strict=True) if k]
             # A call that also takes in a backlog (rows entering the proposer's cache, or back after steps
             # they did not draft) is a prefill as well: timed as drafting, it priced the draft head at
             # 4 chat rows at 9.8 ms a draft token (165 prompt pairs fed in the call) against 2.4-4 ms
             # drafting, and `auto` never drafted with it again. Only drafting is timed.
-            timed = timed and not proposer.backlog([seqs[b].request_id for b, k in zip(members, ks, strict=True) if k])
+            timed = proposer.traits.draft_token_cost is None and not proposer.backlog(drafting)
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
             if timed:
-                drafting = sum(1 for k in ks if k)
-                self.policy.cost.observe_draft(name, max(ks), elapsed_since(started, self.device), rows=drafting)
+                seconds = elapsed_since(started, self.device)
+                self.policy.cost.observe_draft(name, max(ks), seconds, rows=len(drafting))
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
                 if ks[i] and proposal.drafts[i]:
