@@ -92,6 +92,24 @@ def test_sampled_drafts_never_leave_the_heads_vocabulary(eagle_engine, prompt_id
         assert q.shape == (4, engine.vocab_size) and float(q[:, outside].sum()) == 0.0
 
 
+def test_greedy_rows_draft_the_heads_argmax_without_q(eagle_engine, prompt_ids):
+    """Greedy rows get no q (the sampler compares with p's argmax: rejection.py shows the verdict is
+    the same), sampled rows of a fixed method keep theirs, in one batch."""
+    engine = eagle_engine()
+    for i, p in enumerate(prompt_ids[:4]):
+        engine.add_request(request(f"r{i}", p, "eagle", 3, temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=30))
+    engine.step()
+    proposer = engine.planner.proposers["eagle"]
+    seqs = [engine.running[rid] for rid in engine.runner.rows]
+    proposal = proposer.propose(seqs, [3] * len(seqs))
+    for seq, drafts, q in zip(seqs, proposal.drafts, proposal.q, strict=True):
+        assert len(drafts) == 3
+        if seq.sampling.greedy:
+            assert q is None
+        else:
+            assert q is not None and q.shape == (3, engine.vocab_size)
+
+
 def test_a_named_head_must_fit_the_target_but_auto_steps_aside(tiny_target, tiny_draft):
     assert "eagle" not in Engine(tiny_target, tiny_draft, Settings.load(draft_head="auto")).methods  # SmolLM2's head
     with pytest.raises(ValueError, match="does not fit this target"):

@@ -99,6 +99,25 @@ def test_greedy_rows_are_one_hot_at_argmax():
     assert probs[0, 0].tolist() == one_hot(1)[0].tolist()
 
 
+def test_a_greedy_rows_q_changes_nothing_so_model_proposers_hand_none():
+    """p one-hot: min(1, p/q) keeps a draft exactly when it is p's token and recovers that token, whatever
+    q is. Model proposers therefore hand greedy rows' drafts over without q (model_proposer.py), and
+    the sampler compares them with the argmax: the same verdicts, for any q and any drafts."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        k = 1 + trial % 4
+        best = torch.randint(V, (k + 1,), generator=gen)
+        p = torch.nn.functional.one_hot(best, V).float()[None]  # [1, k + 1, V]
+        q = torch.softmax(torch.randn(k, V, generator=gen) * 3, dim=-1)
+        from_q = torch.multinomial(q, 1, generator=gen)[:, 0]
+        drafts = [torch.where(torch.rand(k, generator=gen) < 0.6, best[:k], from_q).tolist()]
+        with_q = verdict(drafts, p, [q], [torch.Generator().manual_seed(trial)], greedy=[True])
+        without = verdict(drafts, p, [None], [torch.Generator().manual_seed(trial)], greedy=[True])
+        assert with_q == without
+        kept = next((j for j, x in enumerate(drafts[0]) if x != int(best[j])), k)
+        assert without.tokens == [drafts[0][:kept] + [int(best[kept])]]
+
+
 def _first_token_histogram(p: torch.Tensor, q: torch.Tensor, n: int, accept_all: bool = False) -> torch.Tensor:
     """Sample the first emitted token n times: draft x ~ q, then the sampler (or a broken rule)."""
     counts = torch.zeros(V)

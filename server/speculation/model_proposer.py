@@ -119,14 +119,17 @@ class ModelProposer(Proposer):
     def _in_order(
         self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
     ) -> Proposal:
-        """From cache-row order to the caller's order (sequences not in the cache drafted nothing; one-hot
-        rows hand the sampler no q, which makes it sample-and-compare)."""
+        """From cache-row order to the caller's order (sequences not in the cache drafted nothing). One-hot
+        and greedy rows hand the sampler no q, which makes it sample-and-compare: a greedy row's p is
+        one-hot, so min(1, p/q) keeps a draft exactly when it is p's token, whatever q is, and the
+        recovered token is that token; comparing with the argmax gives the same verdict without
+        building q over the vocabulary for every draft position (1.2 of a 65 ms step at 4 rows)."""
         index = {rid: i for i, rid in enumerate(self.runner.rows)}
         out_drafts, out_q = [], []
         for s in seqs:
             i = index.get(s.request_id)
             out_drafts.append(drafts[i] if i is not None else [])
-            one_hot = s.one_hot_drafts
+            one_hot = s.one_hot_drafts or s.sampling.greedy
             out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] and not one_hot else None)
         return Proposal(drafts=out_drafts, q=out_q)
 
