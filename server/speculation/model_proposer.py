@@ -24,8 +24,7 @@ class DraftRows:
     seqs: list[SequenceView]
     ks: list[int]
     sampling: BatchSampling  # the requests' sampling, penalties off (q need only be a distribution)
-    greedy: list[bool]
-    one_hot: list[bool]  # draft the argmax and hand the sampler no q (seeded sampling under auto)
+    argmax: list[bool]  # draft the argmax and hand the sampler no q (`_argmax_drafts`)
 
 
 class ModelProposer(Proposer):
@@ -97,20 +96,19 @@ class ModelProposer(Proposer):
             seqs=rows,
             ks=[by_id[s.request_id][1] for s in rows],
             sampling=BatchSampling.from_params(params, self.runner.device),
-            greedy=[p.greedy for p in params],
-            one_hot=[s.one_hot_drafts for s in rows],
+            argmax=[_argmax_drafts(s) for s in rows],
         )
 
     def _draw(
         self, logits: torch.Tensor, rows: DraftRows, drafting: list[bool]
     ) -> tuple[torch.Tensor, list[int | None]]:
         """q [rows, vocab] from the model's next-token logits [rows, model_vocab], and a draft token for
-        each row that is `drafting` (greedy or one-hot rows: the argmax, no randomness; else sampled
-        from its stream)."""
+        each row that is `drafting` (`_argmax_drafts` rows: the argmax, no randomness; else sampled from
+        its stream)."""
         q = probabilities(_to_width(logits, self.vocab_size)[:, None], rows.sampling)[:, 0]  # [rows, vocab]
         argmax = q.argmax(dim=-1).tolist()
         tokens = [
-            (argmax[b] if rows.greedy[b] or rows.one_hot[b] else sample(q[b], rows.seqs[b].generator))
+            (argmax[b] if rows.argmax[b] else sample(q[b], rows.seqs[b].generator))
             if drafting[b] else None
             for b in range(len(drafting))
         ]
@@ -119,19 +117,24 @@ class ModelProposer(Proposer):
     def _in_order(
         self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
     ) -> Proposal:
-        """From cache-row order to the caller's order (sequences not in the cache drafted nothing). One-hot
-        and greedy rows hand the sampler no q, which makes it sample-and-compare: a greedy row's p is
-        one-hot, so min(1, p/q) keeps a draft exactly when it is p's token, whatever q is, and the
-        recovered token is that token; comparing with the argmax gives the same verdict without
-        building q over the vocabulary for every draft position (1.2 of a 65 ms step at 4 rows)."""
+        """From cache-row order to the caller's order (sequences not in the cache drafted nothing;
+        `_argmax_drafts` rows hand the sampler no q, which makes it sample-and-compare)."""
         index = {rid: i for i, rid in enumerate(self.runner.rows)}
         out_drafts, out_q = [], []
         for s in seqs:
             i = index.get(s.request_id)
             out_drafts.append(drafts[i] if i is not None else [])
-            one_hot = s.one_hot_drafts or s.sampling.greedy
-            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] and not one_hot else None)
+            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] and not _argmax_drafts(s) else None)
         return Proposal(drafts=out_drafts, q=out_q)
+
+
+def _argmax_drafts(seq: SequenceView) -> bool:
+    """Whether a row drafts its most likely token and hands the sampler no q. Seeded sampling under `auto`
+    (`one_hot_drafts`: its text must not depend on the proposer). Greedy rows: p is one-hot, so min(1, p/q)
+    keeps a draft exactly when it is p's token, whatever q is, and recovers that token; comparing with the
+    argmax gives the same verdict without the ratio rule over q for every draft position (1.39 -> 0.24 ms
+    of a step at 4 head rows)."""
+    return seq.one_hot_drafts or seq.sampling.greedy
 
 
 def _to_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
