@@ -127,8 +127,8 @@ def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
 
 
 def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine, prompt_ids):
-    """The target computes no hidden states for a cached prefix: the head starts from the rest of the
-    prompt (proposer.py, `join`), drafts, and the output is the target's greedy output all the same."""
+    """A prompt read from the prefix cache drafts with the head, and the output is the target's greedy
+    output all the same."""
     prompt = prompt_ids[3] + prompt_ids[4] + prompt_ids[3]
     engine = eagle_engine()
     first = final_stats(engine, [request("a", prompt, "eagle", 4, max_tokens=24)])["a"]
@@ -142,6 +142,25 @@ def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine
     assert first.cached_tokens == 0 and seq.stats.cached_tokens >= 16
     assert seq.stats.by_proposer["eagle"].draft_tokens > 0
     assert got == want
+
+
+def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_engine, prompt_ids):
+    """Chat clients resend the conversation every turn, so most of a prompt comes from the prefix cache
+    (the last turn's prompt, stored at join, and its answer, stored at leave). The cache keeps the
+    target's features beside keys and values: the head takes in every pair of the prompt, equal to a
+    full prefill's to float rounding, not just those of the uncached tail (on the bench's multi-turn
+    agent prompts, a head seeing only the tail accepted 0.42 of its drafts instead of 0.49)."""
+    first = prompt_ids[3] + prompt_ids[4]
+    engine = eagle_engine()
+    answer = run(engine, [request("a", first, "eagle", 4, max_tokens=40)])["a"]
+    turn = first + answer + prompt_ids[2]
+    engine.add_request(request("b", turn, "eagle", 4, max_tokens=8))
+    fresh = eagle_engine(prefix_cache_memory="none")
+    fresh.add_request(request("b", turn, "eagle", 4, max_tokens=8))
+    assert engine.running["b"].stats.cached_tokens > len(first)  # part of the answer came from the cache too
+    got, want = (e.planner.proposers["eagle"].pending["b"] for e in (engine, fresh))
+    assert got.tokens == want.tokens == turn[1:]  # a pair (x_t's feature, x_t+1) per prefilled token
+    torch.testing.assert_close(torch.cat(got.features), torch.cat(want.features), atol=1e-4, rtol=1e-4)
 
 
 def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagle_engine, prompt_ids):

@@ -8,7 +8,7 @@ import torch
 
 from server.config import Settings
 from server.engine.engine import Engine
-from server.model.prefix_cache import BLOCK, PrefixCache, concat
+from server.model.prefix_cache import BLOCK, PrefixCache, concat, concat_features
 from server.model.runner import ModelRunner
 from tests.engine_helpers import final_stats, request, run
 from tests.test_kv_cache import clean_logits
@@ -86,6 +86,26 @@ def test_the_budget_evicts_least_recently_used_leaves_first(tiny_target):
     _store(cache, runner, "b", b)  # six blocks wanted: a's two deepest go first
     assert cache.used_bytes <= cache.budget_bytes and len(cache) == 4
     assert len(cache.match(a, None)) == 1 and len(cache.match(b, None)) == 3
+
+
+def test_features_stored_with_a_prefix_come_back_with_it_and_a_block_without_them_ends_the_match(tiny_target):
+    """A draft head reads the target's feature at every prompt position: a prefix served to it must carry
+    them, or the head drafts from the uncached tail only."""
+    runner = ModelRunner(tiny_target.model)
+    cache = PrefixCache(64 << 20)
+    tokens = list(range(40, 40 + 3 * BLOCK + 3))
+    hidden = runner.join(["a"], [tokens], hidden=True)[0]
+    row = runner.kv.index("a")
+    cache.store(tokens[: 2 * BLOCK], None, runner.kv.live(row))  # two blocks stored without features
+    before = cache.used_bytes
+    assert len(cache.match(tokens, None)) == 2 and cache.match(tokens, None, features=True) == []
+    cache.store(tokens, None, runner.kv.live(row), hidden[: 2 * BLOCK + 5])  # features cover two blocks of three
+    assert len(cache) == 3 and cache.used_bytes > before * 3 // 2  # the two gained features, the third was added
+    with_features = cache.match(tokens, None, features=True)
+    assert len(with_features) == 2 and len(cache.match(tokens, None)) == 3
+    torch.testing.assert_close(concat_features(with_features), hidden[: 2 * BLOCK])
+    cache.store(tokens, None, runner.kv.live(row), hidden)  # now the third block gets its features
+    torch.testing.assert_close(concat_features(cache.match(tokens, None, features=True)), hidden[: 3 * BLOCK])
 
 
 def _engine(tiny_target, **overrides) -> Engine:

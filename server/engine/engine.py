@@ -196,11 +196,16 @@ class Engine:
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
         prefixes = None
+        features = self.planner.needs_hidden  # proposers that read the target's features get every prompt token's
         if self.prefixes is not None:
-            found = [self.prefixes.match(p, s.cache_salt) for p, s in zip(prompts, seqs, strict=True)]
+            found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
             prefixes = [prefix_cache.concat(blocks) if blocks else None for blocks in found]
-        # proposers that read hidden states get those of the prompt tokens computed now (proposer.py)
-        hidden = self.runner.join(ids, prompts, hidden=self.planner.needs_hidden, prefixes=prefixes)
+        hidden = self.runner.join(ids, prompts, hidden=features, prefixes=prefixes)  # of the tokens computed now
+        if hidden is not None and self.prefixes is not None:  # the cached prefix's features, then those
+            hidden = [torch.cat([prefix_cache.concat_features(blocks), h]) if blocks else h
+                      for blocks, h in zip(found, hidden, strict=True)]
+            for seq, h in zip(seqs, hidden, strict=True):
+                seq.features = [h]
         try:
             self.planner.join(seqs, hidden)
         except BaseException:
@@ -294,7 +299,10 @@ class Engine:
         than what was computed)."""
         row = self.runner.kv.index(seq.request_id)
         tokens = seq.tokens[: self.runner.kv.positions[row]]
-        self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row))
+        features = torch.cat(seq.features) if seq.features else None  # one per fed token: the cache's live ones
+        if seq.features and len(seq.features) > 1:
+            seq.features = [features]  # stored again at leave: joined once
+        self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row), features)
 
     # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
     def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> list[SeqStepStats]:
@@ -399,6 +407,8 @@ class Engine:
                 k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
                 self.runner.rollback(b, k - accepted)  # the one place target rollback happens
                 hidden = v.hidden[at : at + accepted + 1] if v.hidden is not None else None  # the committed fed tokens
+                if seq.features is not None and hidden is not None:
+                    seq.features.append(hidden)
                 self.planner.commit(seq, row, emitted, hidden)
                 sources = _sources(row, accepted, seq.stats.decode_steps)
                 self._record(seq, row, accepted)

@@ -20,6 +20,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # the request's grammar, after its committed output (constrained only)
+    # The target's final-norm features of the fed tokens, in pieces, kept for the prefix cache when a
+    # proposer reads them (engine.py `_remember`); None otherwise.
+    features: list[torch.Tensor] | None = None
 
     @property
     def request_id(self) -> str:

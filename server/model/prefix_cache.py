@@ -9,6 +9,8 @@ Layout: token ids are cut into blocks of `BLOCK` tokens from position 0; a block
 of its tokens chained to its parent's (and, at the root, the request's `cache_salt`), so a name stands
 for the whole prefix up to the block's end, as in vLLM's automatic prefix caching. A block holds that
 prefix's keys and values for its `BLOCK` positions, every layer ([layers, kv_heads, BLOCK, head_dim]),
+and, when a proposer reads the target's hidden states (a draft head), those positions' final-norm
+features ([BLOCK, hidden]: the head then drafts from the whole prompt, as if it had been prefilled),
 copied out of the batch cache once a request's prompt is prefilled and again when it leaves (its
 answer's blocks; `store`), and copied into a joining row's columns (`match`, then
 `BatchKV.load_prefixes`). Keys are stored after RoPE: a prefix always starts at position 0,
@@ -36,14 +38,16 @@ BLOCK = 16  # tokens per block: the granularity of reuse
 
 @dataclass(frozen=True)
 class Block:
-    """One block's keys and values: [layers, kv_heads, BLOCK, head_dim] each."""
+    """One block's keys and values: [layers, kv_heads, BLOCK, head_dim] each; its positions' features
+    [BLOCK, hidden] when they were stored with them."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    features: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.features) if t is not None)
 
 
 # Reads a row's keys and values for its live token positions [start, end): [layers, kv_heads, n, head_dim] x 2,
@@ -75,32 +79,42 @@ class PrefixCache:
             out.append(name)
         return out
 
-    def match(self, tokens: Sequence[int], salt: str | None) -> list[Block]:
-        """The cached blocks that cover the longest cached prefix of `tokens` (in order; [] for none)."""
+    def match(self, tokens: Sequence[int], salt: str | None, features: bool = False) -> list[Block]:
+        """The cached blocks that cover the longest cached prefix of `tokens` (in order; [] for none);
+        with `features`, of blocks that hold their features too."""
         found = []
         for name in self.names(tokens, salt):
             block = self._blocks.get(name)
-            if block is None:
+            if block is None or (features and block.features is None):
                 break
             found.append((name, block))
         self._touch([name for name, _ in found])
         return [block for _, block in found]
 
-    def store(self, tokens: Sequence[int], salt: str | None, read: Reader) -> int:
+    def store(
+        self, tokens: Sequence[int], salt: str | None, read: Reader, features: torch.Tensor | None = None
+    ) -> int:
         """Keep the blocks of `tokens` not cached yet, reading their keys and values with `read` (a
-        row's live positions). Returns how many blocks were added."""
+        row's live positions), with their positions' rows of `features` ([>= positions, hidden]) where
+        it covers them; a cached block without features gets them. Returns how many blocks were added."""
         names = self.names(tokens, salt)
+        covered = features.shape[0] // self.block if features is not None else 0  # blocks with features given
         added = 0
         for i, name in enumerate(names):
-            if name in self._blocks:
+            old = self._blocks.get(name)
+            if old is not None and (old.features is not None or i >= covered):
                 continue
-            keys, values = read(i * self.block, (i + 1) * self.block)
-            block = Block(keys, values)
+            span = slice(i * self.block, (i + 1) * self.block)
+            feats = features[span].clone() if features is not None and i < covered else None
+            keys, values = (old.keys, old.values) if old is not None else read(span.start, span.stop)
+            block = Block(keys, values, feats)
             if block.nbytes > self.budget_bytes:
                 break
+            if old is not None:
+                self.used_bytes -= old.nbytes
             self._blocks[name] = block
             self.used_bytes += block.nbytes
-            added += 1
+            added += old is None
         self._touch(names)
         self._evict()
         return added
@@ -120,3 +134,9 @@ class PrefixCache:
 def concat(blocks: list[Block]) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of consecutive blocks: [layers, kv_heads, n x BLOCK, head_dim] each."""
     return torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2)
+
+
+def concat_features(blocks: list[Block]) -> torch.Tensor:
+    """The features of consecutive blocks that hold them: [n x BLOCK, hidden]."""
+    assert all(b.features is not None for b in blocks), "match(features=True) returns blocks with features"
+    return torch.cat([b.features for b in blocks])  # type: ignore[misc]
