@@ -97,12 +97,11 @@ class EagleProposer(ModelProposer):
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:
         assert prompt_hidden is not None, "the eagle proposer needs the target's hidden states"
         for seq, hidden in zip(seqs, prompt_hidden, strict=True):
-            tokens = seq.tokens
-            # hidden row i is the target's feature at prompt token t = skip + i (t < n - 1; the first `skip`
-            # came from the prefix cache, without features): its pair is token t + 1. The head's cache then
-            # starts there: its attention sees a shorter context (RoPE is relative), drafts stay proposals.
-            skip = len(tokens) - 1 - hidden.shape[0]  # at join, tokens are the prompt
-            self.pending[seq.request_id] = _Pending([hidden], list(tokens[skip + 1 : skip + 1 + hidden.shape[0]]))
+            tokens = seq.tokens  # at join, the prompt
+            # hidden row t is the target's feature at prompt token t (t < n - 1, cached prefix included): its
+            # pair is token t + 1
+            assert hidden.shape[0] == len(tokens) - 1, "a feature for every prefilled prompt token"
+            self.pending[seq.request_id] = _Pending([hidden], list(tokens[1:]))
 
     @staticmethod
     def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:

@@ -5,9 +5,8 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
 
 1. `join(seqs, prompt_hidden)`: once, before its first step. `prompt_hidden[i]` holds the target's
    hidden states of seqs[i]'s prefilled tokens (every prompt token but the last), when the proposer's
-   traits ask for them (`needs_hidden`), else None. Those are the last m of them: a prompt prefix whose
-   keys and values came from the prefix cache (server/model/prefix_cache.py) was not computed now and
-   has none.
+   traits ask for them (`needs_hidden`), else None; a prefix whose keys and values came from the prefix
+   cache (server/model/prefix_cache.py) comes with the features stored beside them.
 2. Each step, `propose(seqs, ks)`: up to ks[i] draft tokens for seqs[i] (ks[i] may be 0: the row
    drafts nothing this step but is still asked, so a batched proposer's rows stay aligned).
 3. After verification, `commit(seq, drafts, emitted, hidden)`: `drafts` are the tokens this proposer
