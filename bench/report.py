@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -222,8 +224,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
               "tok/s = completion tokens / wall time of the cell's rounds; x none = ratio to `none` in the same "
               "run, same workload, clients and temperature (interleaved); rounds = the lowest and highest "
               "ratio of a single round (each round runs the methods back to back on the same prompts): how "
-              "far this machine's drift moves one round; accept = accepted / draft tokens; "
-              "first = passes whose first draft token was accepted / passes that drafted; "
+              "far this machine's drift moves one round, and ± the standard error of the rounds' mean ratio (a cell "
+              "within two of them of 1.00 is not told apart from `none` by this run); "
+              "accept = accepted / draft tokens; first = passes whose first draft token was accepted / passes "
+              "that drafted; "
               "len = mean accepted length (1 + accepted / steps); mix = each proposer's share of the draft tokens "
               "and its own acceptance (auto); c = the proposers' measured cost per draft token (draft-weighted); "
               "theory = (1 - a^(K+1)) / ((1 - a)(cK + 1)) per proposer with its own a and c, weighted by its passes "
@@ -245,9 +249,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], costs: list[dict[
 
 
 def _spread(row: dict[str, Any]) -> str:
-    """'lowest-highest' of a cell's per-round ratios to `none` (two rounds or more), else a dash."""
+    """'lowest-highest ±se' of a cell's per-round ratios to `none` (two rounds or more), else a dash; se
+    is the standard error of their mean (standard deviation / sqrt(rounds))."""
     ratios = row.get("round_ratios") or []
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) >= 2 else "—"
+    if len(ratios) < 2:
+        return "—"
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return f"{min(ratios):.2f}-{max(ratios):.2f} ±{se:.2f}"
 
 
 def plot(path: Path, rows: list[dict[str, Any]], costs: list[dict[str, Any]], ks: dict[str, int]) -> None:

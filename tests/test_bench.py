@@ -190,7 +190,9 @@ def test_writers_produce_table_json_and_png(tmp_path) -> None:
 
 def test_each_round_is_paired_with_nones_and_the_spread_survives_a_rewrite(tmp_path) -> None:
     """A cell's ratio to `none` is also given round by round (the same prompts, back to back), so a
-    reader sees how far one round strays; results.json keeps the rounds for `rewrite`."""
+    reader sees how far one round strays and how far the cell's ratio is from 1.00 in standard errors
+    (here 10/11, 10/9, 1: standard deviation 0.101 over sqrt(3) rounds, 0.06); results.json keeps the
+    rounds for `rewrite`."""
     plain, auto = Cell(CellKey("chat", "none", 4, 0.0), k=None), Cell(CellKey("chat", "auto", 4, 0.0), k=None)
     for r, (none_wall, auto_wall) in enumerate([(10.0, 11.0), (10.0, 9.0), (12.0, 12.0)]):
         plain.add(12, 480, none_wall, round_index=r)
@@ -200,10 +202,10 @@ def test_each_round_is_paired_with_nones_and_the_spread_survives_a_rewrite(tmp_p
     assert row["round_ratios"] == [pytest.approx(10 / 11, abs=1e-3), pytest.approx(10 / 9, abs=1e-3), 1.0]
     assert row["ratio_to_none"] == pytest.approx(32 / 32)
     write_all(tmp_path, {"k": {}}, rows, [])
-    assert "| chat | 0 | 4 | auto | 45.0 | 1.00 | 0.91-1.11 |" in (tmp_path / "results.md").read_text()
+    assert "| chat | 0 | 4 | auto | 45.0 | 1.00 | 0.91-1.11 ±0.06 |" in (tmp_path / "results.md").read_text()
     (tmp_path / "results.md").unlink()
     rewrite(tmp_path / "results.json")
-    assert "| 1.00 | 0.91-1.11 |" in (tmp_path / "results.md").read_text()
+    assert "| 1.00 | 0.91-1.11 ±0.06 |" in (tmp_path / "results.md").read_text()
 
 
 def test_markdown_without_costs_or_peer() -> None:
