@@ -48,8 +48,7 @@ def json_grammar(schema: dict) -> str:
 def run_constrained(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[list[int], str, object]]:
     """request id -> (tokens, text, final stats); every constrained request must complete its grammar."""
     constrained = {r.request_id for r in requests if r.grammar is not None}
-    for r in requests:
-        engine.add_request(r)
+    engine.add_requests(requests)
     out: dict[str, tuple[list[int], str, object]] = {r.request_id: ([], "", None) for r in requests}
     while engine.has_unfinished():
         for o in engine.step().outputs:

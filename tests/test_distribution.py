@@ -71,8 +71,8 @@ def first_two_token_counts(
     request i, constrained by `grammar` if given) with `method`, K = 2, run in batches of 250."""
     counts = torch.zeros(2, VOCAB)
     for start in range(0, SAMPLES, 250):
-        for i in range(start, min(start + 250, SAMPLES)):
-            engine.add_request(GenerationRequest(f"s{i}", prompt, params(i), SpeculationParams(method, 2), grammar))
+        engine.add_requests([GenerationRequest(f"s{i}", prompt, params(i), SpeculationParams(method, 2), grammar)
+                             for i in range(start, min(start + 250, SAMPLES))])  # one join: one prefill, one relayout
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
             for out in engine.step().outputs:
@@ -88,10 +88,9 @@ def test_the_draft_pair_really_differs(pair, method):
     """Guard for the test below: acceptance well inside (0, 1), so rejections and residuals happen."""
     target, draft, head_dir = pair
     engine = Engine(target, draft, Settings.load(max_batch_size=256, draft_head=str(head_dir)))
-    for i in range(200):
-        engine.add_request(GenerationRequest(
-            f"a{i}", PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True),
-            SpeculationParams(method, 2)))
+    engine.add_requests([GenerationRequest(
+        f"a{i}", PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True),
+        SpeculationParams(method, 2)) for i in range(200)])
     drafted = accepted = 0
     while engine.has_unfinished():
         for out in engine.step().outputs:
