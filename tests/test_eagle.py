@@ -144,14 +144,12 @@ def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine
     assert got == want
 
 
-@pytest.mark.parametrize("pieces", [4, 64])  # the engine joins a sequence's features every `pieces` steps
-def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_engine, prompt_ids, monkeypatch, pieces):
+def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_engine, prompt_ids):
     """Chat clients resend the conversation every turn, so most of a prompt comes from the prefix cache
     (the last turn's prompt, stored at join, and its answer, stored at leave). The cache keeps the
     target's features beside keys and values: the head takes in every pair of the prompt, equal to a
     full prefill's to float rounding, not just those of the uncached tail (on the bench's multi-turn
     agent prompts, a head seeing only the tail accepted 0.42 of its drafts instead of 0.49)."""
-    monkeypatch.setattr("server.engine.engine.FEATURE_PIECES", pieces)
     first = prompt_ids[3] + prompt_ids[4]
     engine = eagle_engine()
     answer = run(engine, [request("a", first, "eagle", 4, max_tokens=40)])["a"]

@@ -407,10 +407,8 @@ class Engine:
                 k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
                 self.runner.rollback(b, k - accepted)  # the one place target rollback happens
                 hidden = v.hidden[at : at + accepted + 1] if v.hidden is not None else None  # the committed fed tokens
-                if seq.features is not None and hidden is not None:
-                    seq.features.append(hidden)
-                    if len(seq.features) >= FEATURE_PIECES:
-                        seq.features = [torch.cat(seq.features)]
+                if seq.features is not None and hidden is not None:  # a copy: the view would keep the step's
+                    seq.features.append(hidden.clone())  # whole hidden tensor alive; joined once, at `_remember`
                 self.planner.commit(seq, row, emitted, hidden)
                 sources = _sources(row, accepted, seq.stats.decode_steps)
                 self._record(seq, row, accepted)
@@ -535,9 +533,6 @@ class Engine:
 
 ROW_SLACK = 33  # KV columns a row may need beyond its prompt + max_tokens: one step's (K <= 32, + 1)
 FAULTY_STEPS = 3  # consecutive steps in which every row failed: the engine, not its requests, is broken
-# A sequence's features (kept for the prefix cache) arrive a step at a time as views of that step's whole
-# hidden-state tensor, which each view keeps alive: joined into one tensor every this many steps.
-FEATURE_PIECES = 64
 
 
 class EngineFault(RuntimeError):
