@@ -46,19 +46,10 @@ class FixedCosts(CostModel):
     a pass over n tokens takes 1 + token_ratio * (n - 1) plain steps, and one draft token of proposer
     `name` takes `draft[name]` plain steps of one row."""
 
-    def __init__(
-        self,
-        token_ratio: float = 0.05,
-        draft: dict[str, float] | None = None,
-        passes: dict[int, dict[int, float]] | None = None,
-    ) -> None:
-        """`passes`: batch size -> pass width -> seconds, curves of their own for those batch sizes."""
+    def __init__(self, token_ratio: float = 0.05, draft: dict[str, float] | None = None) -> None:
         super().__init__()
         for n in (1, 2, 4, 8, 1, 2, 4, 8):
             super().observe_verify(n, 1.0 + token_ratio * (n - 1))
-        for rows, curve in (passes or {}).items():
-            for width, seconds in curve.items():
-                super().observe_verify(width, seconds, rows=rows)
         for name, ratio in (draft or {}).items():
             super().observe_draft(name, 4, 4 * ratio)
 

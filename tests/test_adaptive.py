@@ -13,7 +13,6 @@ from server.speculation.adaptive import (
     POINT_WINDOW,
     PROBE_OVERHEAD,
     STALE_AFTER,
-    STALE_HALF_LIFE,
     AdaptivePolicy,
     BatchRow,
     CostModel,
@@ -430,58 +429,6 @@ def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_en
         policy.seqs[f"r{i}"] = _SeqState(by_method={_key("draft", 0, False): failing})
     run(batch, [request(f"r{i}", prompt_ids[2], "auto", 8, max_tokens=8) for i in range(4)])
     assert batch.planner.proposers["draft"].forwards == 0  # the batch: no
-
-
-# A CPU-like pass: one row drafting one token in a packed batch costs +25% of the step (its scatter and
-# gathers), every row drafting one only +30% at 4 rows; at 8 rows the pass's time grows with its tokens.
-TOGETHER_PASSES = {4: {4: 1.0, 5: 1.25, 8: 1.3, 12: 1.6}, 8: {8: 1.0, 9: 1.25, 16: 2.0, 24: 3.0}}
-
-
-def test_rows_draft_with_a_model_together_where_none_would_alone(tiny_engine_factory, prompt_ids):
-    """Open text: nothing to copy, a model proposer right half the time. Each row alone would not draft
-    with it (its forward and its first draft token's share of a packed pass cost more than it gains); four
-    rows drafting one token each together do gain, so they draft, and their text is plain decoding's. In
-    a batch of 8, where every row's draft token costs its full share, they do not."""
-
-    def engine_with_costs():
-        engine = tiny_engine_factory(cost=FixedCosts(draft={"draft": 0.1}, passes=TOGETHER_PASSES))
-        if not engine.planner.policy.packed:
-            pytest.skip("the tiny target's passes are padded here: each row already prices the whole pass")
-        for i in range(50):  # the draft model's first draft token is kept every other time
-            engine.planner.policy.observe("history", "draft", 1, i % 2)
-        return engine
-
-    four = engine_with_costs()
-    assert four.planner.policy.choose("probe", 8, rows=4).proposer is None  # row by row: no
-    four.planner.policy.forget("probe")
-    reqs = [request(f"r{i}", prompt_ids[i % len(prompt_ids)], "auto", 8, max_tokens=12) for i in range(4)]
-    got = run(four, reqs)
-    assert four.planner.proposers["draft"].forwards > 0  # together: yes
-    plain = run(tiny_engine_factory(), [request(r.request_id, r.prompt_token_ids, "none", max_tokens=12) for r in reqs])
-    assert got == plain
-
-    eight = engine_with_costs()
-    run(eight, [request(f"r{i}", prompt_ids[i % len(prompt_ids)], "auto", 8, max_tokens=12) for i in range(8)])
-    assert eight.planner.proposers["draft"].forwards == 0
-
-
-def test_an_engine_wide_estimate_nothing_refreshes_returns_to_the_prior():
-    """A proposer whose drafts fared badly a while ago, and which nobody has drafted with since, is
-    judged again by its prior as steps pass (else its last figure would keep every row from it for good)."""
-    policy = policy_with_costs()
-    for _ in range(100):
-        policy.observe("old", "draft", 1, 0)
-    prior = TRAITS["draft"].confidence_priors[0]
-    low = policy.acceptance("new", "draft")[0]
-    assert low < 0.1
-    for _ in range(STALE_HALF_LIFE):
-        policy.tick()
-    assert low < policy.acceptance("new", "draft")[0] < prior  # half the evidence's weight left
-    for _ in range(8 * STALE_HALF_LIFE):
-        policy.tick()
-    assert policy.acceptance("new", "draft")[0] == pytest.approx(prior, abs=0.05)
-    policy.observe("new", "draft", 1, 0)  # fresh evidence counts in full
-    assert policy.acceptance("other", "draft")[0] < prior - 0.1
 
 
 def test_greedy_and_sampled_acceptance_are_kept_apart():

@@ -53,7 +53,6 @@ IDLE_PLANNING = 0.005  # idle rows (plans gaining less than they cost) are plann
 MAX_IDLE_GAP = 8  # ... and at least every this many steps (how late an idle row's copying is noticed, at most)
 PLANNING_DECAY = 0.9  # per plan: planning's measured time per row, and a row's gain from it, follow recent ones
 GLOBAL_DECAY = 0.99  # per row plan: every row's gain from planning (a new row's prior)
-STALE_HALF_LIFE = 256  # steps: engine-wide acceptance evidence not refreshed loses half its weight in this many
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -420,15 +419,6 @@ class CostModel:
 SAMPLED_PRIOR_SCALE = 0.7  # sampling accepts a draft with probability p(x) <= 1: start lower than greedy
 
 
-def together_level(traits: Traits) -> int:
-    """The confidence level under which a model proposer's drafts made for a whole batch at once are
-    recorded (planner.py `_together`): one past its own levels, with its last level's prior. They are
-    drafted at every step from an answer's start, and kept more often than the drafts of a row that
-    drafts now and then (4 chat rows, the head drafting every step: 0.53 of first drafts kept; every
-    tenth: 0.41); recorded together, the rare drafts' figure kept the batch from drafting for good."""
-    return len(traits.confidence_priors)
-
-
 def _key(proposer: str, level: int, sampled: bool) -> str:
     """Where acceptance of `proposer`'s drafts at confidence `level` is recorded (greedy and sampled
     requests apart: a sampled request keeps a right draft only with probability p(x))."""
@@ -448,18 +438,6 @@ class _Acceptance:
 
     reached: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
-    seen: int = 0  # the step (`AdaptivePolicy.steps`) its counts were last aged to
-
-    def age(self, now: int) -> _Acceptance:
-        """Its counts as of step `now`: halved every STALE_HALF_LIFE steps without evidence, so a wider
-        prior regains weight over an estimate nothing refreshes (a proposer nobody drafts with is
-        never measured again: its last figure would otherwise decide forever whether anyone does)."""
-        if now > self.seen:
-            factor = 0.5 ** ((now - self.seen) / STALE_HALF_LIFE)
-            self.reached = [r * factor for r in self.reached]
-            self.kept = [k * factor for k in self.kept]
-            self.seen = now
-        return self
 
     def update(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         if len(self.reached) < drafted:
@@ -556,18 +534,6 @@ class AdaptivePolicy:
         self._plan_row_s: float | None = None  # seconds of planning per row planned (decayed mean)
         self._shares: dict[int, float] = {}  # `planning_share` per batch size, until the next plan
         self._gain = 1.0  # accepted draft tokens per planned step, every row's (decayed): a new row's prior
-        self.steps = 0  # planned steps (`tick`): how old the engine-wide acceptance evidence is
-
-    def tick(self) -> None:
-        """A step is being planned."""
-        self.steps += 1
-
-    def _engine_wide(self, key: str, create: bool = False) -> _Acceptance | None:
-        """The engine-wide acceptance under `key`, aged to this step (`_Acceptance.age`)."""
-        found = self.global_rate.get(key)
-        if found is None and create:
-            found = self.global_rate[key] = _Acceptance(seen=self.steps)
-        return found.age(self.steps) if found is not None else None
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
@@ -634,7 +600,7 @@ class AdaptivePolicy:
         key = _key(proposer, level, sampled)
         priors = self.traits[proposer].confidence_priors
         prior = priors[min(level, len(priors) - 1)] * (SAMPLED_PRIOR_SCALE if sampled else 1.0)
-        engine_wide = self._engine_wide(key)
+        engine_wide = self.global_rate.get(key)
         rates = engine_wide.chained(prior, LEVEL_PRIOR_WEIGHT, k_max) if engine_wide else [prior] * max(k_max, 1)
         state = self.seqs.get(request_id)
         seq = state.by_method.get(key) if state else None
@@ -835,4 +801,4 @@ class AdaptivePolicy:
             return
         key = _key(proposer, level, sampled)
         state.by_method.setdefault(key, _Acceptance()).update(drafted, accepted, DECAY)
-        self._engine_wide(key, create=True).update(drafted, accepted, 0.99)
+        self.global_rate.setdefault(key, _Acceptance()).update(drafted, accepted, 0.99)

@@ -11,7 +11,6 @@ whose cost is not declared. The engine never names a proposer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,7 +19,7 @@ import torch
 from server.model.attention import packs
 from server.model.kv_cache import KVShape
 from server.model.runner import ModelRunner
-from server.speculation.adaptive import MIN_GAIN, AdaptivePolicy, BatchRow, Choice, CostModel, Offer, together_level
+from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
@@ -130,7 +129,6 @@ class Planner:
         looks at them (model proposers ask them for K = 0) and they draft nothing. An `auto` row whose
         recent plans gained less than planning it costs sits out some steps (`AdaptivePolicy.due`)."""
         started = time.perf_counter()
-        self.policy.tick()
         # idle `auto` rows sit out this step as plain rows: no lookups, no choice
         idle = {s.request_id for s in seqs if s.mode == AUTO and s.request_id not in hold
                 and not self.policy.due(s.request_id)}
@@ -141,9 +139,8 @@ class Planner:
             for b, s in enumerate(seqs)
         ]
         auto_rows = {b for b, s in enumerate(seqs) if s.mode == AUTO and s.request_id not in skip}
-        together: dict[int, int] = {}  # row -> confidence level of drafts made together (`_together`)
         if len(seqs) > 1 and auto_rows:
-            together = self._widen(seqs, choices, auto_rows, offers)
+            self._widen(seqs, choices, auto_rows, offers)
         rows: list[RowPlan] = []
         for b, (name, k) in enumerate(choices):
             offer = offers.get(b, {}).get(name) if name else None
@@ -152,7 +149,7 @@ class Planner:
         self.policy.observe_planning(time.perf_counter() - started, planned)
         for b in auto_rows:
             self.policy.planned(seqs[b].request_id, len(seqs))
-        rows = self._draft_with_models(seqs, choices, rows, together)
+        rows = self._draft_with_models(seqs, choices, rows)
         rows = [
             self._constrain(s, r) if s.grammar is not None and s.request_id not in hold else r
             for s, r in zip(seqs, rows, strict=True)
@@ -231,14 +228,12 @@ class Planner:
         choices: list[tuple[str | None, int]],
         auto_rows: set[int],
         offers: dict[int, RowOffers],
-    ) -> dict[int, int]:
+    ) -> None:
         """In a batch the policy decides how many drafts each flexible row (auto, with a lookahead offer,
         not drafting with a model this step) verifies: one width for every row when the pass is padded,
         the likeliest draft tokens wherever they are when it is packed (`AdaptivePolicy.batch_drafts`).
         Auto rows that chose a model proposer keep it only if the batch as a whole gains from it (each
-        row chose alone, but the model's forwards and the wider pass are paid by every row). The other
-        way round, auto rows left plain with nothing to copy draft with a model proposer together when
-        the batch gains from that (`_together`): those rows and their drafts' confidence level are returned."""
+        row chose alone, but the model's forwards and the wider pass are paid by every row)."""
         policy = self.policy
 
         def lookahead(name: str | None) -> bool:
@@ -255,16 +250,13 @@ class Planner:
                 return None
             return name, min(len(usable[name][0]), seqs[b].num_drafts()), usable[name][1]
 
-        def rows_for(demote: bool, promote: dict[int, tuple[str, int, int]] | None = None) -> list[BatchRow]:
+        def rows_for(demote: bool) -> list[BatchRow]:
             rows = []
             for b, seq in enumerate(seqs):
                 name, k = choices[b]
                 free = b in auto_rows
                 if free and demote and name is not None and not lookahead(name):
                     name, k = None, 0
-                if promote and b in promote:
-                    rows.append(BatchRow(seq.request_id, *promote[b], sampled=seq.sampled))
-                    continue
                 flex = flexible_offer(b) if free and (name is None or lookahead(name)) else None
                 if flex is not None:
                     rows.append(BatchRow(seq.request_id, flex[0], level=flex[2], flexible=flex[1], sampled=seq.sampled))
@@ -278,7 +270,7 @@ class Planner:
         rows = rows_for(demote=False)
         best = policy.batch_drafts(rows)
         if best is None:
-            return {}
+            return
         if any(not lookahead(choices[b][0]) and choices[b][0] is not None for b in auto_rows):
             without = rows_for(demote=True)
             other = policy.batch_drafts(without)
@@ -287,51 +279,9 @@ class Planner:
                 for b in auto_rows:
                     if choices[b][0] is not None and not lookahead(choices[b][0]):
                         choices[b] = (None, 0)
-        idle = [  # auto rows the plan leaves plain: nothing to copy, or copying that does not pay here
-            b for b, k in enumerate(best[0])
-            if b in auto_rows and not k and (rows[b].flexible or choices[b][0] is None) and seqs[b].num_drafts()
-        ]
-        promoted = self._together(seqs, idle, lambda promote: policy.batch_drafts(rows_for(False, promote)), best[1])
-        promote: dict[int, tuple[str, int, int]] = {}
-        if promoted is not None:
-            promote, best = promoted
-            rows = rows_for(False, promote)
         for b, (row, k) in enumerate(zip(rows, best[0], strict=True)):
             if row.flexible:
                 choices[b] = (row.proposer, k) if k else (None, 0)
-            elif b in promote:
-                choices[b] = (row.proposer, k)
-        return {b: level for b, (_, _, level) in promote.items()}
-
-    def _together(
-        self,
-        seqs: list[PlannedSequence],
-        idle: list[int],
-        score: Callable[[dict[int, tuple[str, int, int]]], tuple[list[int], float] | None],
-        plan: float,
-    ) -> tuple[dict[int, tuple[str, int, int]], tuple[list[int], float]] | None:
-        """Rows `idle` (auto rows the plan leaves plain) drafting K = 1 or 2 tokens with one model
-        proposer, all of them: the assignment and its batch score, when it beats the plan's expected
-        tokens per second (`plan`) by MIN_GAIN; else None.
-
-        Each row weighs a model proposer alone (`AdaptivePolicy.choose`): its draft forward and the first
-        draft token's share of a packed pass, both priced for one row, outweigh what one row gains, so in
-        a batch no row starts. Drafting together, the forward is shared and the pass's time per token
-        falls as it widens (4 open-chat rows on 2 cores: the head drafting one token for every row ran
-        1.15x plain decoding, where no row alone would draft)."""
-        if len(idle) < 2:
-            return None
-        best = None
-        for name, proposer in self.proposers.items():
-            if proposer.traits.lookahead or not all(_uses(seqs[b], name) for b in idle):
-                continue
-            for k in (1, 2):
-                level = together_level(proposer.traits)
-                promote = {b: (name, min(k, seqs[b].num_drafts()), level) for b in idle}
-                found = score(promote)
-                if found is not None and found[1] > max(plan * MIN_GAIN, best[1][1] if best else 0.0):
-                    best = (promote, found)
-        return best
 
     def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
         """A constrained row's drafts as its grammar allows them, or the tokens the grammar forces.
@@ -357,11 +307,7 @@ class Planner:
         return RowPlan(FORCED, forced) if len(forced) > len(row.drafts) else row
 
     def _draft_with_models(
-        self,
-        seqs: list[PlannedSequence],
-        choices: list[tuple[str | None, int]],
-        rows: list[RowPlan],
-        levels: dict[int, int],
+        self, seqs: list[PlannedSequence], choices: list[tuple[str | None, int]], rows: list[RowPlan]
     ) -> list[RowPlan]:
         """Ask each non-lookahead proposer for its chosen rows' drafts (every row it holds is asked,
         with K = 0 where it does not draft, so its batch stays aligned), timing it when its cost is
@@ -389,7 +335,7 @@ class Planner:
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
                 if ks[i] and proposal.drafts[i]:
-                    rows[b] = RowPlan(name, proposal.drafts[i], qs[i], levels.get(b, 0))
+                    rows[b] = RowPlan(name, proposal.drafts[i], qs[i])
         return rows
 
 
