@@ -71,6 +71,22 @@ def test_steps_write_in_place_without_copying_the_cache(tiny_target):
     assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in runner.kv.cache.layers] == buffers
 
 
+def test_rows_joining_one_at_a_time_regrow_the_cache_a_logarithmic_number_of_times(tiny_target):
+    """Without a budget the cache grows as rows join; a server joins requests one at a time, and a new
+    buffer copies every row already there, so buffers grow at least twofold (32 joins: a few copies, not
+    32), and the rows stay exact."""
+    runner = ModelRunner(tiny_target.model)
+    layer = runner.kv.cache.layers[0]
+    buffers, last = 0, None
+    for i in range(32):
+        runner.join([f"r{i}"], [[3 + i, 5, 7, 11]])
+        buffers += layer.key_store.data_ptr() != last  # the old buffer is alive while copied: a new one differs
+        last = layer.key_store.data_ptr()
+    assert buffers <= 7  # 1, 2, 4, ... 32 rows' worth
+    logits = runner.forward([[13]] * 32).logits
+    torch.testing.assert_close(logits[31, 0], clean_logits(tiny_target.model, [34, 5, 7, 11, 13]), atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_prefill_equals_one_forward(tiny_target):
     model = tiny_target.model
     prompts = [list(range(100, 140)), list(range(300, 307)), []]

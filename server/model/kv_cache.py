@@ -14,7 +14,8 @@ tokens, or when a forward would not fit otherwise.
 Storage: per layer, one flat buffer for keys and one for values; `keys`/`values` are views
 [rows, kv_heads, capacity, head_dim] of its start, so a step writes only its new columns and nothing
 proportional to the context is copied per step. Joins, leaves and capacity changes move rows and
-columns inside the buffer (`_relayout`). Without a budget the buffer grows (doubling) as needed. With
+columns inside the buffer (`relayout`). Without a budget the buffer grows (doubling, in columns and in
+rows: requests join one at a time) as needed. With
 a budget (`slots`: token slots, from `kv_cache_memory`) it is allocated and zeroed once, up front, and
 never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/engine.py).
 """
@@ -146,15 +147,16 @@ class _BufferLayer(CacheLayerMixin):
         """Row i < len(rows_from) of the new layout [rows, heads, capacity] takes columns [:cols] of old row
         rows_from[i] (ascending); rows after that are left for the caller. Moves inside the buffer
         when it is big enough (in an order that never overwrites a block not yet moved), else into a
-        new, bigger buffer."""
+        new buffer at least twice as big (unbudgeted: rows joining one at a time would otherwise copy
+        every row already there at each join)."""
         old_k, old_v = self.keys, self.values
         needed = rows * capacity
         if needed > self.slots:
             if self.owner.slots is not None:
                 raise KVBudgetExceeded(f"{rows} rows x {capacity} columns exceed the cache's {self.owner.slots} slots")
-            like = self.key_store
-            self.key_store = like.new_zeros(needed * self.heads * self.head_dim)
-            self.value_store = like.new_zeros(needed * self.heads * self.value_dim)
+            like, slots = self.key_store, max(needed, 2 * self.slots)
+            self.key_store = like.new_zeros(slots * self.heads * self.head_dim)
+            self.value_store = like.new_zeros(slots * self.heads * self.value_dim)
             self.view(rows, capacity)
             for i, b in enumerate(rows_from):
                 self.keys[i, :, :cols] = old_k[b, :, :cols]
