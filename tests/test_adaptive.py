@@ -166,6 +166,38 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_costs(tiny_engine_fa
             assert _at_a_cdf_tie(tiny_target.model, p, want[:first], (got[first], want[first]), params), (i, first)
 
 
+def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, prompt_ids):
+    """A draft model equal to the target, seeded sampling at T = 1 under `auto`: each draft is drawn from q
+    with the uniform the sampler then draws p's token with, so (q = p) nearly every draft is kept, and the
+    text is plain decoding's with the same seed. Drafting q's argmax instead would keep a draft only with
+    probability p(argmax), small for this model's flat distributions."""
+    from server.config import Settings
+    from server.engine.engine import Engine
+    from tests.test_engine import _at_a_cdf_tie
+
+    engine = Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16),
+                    cost=FixedCosts(draft={"draft": 0.01}))
+    for _ in range(20):
+        engine.planner.policy.observe("history", "draft", 4, 4, sampled=True)
+    reqs = [request(f"r{i}", p, "auto", 4, temperature=1.0, seed=7 + i, max_tokens=24)
+            for i, p in enumerate(prompt_ids)]
+    stats = final_stats(engine, reqs)
+    drafted = sum(s.by_proposer["draft"].draft_tokens for s in stats.values() if "draft" in s.by_proposer)
+    kept = sum(s.by_proposer["draft"].accepted_tokens for s in stats.values() if "draft" in s.by_proposer)
+    assert drafted > 50 and kept >= 0.9 * drafted
+    plain = Engine(tiny_target, None, Settings.load())
+    want = run(plain, [request(r.request_id, r.prompt_token_ids, "none", temperature=1.0, seed=7 + i, max_tokens=24)
+                       for i, r in enumerate(reqs)])
+    got = run(Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16),
+                     cost=FixedCosts(draft={"draft": 0.01})), reqs)
+    for i, p in enumerate(prompt_ids):  # the same text, up to a draw within float noise of a token boundary
+        a, b = got[f"r{i}"], want[f"r{i}"]
+        first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if first is not None:
+            params = {"temperature": 1.0, "top_p": 1.0, "seed": 7 + i}
+            assert _at_a_cdf_tie(tiny_target.model, p, b[:first], (a[first], b[first]), params), (i, first)
+
+
 def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):
     """The counterpart of the test above: without a seed, the costs do steer the choice."""
     used = {}

@@ -71,11 +71,12 @@ class Sequence:
 
     @property
     def one_hot_drafts(self) -> bool:
-        """Seeded sampling under `auto`: a model proposer drafts its most likely token with q one-hot and
-        takes nothing from the request's random stream, so the sampler draws every token as plain
-        decoding would and only compares (server/speculation/rejection.py). The text then cannot depend
-        on which proposer `auto` picked, which follows measured timings. A fixed method keeps sampled
-        drafts: its seeded text reproduces for the same method and K."""
+        """Seeded sampling under `auto`: a model proposer hands the sampler no q and takes nothing from the
+        request's random stream (it drafts with a copy of it: model_proposer.py `_coupled`), so the
+        sampler draws every token as plain decoding would and only compares
+        (server/speculation/rejection.py). The text then cannot depend on which proposer `auto` picked,
+        which follows measured timings. A fixed method keeps sampled drafts: its seeded text reproduces
+        for the same method and K."""
         return self.reproducible and self.mode == "auto"
 
     def num_drafts(self) -> int:

@@ -28,7 +28,7 @@ rarely, and the same sequence sees both), and greedy apart from sampled requests
 A seeded sampling request must reproduce, whatever `auto` picks from measured timings. Deterministic
 drafts cannot change its text (the sampler draws every token as plain decoding would and only compares
 it with the draft: `rejection.py`). A model proposer would sample its drafts from the request's random
-stream, so for these rows it drafts its most likely token with q one-hot instead
+stream, so for these rows it drafts from a copy of that stream with q one-hot instead
 (`Sequence.one_hot_drafts`), and then any proposer, K, batch and timing give the same text.
 """
 

@@ -58,7 +58,7 @@ class SequenceView(Protocol):
     @property
     def cache_salt(self) -> str | None: ...  # requests share cross-request state only with the same salt
     @property
-    def one_hot_drafts(self) -> bool: ...  # draft the most likely token, q one-hot, no randomness (see Sequence)
+    def one_hot_drafts(self) -> bool: ...  # q one-hot, the request's stream only read ahead (see Sequence)
 
 
 @dataclass(frozen=True)
