@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from server.speculation.adaptive import CostModel
 from server.types import GenerationRequest, RequestStats, SamplingParams, SpeculationParams
 
@@ -21,24 +23,52 @@ def request(rid: str, prompt: list[int], method: str = "none", k: int = 4, **sam
     return GenerationRequest(rid, tuple(prompt), SamplingParams(**sampling), SpeculationParams(method, k))
 
 
-def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+def run_with_stats(engine, requests: list[GenerationRequest]) -> tuple[dict[str, list[int]], dict[str, RequestStats]]:
+    """Run requests to completion: each request's tokens, and its final `RequestStats`."""
     for r in requests:
         engine.add_request(r)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    done: dict[str, RequestStats] = {}
     while engine.has_unfinished():
         for out in engine.step().outputs:
             tokens[out.request_id] += out.token_ids
-    return tokens
+            if out.finished:
+                done[out.request_id] = out.stats
+    return tokens, done
+
+
+def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    return run_with_stats(engine, requests)[0]
 
 
 def final_stats(engine, requests: list[GenerationRequest]) -> dict[str, RequestStats]:
     """Run requests to completion; each request's final `RequestStats`."""
-    for r in requests:
-        engine.add_request(r)
-    done: dict[str, RequestStats] = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
-    return done
+    return run_with_stats(engine, requests)[1]
+
+
+def at_a_cdf_tie(model, prompt: list[int], prefix: list[int], tokens: tuple[int, int], params: dict) -> bool:
+    """Whether the seeded request's draw for the token after `prefix` lies within float noise of the
+    CDF boundary between `tokens` (a plain, cache-free forward recomputes p; each emitted token of a
+    sampled n-gram row consumes one uniform of the request's generator, in order)."""
+    from server.sampling import BatchSampling, probabilities
+
+    sp = SamplingParams(temperature=params["temperature"], top_p=params["top_p"])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + prefix])).logits[:, -1:]
+    cdf = probabilities(logits, BatchSampling.from_params([sp], logits.device))[0, 0].cumsum(-1)
+    gen = torch.Generator().manual_seed(params["seed"])
+    u = [torch.rand(1, generator=gen) for _ in range(len(prefix) + 1)][-1].item() * cdf[-1].item()
+    low, high = sorted(tokens)  # tokens between them may hold float-noise mass (1e-8): the boundary is one
+    return cdf[high - 1].item() - cdf[low].item() < 1e-5 and abs(cdf[low].item() - u) < 1e-5
+
+
+def assert_same_draws(model, prompt: list[int], got: list[int], want: list[int], params: dict, label: object = None):
+    """A seeded request's text `got` is `want`, up to a tie at a CDF boundary: across verify widths the
+    target's p comes from differently shaped matrix products, so wherever the texts first differ, the
+    request's uniform draw must lie within float noise of the boundary between the two tokens."""
+    first = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    if first is not None:
+        assert at_a_cdf_tie(model, prompt, want[:first], (got[first], want[first]), params), (label, first)
 
 
 class FixedCosts(CostModel):

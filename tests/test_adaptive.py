@@ -26,7 +26,7 @@ from server.speculation.adaptive import (
 )
 from server.speculation.draft_model import DraftModelProposer
 from server.speculation.ngram import NgramProposer, confidence_level
-from tests.engine_helpers import FixedCosts, final_stats, request, run
+from tests.engine_helpers import FixedCosts, assert_same_draws, final_stats, request, run, run_with_stats
 
 TRAITS = {"ngram": NgramProposer.traits, "draft": DraftModelProposer.traits}
 
@@ -145,8 +145,6 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_costs(tiny_engine_fa
     them. A cheap draft model is used (it drafts one-hot for seeded rows, leaving the request's random
     stream alone), a costly one is not, and the texts are the same (up to a draw within float noise of
     a token boundary: the verify widths differ, see test_engine's seeded-sampling test)."""
-    from tests.test_engine import _at_a_cdf_tie
-
     def sample_once(draft_cost: float) -> tuple[dict[str, list[int]], int]:
         engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": draft_cost}))
         for _ in range(20):
@@ -159,11 +157,8 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_costs(tiny_engine_fa
     costly, costly_forwards = sample_once(5.0)
     assert cheap_forwards > 0 and costly_forwards == 0
     for i, p in enumerate(prompt_ids):
-        got, want = cheap[f"r{i}"], costly[f"r{i}"]
-        first = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        if first is not None:
-            params = {"temperature": 1.0, "top_p": 1.0, "seed": 3 + i}
-            assert _at_a_cdf_tie(tiny_target.model, p, want[:first], (got[first], want[first]), params), (i, first)
+        params = {"temperature": 1.0, "top_p": 1.0, "seed": 3 + i}
+        assert_same_draws(tiny_target.model, p, cheap[f"r{i}"], costly[f"r{i}"], params, i)
 
 
 def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, prompt_ids):
@@ -173,7 +168,6 @@ def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, pr
     probability p(argmax), small for this model's flat distributions."""
     from server.config import Settings
     from server.engine.engine import Engine
-    from tests.test_engine import _at_a_cdf_tie
 
     engine = Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16),
                     cost=FixedCosts(draft={"draft": 0.01}))
@@ -181,21 +175,16 @@ def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, pr
         engine.planner.policy.observe("history", "draft", 4, 4, sampled=True)
     reqs = [request(f"r{i}", p, "auto", 4, temperature=1.0, seed=7 + i, max_tokens=24)
             for i, p in enumerate(prompt_ids)]
-    stats = final_stats(engine, reqs)
+    got, stats = run_with_stats(engine, reqs)
     drafted = sum(s.by_proposer["draft"].draft_tokens for s in stats.values() if "draft" in s.by_proposer)
     kept = sum(s.by_proposer["draft"].accepted_tokens for s in stats.values() if "draft" in s.by_proposer)
     assert drafted > 50 and kept >= 0.9 * drafted
     plain = Engine(tiny_target, None, Settings.load())
     want = run(plain, [request(r.request_id, r.prompt_token_ids, "none", temperature=1.0, seed=7 + i, max_tokens=24)
                        for i, r in enumerate(reqs)])
-    got = run(Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16),
-                     cost=FixedCosts(draft={"draft": 0.01})), reqs)
-    for i, p in enumerate(prompt_ids):  # the same text, up to a draw within float noise of a token boundary
-        a, b = got[f"r{i}"], want[f"r{i}"]
-        first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        if first is not None:
-            params = {"temperature": 1.0, "top_p": 1.0, "seed": 7 + i}
-            assert _at_a_cdf_tie(tiny_target.model, p, b[:first], (a[first], b[first]), params), (i, first)
+    for i, p in enumerate(prompt_ids):
+        params = {"temperature": 1.0, "top_p": 1.0, "seed": 7 + i}
+        assert_same_draws(tiny_target.model, p, got[f"r{i}"], want[f"r{i}"], params, i)
 
 
 def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):

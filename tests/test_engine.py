@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import request, run
+from tests.engine_helpers import assert_same_draws, request, run
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -145,27 +145,7 @@ def test_a_seed_samples_the_same_text_whatever_the_ngram_drafts(tiny_engine_fact
                              ("ngram", 4, True), ("auto", 8, True)]:
         got = sampled(method, k, batch)
         assert len(got) == len(reference)
-        first = next((i for i, (a, b) in enumerate(zip(got, reference, strict=True)) if a != b), None)
-        if first is not None:
-            assert _at_a_cdf_tie(tiny_target.model, prompt_ids[1], reference[:first], (got[first], reference[first]),
-                                 params), (method, k, batch, first)
-
-
-def _at_a_cdf_tie(model, prompt: list[int], prefix: list[int], tokens: tuple[int, int], params: dict) -> bool:
-    """Whether the seeded request's draw for the token after `prefix` lies within float noise of the
-    CDF boundary between `tokens` (a plain, cache-free forward recomputes p; each emitted token of a
-    sampled n-gram row consumes one uniform of the request's generator, in order)."""
-    from server.sampling import BatchSampling, probabilities
-    from server.types import SamplingParams
-
-    sp = SamplingParams(temperature=params["temperature"], top_p=params["top_p"])
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + prefix])).logits[:, -1:]
-    cdf = probabilities(logits, BatchSampling.from_params([sp], logits.device))[0, 0].cumsum(-1)
-    gen = torch.Generator().manual_seed(params["seed"])
-    u = [torch.rand(1, generator=gen) for _ in range(len(prefix) + 1)][-1].item() * cdf[-1].item()
-    low, high = sorted(tokens)  # tokens between them may hold float-noise mass (1e-8): the boundary is one
-    return cdf[high - 1].item() - cdf[low].item() < 1e-5 and abs(cdf[low].item() - u) < 1e-5
+        assert_same_draws(tiny_target.model, prompt_ids[1], got, reference, params, (method, k, batch))
 
 
 def test_bad_requests_are_refused_with_a_message(tiny_engine_factory, prompt_ids):
