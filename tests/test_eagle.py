@@ -158,20 +158,29 @@ def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_en
     fresh = eagle_engine(prefix_cache_memory="none")
     fresh.add_request(request("b", turn, "eagle", 4, max_tokens=8))
     assert engine.running["b"].stats.cached_tokens > len(first)  # part of the answer came from the cache too
+    assert engine.running["b"].prefill  # the uncached tail rides with the first step, which cannot draft
+    nxt = [[t for o in e.step().outputs for t in o.token_ids] for e in (engine, fresh)]
+    assert nxt[0] == nxt[1] and len(nxt[0]) == 1
     got, want = (e.planner.proposers["eagle"].pending["b"] for e in (engine, fresh))
-    assert got.tokens == want.tokens == turn[1:]  # a pair (x_t's feature, x_t+1) per prefilled token
+    # a pair (x_t's feature, x_t+1) per prompt token but the last, then (last's feature, the first output)
+    assert got.tokens == want.tokens == [*turn[1:], *nxt[0]]
     torch.testing.assert_close(torch.cat(got.features), torch.cat(want.features), atol=1e-4, rtol=1e-4)
 
 
 def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagle_engine, prompt_ids):
     """What the planner reads before timing the head (`Proposer.backlog`): a joining row has every pair of
-    its prompt to take in; once it drafts every step, only the pairs of the step before, which the first
-    draft forward takes in anyway; after a step without the head, those pairs are a backlog again."""
+    its prompt to take in (a short prompt's, once the first step computed it with the row's last token);
+    once it drafts every step, only the pairs of the step before, which the first draft forward takes in
+    anyway; after a step without the head, those pairs are a backlog again."""
     engine = eagle_engine()
     proposer = engine.planner.proposers["eagle"]
     engine.add_request(request("r", prompt_ids[3], "eagle", 4, max_tokens=40))
-    assert proposer.backlog(["r"]) == len(prompt_ids[3]) - 1  # one pair per prefilled prompt token
+    assert engine.running["r"].prefill and proposer.backlog(["r"]) == 0  # its prompt rides with the first step
+    engine.step()  # no draft yet: the target had no features of the prompt
+    assert engine.running["r"].stats.by_proposer.get("eagle") is None
+    assert proposer.backlog(["r"]) == len(prompt_ids[3])  # one pair per prompt token but the last, and the output's
     engine.step()  # the first draft took them in
+    assert engine.running["r"].stats.by_proposer["eagle"].draft_tokens > 0
     assert proposer.backlog(["r"]) == 0
     seq = engine.running["r"]
     hidden = torch.zeros(1, proposer.head.config.hidden_size)

@@ -170,10 +170,10 @@ class Engine:
             if seq.request_id in self.running:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
         leaders, followers = self._followers(seqs)
-        self._join(leaders)
+        self._join(leaders, ride=not followers)  # followers read the leaders' prompts from the cache
         if followers:
             try:
-                self._join(followers)
+                self._join(followers, ride=True)
             except BaseException:
                 self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
                 raise
@@ -191,16 +191,27 @@ class Engine:
             seen.update(first)
         return leaders, followers
 
-    def _join(self, seqs: list[Sequence]) -> None:
-        """Prefill `seqs` together (loading what the prefix cache holds of each) and tell the planner."""
+    def _join(self, seqs: list[Sequence], ride: bool = True) -> None:
+        """Prefill `seqs` together (loading what the prefix cache holds of each) and tell the planner.
+
+        When `ride` and the target's passes are packed (only real tokens computed), a prompt whose tail
+        after the cached prefix is short (`RIDE_TOKENS`) is not prefilled now: the tail rides with the
+        row's first step (`Sequence.prefill`), whose verify pass computes it before the row's last prompt
+        token and drafts. That saves the row a pass of its own: a request whose prompt is mostly cached
+        (an agent's next turn, a chat's next message) starts drafting in the pass that prefills it. Not
+        with a KV budget, whose reservations count one step's columns per row (`ROW_SLACK`)."""
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
         prefixes = None
         features = self.planner.needs_hidden  # proposers that read the target's features get every prompt token's
+        found: list[list] = [[] for _ in seqs]
         if self.prefixes is not None:
             found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
             prefixes = [prefix_cache.concat(blocks) if blocks else None for blocks in found]
-        hidden = self.runner.join(ids, prompts, hidden=features, prefixes=prefixes)  # of the tokens computed now
+        cached = [kv[0].shape[2] if kv is not None else 0 for kv in prefixes or [None] * len(seqs)]
+        ride = ride and self.runner.packs and self.kv_slots is None
+        now = [p[:c] if ride and 0 < len(p) - c <= RIDE_TOKENS else p for p, c in zip(prompts, cached, strict=True)]
+        hidden = self.runner.join(ids, now, hidden=features, prefixes=prefixes)  # of the tokens computed now
         if hidden is not None and self.prefixes is not None:  # the cached prefix's features, then those
             hidden = [torch.cat([prefix_cache.concat_features(blocks), h]) if blocks else h
                       for blocks, h in zip(found, hidden, strict=True)]
@@ -212,13 +223,14 @@ class Engine:
             self.planner.leave(seqs)  # all or nothing: no half-joined rows stay behind
             self.runner.leave(set(ids))
             raise
-        for seq, prompt, kv in zip(seqs, prompts, prefixes or [None] * len(seqs), strict=True):
+        for seq, prompt, computed, c in zip(seqs, prompts, now, cached, strict=True):
             self.running[seq.request_id] = seq
-            seq.stats.cached_tokens = kv[0].shape[2] if kv is not None else 0
-            self._cached_tokens += seq.stats.cached_tokens
-            self._prefill_tokens += len(prompt) - seq.stats.cached_tokens
-            if self.prefixes is not None:  # now, not at leave: requests arriving meanwhile share the prompt
-                self._remember(seq)
+            seq.stats.cached_tokens = c
+            seq.prefill = prompt[len(computed):]
+            self._cached_tokens += c
+            self._prefill_tokens += len(prompt) - c
+            if self.prefixes is not None and not seq.prefill:  # now, not at leave: requests arriving meanwhile
+                self._remember(seq)  # share the prompt (a riding row's, once its first step computed it)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a running request now (its client is gone: no output is produced for it)."""
@@ -365,16 +377,20 @@ class Engine:
         in `hold`. Changes only what `_Checkpoint` restores (caches, proposers, generators)."""
         plan = self.planner.plan(seqs, hold)  # propose
         active = [b for b, s in enumerate(seqs) if s.request_id not in hold]
-        # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions.
-        fed = [[seq.last_token, *row.drafts] if seq.request_id not in hold else []
+        # Verify every row's drafts in one target pass: feed [last, d_1..d_k], score k+1 positions (a
+        # riding row feeds its prompt's tail first: [tail, last, d_1..d_k], scored at the same k+1).
+        fed = [[*seq.prefill, seq.last_token, *row.drafts] if seq.request_id not in hold else []
                for seq, row in zip(seqs, plan.rows, strict=True)]
+        riding = any(seqs[b].prefill for b in active)
+        scored = [len(row.drafts) + 1 if f else 0 for f, row in zip(fed, plan.rows, strict=True)] if riding else None
         started = time.perf_counter()
-        out = self.runner.forward(fed, hidden=self.planner.needs_hidden)
+        out = self.runner.forward(fed, hidden=self.planner.needs_hidden, scored=scored)
         rows = [plan.rows[b] for b in active]
         kept = [seqs[b] for b in active]
         drafts = [r.drafts for r in rows]
         # Row after row, each active row's k + 1 verify positions: what follows costs the computed tokens.
-        logits, hidden = out.of_rows(active)  # [positions, vocab], [positions, hidden]
+        logits, hidden = out.of_rows(active)  # [positions, vocab], [fed positions, hidden]
+        fed_at = row_bounds([[*seqs[b].prefill, *d] for b, d in zip(active, drafts, strict=True)])  # rows in hidden
         sampling = BatchSampling.from_params(
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],
@@ -389,11 +405,13 @@ class Engine:
         # The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
         seconds = elapsed_since(started, self.device)
         # A thread-count probe times another configuration: the governor compares it, the cost model skips it.
+        # A pass that also prefilled (riding rows) is no verify pass of its width: neither learns from it.
         probe = self.threads is not None and self.threads.probing
-        predicted = self.planner.observe_verify(out.computed, seconds, record=not probe, rows=len(active))
+        predicted = self.planner.observe_verify(out.computed, seconds, record=not probe and not riding,
+                                                rows=len(active))
         if self.threads is not None:
-            self.threads.observe(seconds, predicted)
-        return _Verified(active, kept, rows, logits, hidden, bounds, verdict.accepted, verdict.tokens)
+            self.threads.observe(seconds, None if riding else predicted)
+        return _Verified(active, kept, rows, logits, hidden, bounds, fed_at, verdict.accepted, verdict.tokens)
 
     def _commit(
         self, v: _Verified, outputs: list[RequestOutput], failed: dict[str, Exception]
@@ -406,7 +424,8 @@ class Engine:
             try:
                 k, accepted, emitted = len(row.drafts), v.accepted[i], v.tokens[i]
                 self.runner.rollback(b, k - accepted)  # the one place target rollback happens
-                hidden = v.hidden[at : at + accepted + 1] if v.hidden is not None else None  # the committed fed tokens
+                fed = v.fed_at[i]  # the committed fed tokens: a riding row's prompt tail, last, accepted drafts
+                hidden = v.hidden[fed : fed + len(seq.prefill) + accepted + 1] if v.hidden is not None else None
                 if seq.features is not None and hidden is not None:  # a copy: the view would keep the step's
                     seq.features.append(hidden.clone())  # whole hidden tensor alive; joined once, at `_remember`
                 self.planner.commit(seq, row, emitted, hidden)
@@ -418,6 +437,10 @@ class Engine:
                 if seq.grammar is not None:
                     emitted = self._follow_grammar(seq, emitted)
                 kept = self._append(seq, emitted)
+                if seq.prefill:  # the prompt is in the cache now
+                    seq.prefill = []
+                    if self.prefixes is not None:
+                        self._remember(seq)
                 output = self._output(seq, emitted[:kept], logprobs[:kept] if logprobs is not None else None,
                                       sources[:kept])
             except Exception as exc:
@@ -531,6 +554,8 @@ class Engine:
         )
 
 
+RIDE_TOKENS = 128  # the longest prompt tail that rides with a row's first step (`Engine._join`): beyond it, the
+# rows already decoding would attend padded to it for a pass's worth of tokens (attention is padded: attention.py)
 ROW_SLACK = 33  # KV columns a row may need beyond its prompt + max_tokens: one step's (K <= 32, + 1)
 FAULTY_STEPS = 3  # consecutive steps in which every row failed: the engine, not its requests, is broken
 
@@ -547,8 +572,9 @@ class _Verified:
     seqs: list[Sequence]
     rows: list[RowPlan]
     logits: torch.Tensor  # [positions, vocab]: row i's k_i + 1 verify positions, row after row
-    hidden: torch.Tensor | None  # [positions, hidden] when a proposer reads the target's features
-    bounds: list[int]  # row i's verify positions in logits and hidden: bounds[i]:bounds[i + 1]
+    hidden: torch.Tensor | None  # [fed positions, hidden] when a proposer reads the target's features
+    bounds: list[int]  # row i's verify positions in logits: bounds[i]:bounds[i + 1]
+    fed_at: list[int]  # row i's fed positions in hidden: fed_at[i]:fed_at[i + 1] (a riding row's tail first)
     accepted: list[int]
     tokens: list[list[int]]  # emitted: accepted drafts + the recovered or bonus token
 

@@ -23,6 +23,10 @@ class Sequence:
     # The target's final-norm features of the fed tokens, in pieces, kept for the prefix cache when a
     # proposer reads them (engine.py `_remember`); None otherwise.
     features: list[torch.Tensor] | None = None
+    # Prompt tokens the target has not computed yet (between the cached or prefilled ones and the last): a
+    # short prompt tail rides with the row's first step, fed before `last_token` in its verify pass
+    # (engine.py `_join`), and is cleared when that step commits.
+    prefill: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -50,6 +54,11 @@ class Sequence:
     def last_token(self) -> int:
         """The newest token: committed, but not yet fed to the target (each step feeds it first)."""
         return self.output_ids[-1] if self.output_ids else self.request.prompt_token_ids[-1]
+
+    @property
+    def prefilling(self) -> bool:
+        """The row's next step also computes prompt tokens: the target has no features of them yet."""
+        return bool(self.prefill)
 
     @property
     def remaining(self) -> int:

@@ -262,7 +262,8 @@ class LeanForward:
         input_ids: torch.Tensor | None = None,  # [batch, W] or [1, N]
         inputs_embeds: torch.Tensor | None = None,  # [batch, W, hidden] or [1, N, hidden]
         packing: Packing | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | None = 0,  # transformers' meaning (0: every position, n: the last n); None: no LM head
+        logits_index: torch.Tensor | None = None,  # or the LM head on these flat positions only: logits [1, M, vocab]
         output_hidden_states: bool = False,
         use_cache: bool = True,  # the runner always writes the cache: accepted for transformers' keywords
     ) -> LeanOutput:
@@ -293,6 +294,8 @@ class LeanForward:
         if states is not None:
             states.append(x)
         logits = None
-        if self.lm_head is not None:
+        if self.lm_head is not None and logits_index is not None:
+            logits = self.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, logits_index))[None]
+        elif self.lm_head is not None and logits_to_keep is not None:
             logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
         return LeanOutput(logits, tuple(states) if states is not None else None, x)

@@ -42,6 +42,9 @@ class ForwardOutput:
     index: tuple[tuple[int, ...], ...]  # per row, the flat rows of its fed positions
     width: int  # the widest row
     pack: Packing | None  # how the tokens were packed; None when every row was padded to `width`
+    # per row, the flat rows of `flat_logits` for its scored positions, when a forward scored only each
+    # row's last positions (`ModelRunner.forward(scored=...)`); None: logits share `index`
+    logit_index: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def computed(self) -> int:
@@ -56,6 +59,7 @@ class ForwardOutput:
 
     @cached_property
     def logits(self) -> torch.Tensor | None:
+        assert self.logit_index is None, "a forward that scored some positions only: read `of_rows`"
         return self.padded(self.flat_logits) if self.flat_logits is not None else None
 
     @cached_property
@@ -67,16 +71,11 @@ class ForwardOutput:
         return {i: self.padded(x) for i, x in self.flat_layers.items()}
 
     def of_rows(self, rows: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, hidden) of `rows`' fed positions, row after row ([sum of their inputs, ...]): the flat
-        tensors themselves when that is their order already (every row fed W tokens), else one gather."""
-        order = [i for b in rows for i in self.index[b]]
-        flat = self.flat_logits if self.flat_logits is not None else self.flat_hidden
-        if flat is None or order == list(range(len(flat))):
-            return self.flat_logits, self.flat_hidden
-        take = torch.tensor(order, device=flat.device)
-        logits, hidden = self.flat_logits, self.flat_hidden
-        return (logits.index_select(0, take) if logits is not None else None,
-                hidden.index_select(0, take) if hidden is not None else None)
+        """(logits, hidden) of `rows`' fed positions, row after row ([sum of their inputs, ...]; logits of
+        the scored positions only when the forward scored some): the flat tensors themselves when that is
+        their order already (every row fed W tokens), else one gather."""
+        return (_rows_of(self.flat_logits, self.logit_index or self.index, rows),
+                _rows_of(self.flat_hidden, self.index, rows))
 
 
 class ModelRunner:
@@ -118,12 +117,20 @@ class ModelRunner:
     # ---- the forward pass ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, inputs: Inputs, *, logits: bool = True, hidden: bool = False, layers: tuple[int, ...] = ()
+        self,
+        inputs: Inputs,
+        *,
+        logits: bool = True,
+        hidden: bool = False,
+        layers: tuple[int, ...] = (),
+        scored: Sequence[int] | None = None,
     ) -> ForwardOutput:
         """Append `inputs[b]` to row b for every row; return what was asked for every fed position.
 
-        `logits=False` runs the LM head on one position only (prefill) and returns no logits. Rows that
-        feed different numbers of tokens are packed when the model's attention allows it (see
+        `logits=False` runs no LM head (prefill) and returns no logits. `scored[b]`: the LM head runs on
+        row b's last `scored[b]` positions only (a verify pass whose rows also feed prompt tokens: their
+        logits are never read); `of_rows` then gives those positions' logits. Rows that feed different
+        numbers of tokens are packed when the model's attention allows it (see
         `server/model/attention.py`): only real tokens are computed; the outputs come back padded.
         """
         kv = self.kv
@@ -136,19 +143,25 @@ class ModelRunner:
         if not self.has_lm_head and logits:
             raise ValueError("this model has no LM head: ask for hidden states, not logits")
         kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
-        # a prefill (logits=False with an LM head) keeps only the last position's logits: never packed
-        packable = self.packs and (logits or not self.has_lm_head) and min(counts) < width
-        pack = Packing.of(counts, self.device) if packable else None
+        pack = Packing.of(counts, self.device) if self.packs and min(counts) < width else None
         want_states = bool(layers) or (hidden and self.has_lm_head)
-        extra = {"logits_to_keep": 0 if logits else 1} if self.has_lm_head else {}
         if pack is not None:
-            extra["packing"] = pack
             feed = self._feed_packed(inputs, pack)
             position_ids = (torch.tensor(kv.positions, device=self.device)[pack.rows] + pack.steps)[None]  # [1, N]
         else:
             feed = self._feed(inputs, width)
             steps = torch.arange(width, device=self.device)
             position_ids = torch.tensor(kv.positions, device=self.device)[:, None] + steps[None, :]  # [batch, W]
+        if pack is not None:
+            index = pack.index()
+        else:
+            index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
+        logit_index = None
+        if logits and scored is not None:
+            logit_index = tuple(rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True))
+        extra = self._head_keywords(logits, logit_index)
+        if pack is not None:
+            extra["packing"] = pack
         kv.packing = pack
         try:
             out = self.call(
@@ -166,18 +179,37 @@ class ModelRunner:
         states = out.hidden_states if want_states else None
         final = (states[-1] if self.has_lm_head else out.last_hidden_state) if hidden else None
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [batch, W, ...] or [1, N, ...] -> [N, ...]
-        if pack is not None:
-            index = pack.index()
-        else:
-            index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
+        flat_logits = flat(out.logits.float()) if logits else None
+        if logit_index is not None:
+            if not isinstance(self.call, LeanForward):  # transformers' forward scored every position
+                flat_logits = flat_logits.index_select(0, torch.tensor([i for r in logit_index for i in r]))
+            # the scored positions come back in row order: renumber them
+            starts = [0]
+            for rows in logit_index:
+                starts.append(starts[-1] + len(rows))
+            logit_index = tuple(tuple(range(a, b)) for a, b in zip(starts, starts[1:], strict=False))
         return ForwardOutput(
-            flat_logits=flat(out.logits.float()) if logits else None,
+            flat_logits=flat_logits,
             flat_hidden=flat(final) if final is not None else None,
             flat_layers={i: flat(states[i]) for i in layers} if states is not None else {},
             index=index,
             width=width,
             pack=pack,
+            logit_index=logit_index,
         )
+
+    def _head_keywords(self, logits: bool, logit_index: tuple[tuple[int, ...], ...] | None) -> dict:
+        """The forward's keywords for its LM head: none at all without logits (`LeanForward`; transformers'
+        forward scores its last position), the scored positions only when `logit_index` is given."""
+        if not self.has_lm_head:
+            return {}
+        if isinstance(self.call, LeanForward):
+            if not logits:
+                return {"logits_to_keep": None}
+            if logit_index is not None:
+                return {"logits_index": torch.tensor([i for r in logit_index for i in r], device=self.device)}
+            return {}
+        return {"logits_to_keep": 0 if logits else 1}
 
     def _feed(self, inputs: Inputs, width: int) -> dict[str, torch.Tensor]:
         """Token ids [batch, W] or input embeddings [batch, W, hidden], zero-padded past each row's inputs."""
@@ -259,6 +291,16 @@ class ModelRunner:
     def rollback(self, row: int, num_tokens: int) -> None:
         """Forget row `row`'s last `num_tokens` tokens (see `BatchKV.rollback`)."""
         self.kv.rollback(row, num_tokens)
+
+
+def _rows_of(flat: torch.Tensor | None, index: tuple[tuple[int, ...], ...], rows: Sequence[int]) -> torch.Tensor | None:
+    """`flat`'s rows listed in `index` for `rows`, row after row (`flat` itself when already in that order)."""
+    if flat is None:
+        return None
+    order = [i for b in rows for i in index[b]]
+    if order == list(range(len(flat))):
+        return flat
+    return flat.index_select(0, torch.tensor(order, device=flat.device))
 
 
 def _unpack(flat: torch.Tensor, pack: Packing) -> torch.Tensor:

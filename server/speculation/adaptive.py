@@ -658,16 +658,17 @@ class AdaptivePolicy:
         rows: int = 1,
         offers: dict[str, Offer] | None = None,
         sampled: bool = False,
+        exclude: frozenset[str] = frozenset(),
     ) -> Choice:
         """Pick (proposer, K) for one of `rows` sequences in the batch. `offers`: what each lookahead
         proposer has ready for this row. `sampled`: the request samples (temperature > 0) rather than
-        decoding greedily."""
+        decoding greedily. `exclude`: proposers that cannot draft for the row this step."""
         offers = offers or {}
         state = self.seqs.setdefault(request_id, _SeqState())
         state.steps += 1
         best = Choice(None, 0, 1.0)
         for name in self.traits:
-            if not self.usable(name, offers):
+            if name in exclude or not self.usable(name, offers):
                 continue
             offer = offers.get(name, Offer(k_max))
             limit = min(k_max, offer.drafts)
@@ -680,7 +681,8 @@ class AdaptivePolicy:
         # In a padded batch, one row's lone probe widens the verify pass for every row, which costs
         # far more than its share: there, rows draft only within the batch's width (`batch_width`).
         if best.proposer is None and k_max and (rows == 1 or self.packed):
-            costs = {m: self.method_costs(m, rows, 1)[0] for m in self.traits if self.usable(m, offers)}
+            costs = {m: self.method_costs(m, rows, 1)[0] for m in self.traits
+                     if m not in exclude and self.usable(m, offers)}
             best = self._probe(state, costs, k_max) or best
         if best.proposer is not None:
             state.last_used[best.proposer] = state.steps

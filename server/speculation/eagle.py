@@ -98,10 +98,11 @@ class EagleProposer(ModelProposer):
         assert prompt_hidden is not None, "the eagle proposer needs the target's hidden states"
         for seq, hidden in zip(seqs, prompt_hidden, strict=True):
             tokens = seq.tokens  # at join, the prompt
-            # hidden row t is the target's feature at prompt token t (t < n - 1, cached prefix included): its
-            # pair is token t + 1
-            assert hidden.shape[0] == len(tokens) - 1, "a feature for every prefilled prompt token"
-            self.pending[seq.request_id] = _Pending([hidden], list(tokens[1:]))
+            # hidden row t is the target's feature at prompt token t (t < m <= n - 1, cached prefix included):
+            # its pair is token t + 1; the features of a tail computed with the first step come at commit
+            m = hidden.shape[0]
+            assert m <= len(tokens) - 1, "a feature for each prefilled prompt token, at most"
+            self.pending[seq.request_id] = _Pending([hidden], list(tokens[1 : m + 1]))
 
     @staticmethod
     def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:
@@ -159,11 +160,14 @@ class EagleProposer(ModelProposer):
 
     # ---- after verification ----------------------------------------------------------------------
     def commit(self, seq: SequenceView, drafts: list[int], emitted: list[int], hidden: torch.Tensor | None) -> None:
-        assert hidden is not None and hidden.shape[0] == len(emitted)
+        # hidden: the committed fed tokens' features; a step that also computed the prompt's tail has its
+        # features first, each paired with the prompt token after it (the prompt's last `tail` tokens)
+        tail = hidden.shape[0] - len(emitted) if hidden is not None else -1
+        assert tail >= 0 and (tail == 0 or len(seq.tokens) > tail)
         rid = seq.request_id
         if drafts:  # the cache holds the pairs of d_1..d_{k-1} with predicted features: replace them
             self.runner.rollback(self.runner.kv.index(rid), len(drafts) - 1)
         self._committed(rid, bool(drafts))
         pending = self.pending[rid]
-        pending.features.append(hidden)  # real features of the fed tokens that were committed...
-        pending.tokens += emitted  # ...each paired with the token that followed it
+        pending.features.append(hidden)  # real features of the fed tokens that were committed, each paired
+        pending.tokens += [*seq.tokens[len(seq.tokens) - tail :], *emitted] if tail else emitted  # with the next token

@@ -38,6 +38,8 @@ class PlannedSequence(SequenceView, Protocol):
     def num_drafts(self) -> int: ...  # the most drafts this step may carry
     @property
     def grammar(self) -> Constraint | None: ...  # the request's grammar (constrained decoding), or None
+    @property
+    def prefilling(self) -> bool: ...  # this step also computes prompt tokens: no target features of them yet
 
 
 class Constraint(Protocol):
@@ -211,14 +213,17 @@ class Planner:
         k_max = seq.num_drafts()
         if seq.mode == PLAIN or k_max == 0:
             return None, 0
+        # a row whose prompt is still being computed has no target features for a proposer that reads them
+        blind = frozenset(n for n, p in self.proposers.items() if p.traits.needs_hidden and seq.prefilling)
         if seq.mode != AUTO:
-            return seq.mode, k_max
+            return (None, 0) if seq.mode in blind else (seq.mode, k_max)
         choice: Choice = self.policy.choose(
             seq.request_id,
             k_max,
             rows=batch,
             offers={name: Offer(len(d), level) for name, (d, level) in offers.items()},
             sampled=seq.sampled,
+            exclude=blind,
         )
         return choice.proposer, choice.k
 

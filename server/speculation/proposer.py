@@ -4,17 +4,22 @@ A proposer drafts tokens for the sequences that use it; the target verifies them
 The planner (`planner.py`) is the only caller. Per sequence, in order:
 
 1. `join(seqs, prompt_hidden)`: once, before its first step. `prompt_hidden[i]` holds the target's
-   hidden states of seqs[i]'s prefilled tokens (every prompt token but the last), when the proposer's
-   traits ask for them (`needs_hidden`), else None; a prefix whose keys and values came from the prefix
-   cache (server/model/prefix_cache.py) comes with the features stored beside them.
+   hidden states of seqs[i]'s prefilled tokens (the prompt's first m, m <= all but the last), when the
+   proposer's traits ask for them (`needs_hidden`), else None; a prefix whose keys and values came from
+   the prefix cache (server/model/prefix_cache.py) comes with the features stored beside them. When m
+   falls short, the rest of the prompt (but the last token) is computed with the row's first step
+   (server/engine/engine.py `_join`): a proposer that needs hidden states is not asked to draft for the
+   row before that step commits.
 2. Each step, `propose(seqs, ks)`: up to ks[i] draft tokens for seqs[i] (ks[i] may be 0: the row
    drafts nothing this step but is still asked, so a batched proposer's rows stay aligned).
 3. After verification, `commit(seq, drafts, emitted, hidden)`: `drafts` are the tokens this proposer
    offered for seq this step ([] when another proposer drafted or none did), `emitted` the accepted
    prefix of them plus the recovered or bonus token. `hidden` (when asked for) holds the target's hidden
    states of the fed tokens that are now committed: the step's first fed token (the sequence's last
-   token before the step) and the accepted drafts, [len(emitted), hidden]. Called before the tokens are
-   appended to seq (a stop may drop some of them from the output afterwards).
+   token before the step) and the accepted drafts, [len(emitted), hidden], after those of the prompt
+   tokens this step computed, if any (the t prompt tokens before the last one, whose features `join`
+   did not get: [t + len(emitted), hidden]). Called before the tokens are appended to seq (a stop may
+   drop some of them from the output afterwards).
 4. `leave(request_ids)`: finished or aborted.
 
 `backlog(request_ids)`, asked before `propose` by the planner when it times a proposer: how many tokens
