@@ -73,6 +73,55 @@ def test_joining_a_running_batch_gives_the_same_output_as_alone(tiny_engine_fact
     assert got == greedy_reference
 
 
+def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prompt_ids, greedy_reference, monkeypatch):
+    """A prompt tail the prefix cache does not hold is computed by the row's first verify pass (before
+    its last prompt token and its drafts) instead of by a prefill pass of its own: one target pass fewer
+    per request, the same tokens, also for a row joining a running batch. A tail longer than
+    `RIDE_TOKENS`, or any tail under a KV budget (whose reservations count one step's columns), is
+    prefilled at join as before."""
+    from server.engine import engine as engine_module
+    from server.model.runner import ModelRunner
+
+    passes: list[int] = []  # tokens fed by each target pass
+    forward = ModelRunner.forward
+
+    def counted(self, inputs, **kw):
+        if self.model is target_model:
+            passes.append(sum(len(x) for x in inputs))
+        return forward(self, inputs, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward", counted)
+    engine = tiny_engine_factory()
+    target_model = engine.target.model
+    engine.add_request(request("r3", prompt_ids[3], "ngram", 4))
+    assert passes == [] and engine.running["r3"].prefill == prompt_ids[3][:-1]
+    got: dict[str, list[int]] = {"r3": [], "r4": []}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 2:
+            engine.add_request(request("r4", prompt_ids[4], "ngram", 4))  # joins the running batch: rides too
+            assert engine.running["r4"].prefill == prompt_ids[4][:-1]
+        for out in engine.step().outputs:
+            got[out.request_id] += out.token_ids
+        steps += 1
+    assert len(passes) == steps  # neither prompt had a pass of its own
+    assert passes[0] >= len(prompt_ids[3]) and passes[2] >= len(prompt_ids[4]) + 1
+    assert got == {rid: greedy_reference[rid] for rid in got}
+
+    short = len(prompt_ids[3]) - 2  # the tail is one token longer
+    cases = (({"prefix_cache_memory": "none"}, short), ({"kv_cache_memory": "64MiB"}, engine_module.RIDE_TOKENS))
+    for settings, ride in cases:
+        monkeypatch.setattr(engine_module, "RIDE_TOKENS", ride)
+        other = tiny_engine_factory(**settings)
+        passes.clear()
+        other.add_request(request("r3", prompt_ids[3], "ngram", 4))
+        assert passes == [len(prompt_ids[3]) - 1] and not other.running["r3"].prefill  # prefilled at join
+        tokens = []
+        while other.has_unfinished():
+            tokens += [t for out in other.step().outputs for t in out.token_ids]
+        assert tokens == greedy_reference["r3"]
+
+
 def test_abort_frees_the_slot_at_once(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory()
     engine.add_request(request("a", prompt_ids[0], "draft", 3, max_tokens=50))

@@ -182,7 +182,8 @@ class ModelRunner:
         flat_logits = flat(out.logits.float()) if logits else None
         if logit_index is not None:
             if not isinstance(self.call, LeanForward):  # transformers' forward scored every position
-                flat_logits = flat_logits.index_select(0, torch.tensor([i for r in logit_index for i in r]))
+                take = torch.tensor([i for r in logit_index for i in r], device=flat_logits.device)
+                flat_logits = flat_logits.index_select(0, take)
             # the scored positions come back in row order: renumber them
             starts = [0]
             for rows in logit_index:
