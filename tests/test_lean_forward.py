@@ -82,6 +82,28 @@ def test_lean_steps_equal_transformers_padded_and_packed(make, pack):
 
 
 @pytest.mark.parametrize("pack", PACKS, ids=["dense", "onednn"])
+@pytest.mark.parametrize("make", [lambda: _ready(tiny_llama(1000, layers=3)), _qwen2], ids=["llama", "qwen2"])
+def test_a_forward_scores_only_the_positions_asked_for(make, pack):
+    """A verify pass whose rows also feed prompt tokens (engine.py: a riding prompt tail) scores each
+    row's last `scored[b]` positions only: the same logits as a full forward's there, row after row, in
+    the lean forward and in transformers'; hidden states for every fed position as before."""
+    model = make()
+    lean, reference, _, _ = _pair(model, [[5, 17, 99, 4], [7, 8], [300, 301, 302]], pack)
+    close = functools.partial(_close, packed=pack)
+    fed, scored = [[11, 12, 13], [14, 15], [16]], [1, 2, 0]
+    full = lean.forward(fed, hidden=True)
+    for b, x in enumerate(fed):
+        lean.rollback(b, len(x))
+    want = torch.cat([full.logits[0, 2:3], full.logits[1, 0:2]])
+    for runner in (lean, reference):
+        part = runner.forward(fed, hidden=True, scored=scored)
+        logits, hidden = part.of_rows([0, 1, 2])
+        assert logits.shape[0] == 3 and hidden.shape[0] == 6
+        close(logits, want)
+        close(hidden, full.of_rows([0, 1, 2])[1])
+
+
+@pytest.mark.parametrize("pack", PACKS, ids=["dense", "onednn"])
 @pytest.mark.parametrize("final_norm", ["rms", "identity"])
 def test_lean_base_model_from_embeddings_equals_transformers(final_norm, pack):
     """A draft head's decoder: a base model (no LM head, its final norm an identity) fed embeddings,
