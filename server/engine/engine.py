@@ -204,7 +204,6 @@ class Engine:
         ids = [s.request_id for s in seqs]
         prefixes = None
         features = self.planner.needs_hidden  # proposers that read the target's features get every prompt token's
-        found: list[list] = [[] for _ in seqs]
         if self.prefixes is not None:
             found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
             prefixes = [prefix_cache.concat(blocks) if blocks else None for blocks in found]
