@@ -10,6 +10,7 @@ and the rejection sampler decides what is kept (docs/design.md).
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import random
 import time
@@ -389,7 +390,7 @@ class Engine:
         drafts = [r.drafts for r in rows]
         # Row after row, each active row's k + 1 verify positions: what follows costs the computed tokens.
         logits, hidden = out.of_rows(active)  # [positions, vocab], [fed positions, hidden]
-        fed_at = row_bounds([[*seqs[b].prefill, *d] for b, d in zip(active, drafts, strict=True)])  # rows in hidden
+        fed_at = list(itertools.accumulate((len(fed[b]) for b in active), initial=0))  # row i's fed positions in hidden
         sampling = BatchSampling.from_params(
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
             eos_ids=self.eos_ids, prompts=[s.request.prompt_token_ids for s in kept],

@@ -11,6 +11,7 @@ features (EAGLE-style heads) get them from here through the engine.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -74,8 +75,9 @@ class ForwardOutput:
         """(logits, hidden) of `rows`' fed positions, row after row ([sum of their inputs, ...]; logits of
         the scored positions only when the forward scored some): the flat tensors themselves when that is
         their order already (every row fed W tokens), else one gather."""
-        return (_rows_of(self.flat_logits, self.logit_index or self.index, rows),
-                _rows_of(self.flat_hidden, self.index, rows))
+        order = [i for b in rows for i in self.index[b]]
+        scored = order if self.logit_index is None else [i for b in rows for i in self.logit_index[b]]
+        return _take(self.flat_logits, scored), _take(self.flat_hidden, order)
 
 
 class ModelRunner:
@@ -156,10 +158,11 @@ class ModelRunner:
             index = pack.index()
         else:
             index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
-        logit_index = None
+        logit_index, take = None, None
         if logits and scored is not None:
             logit_index = tuple(rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True))
-        extra = self._head_keywords(logits, logit_index)
+            take = torch.tensor([i for r in logit_index for i in r], device=self.device)  # the positions scored
+        extra = self._head_keywords(logits, take)
         if pack is not None:
             extra["packing"] = pack
         kv.packing = pack
@@ -182,13 +185,10 @@ class ModelRunner:
         flat_logits = flat(out.logits.float()) if logits else None
         if logit_index is not None:
             if not isinstance(self.call, LeanForward):  # transformers' forward scored every position
-                take = torch.tensor([i for r in logit_index for i in r], device=flat_logits.device)
                 flat_logits = flat_logits.index_select(0, take)
             # the scored positions come back in row order: renumber them
-            starts = [0]
-            for rows in logit_index:
-                starts.append(starts[-1] + len(rows))
-            logit_index = tuple(tuple(range(a, b)) for a, b in zip(starts, starts[1:], strict=False))
+            starts = list(itertools.accumulate((len(rows) for rows in logit_index), initial=0))
+            logit_index = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(starts))
         return ForwardOutput(
             flat_logits=flat_logits,
             flat_hidden=flat(final) if final is not None else None,
@@ -199,17 +199,15 @@ class ModelRunner:
             logit_index=logit_index,
         )
 
-    def _head_keywords(self, logits: bool, logit_index: tuple[tuple[int, ...], ...] | None) -> dict:
+    def _head_keywords(self, logits: bool, take: torch.Tensor | None) -> dict:
         """The forward's keywords for its LM head: none at all without logits (`LeanForward`; transformers'
-        forward scores its last position), the scored positions only when `logit_index` is given."""
+        forward scores its last position), the flat positions `take` only when given."""
         if not self.has_lm_head:
             return {}
         if isinstance(self.call, LeanForward):
             if not logits:
                 return {"logits_to_keep": None}
-            if logit_index is not None:
-                return {"logits_index": torch.tensor([i for r in logit_index for i in r], device=self.device)}
-            return {}
+            return {"logits_index": take} if take is not None else {}
         return {"logits_to_keep": 0 if logits else 1}
 
     def _feed(self, inputs: Inputs, width: int) -> dict[str, torch.Tensor]:
@@ -294,11 +292,10 @@ class ModelRunner:
         self.kv.rollback(row, num_tokens)
 
 
-def _rows_of(flat: torch.Tensor | None, index: tuple[tuple[int, ...], ...], rows: Sequence[int]) -> torch.Tensor | None:
-    """`flat`'s rows listed in `index` for `rows`, row after row (`flat` itself when already in that order)."""
+def _take(flat: torch.Tensor | None, order: list[int]) -> torch.Tensor | None:
+    """`flat`'s rows in `order` (`flat` itself when that is its order already)."""
     if flat is None:
         return None
-    order = [i for b in rows for i in index[b]]
     if order == list(range(len(flat))):
         return flat
     return flat.index_select(0, torch.tensor(order, device=flat.device))

@@ -85,6 +85,8 @@ class Planner:
     def __init__(self, ctx: BuildContext, registry: Registry = BUILTIN, cost: CostModel | None = None) -> None:
         built = {e.name: e.build(ctx) for e in registry.entries}
         self.proposers: dict[str, Proposer] = {name: p for name, p in built.items() if p is not None}
+        # proposers that read the target's features: none can draft for a row whose prompt is still being computed
+        self.hidden_readers = frozenset(name for name, p in self.proposers.items() if p.traits.needs_hidden)
         # A verify pass computes only real tokens when the target's forwards pack (model/attention.py).
         packed = packs(ctx.target.model)
         self.policy = AdaptivePolicy({name: p.traits for name, p in self.proposers.items()}, cost, packed)
@@ -105,7 +107,7 @@ class Planner:
 
     @property
     def needs_hidden(self) -> bool:
-        return any(p.traits.needs_hidden for p in self.proposers.values())
+        return bool(self.hidden_readers)
 
     # ---- membership --------------------------------------------------------------------------
     def join(self, seqs: list[PlannedSequence], prompt_hidden: list[torch.Tensor] | None) -> None:
@@ -213,8 +215,7 @@ class Planner:
         k_max = seq.num_drafts()
         if seq.mode == PLAIN or k_max == 0:
             return None, 0
-        # a row whose prompt is still being computed has no target features for a proposer that reads them
-        blind = frozenset(n for n, p in self.proposers.items() if p.traits.needs_hidden and seq.prefilling)
+        blind = self.hidden_readers if seq.prefilling else frozenset()
         if seq.mode != AUTO:
             return (None, 0) if seq.mode in blind else (seq.mode, k_max)
         choice: Choice = self.policy.choose(
