@@ -8,7 +8,7 @@ import torch
 
 from server.config import Settings
 from server.engine.engine import Engine
-from server.model.prefix_cache import BLOCK, PrefixCache, concat, concat_features
+from server.model.prefix_cache import BLOCK, PrefixCache, concat, concat_features, leading_states
 from server.model.runner import ModelRunner
 from tests.engine_helpers import final_stats, request, run
 from tests.test_kv_cache import clean_logits
@@ -106,6 +106,60 @@ def test_features_stored_with_a_prefix_come_back_with_it_and_a_block_without_the
     torch.testing.assert_close(concat_features(with_features), hidden[: 2 * BLOCK])
     cache.store(tokens, None, runner.kv.live(row), hidden)  # now the third block gets its features
     torch.testing.assert_close(concat_features(cache.match(tokens, None, features=True)), hidden[: 3 * BLOCK])
+
+
+def test_a_proposers_state_is_kept_per_block_and_added_to_blocks_stored_without_it(tiny_target):
+    """What a proposer computed of a prefix (a draft head's own keys and values) rides in the same blocks:
+    stored when it has it, added to blocks cached before it had, and handed back for the leading blocks
+    that hold it; its reader is not called when every block holds its state already."""
+    runner = ModelRunner(tiny_target.model)
+    cache = PrefixCache(64 << 20)
+    tokens = list(range(40, 40 + 3 * BLOCK + 3))
+    runner.join(["a"], [tokens])
+    row = runner.kv.index("a")
+    cache.store(tokens, None, runner.kv.live(row))  # the prompt, before the proposer computed anything
+    assert all(not b.states for b in cache.match(tokens, None))
+    before = cache.used_bytes
+    calls = []
+
+    def head(n: int) -> list[tuple[torch.Tensor, ...]]:  # it computed two blocks' worth of three
+        calls.append(n)
+        return [(torch.full((1, 2, BLOCK), float(i)),) for i in range(min(n, 2))]
+
+    assert cache.store(tokens, None, runner.kv.live(row), states={"head": head}) == 0  # no block added
+    assert calls == [3] and cache.used_bytes == before + 2 * 2 * BLOCK * 4
+    blocks = cache.match(tokens, None)
+    assert len(blocks) == 3 and [s[0][0, 0, 0].item() for s in leading_states(blocks, "head")] == [0.0, 1.0]
+    assert leading_states(blocks, "draft") == []
+    cache.store(tokens[: 2 * BLOCK], None, runner.kv.live(row), states={"head": head})
+    assert calls == [3]  # both blocks hold it: not read again
+
+
+def test_a_draft_model_starts_from_the_keys_and_values_it_computed_for_an_earlier_prompt(tiny_target, tiny_draft,
+                                                                                       prompt_ids):
+    """The draft model's cache is filled when a row first drafts with it: a prompt's blocks that an earlier
+    request's draft computed are loaded, not computed again, and it drafts what it would have."""
+    shared = prompt_ids[3] + prompt_ids[4] + prompt_ids[3]
+    engine = Engine(tiny_target, tiny_draft, Settings.load())
+    run(engine, [request("a", shared + prompt_ids[1], "draft", 4, max_tokens=12)])
+    fresh = Engine(tiny_target, tiny_draft, Settings.load(prefix_cache_memory="none"))
+    turn = shared + prompt_ids[2]
+    for e in (engine, fresh):
+        e.add_request(request("b", turn, "draft", 4, max_tokens=24))
+    drafts = [e.planner.proposers["draft"] for e in (engine, fresh)]
+    assert drafts[0]._loaded["b"][0].shape[2] == len(shared) // BLOCK * BLOCK
+    out: list[list[int]] = [[], []]
+    for e, got in zip((engine, fresh), out, strict=True):
+        got += [t for o in e.step().outputs for t in o.token_ids]
+        d = e.planner.proposers["draft"]
+        assert d.runner.kv.positions[d.runner.kv.index("b")] >= len(turn) - 1
+    rows = [d.runner.kv.live(d.runner.kv.index("b")) for d in drafts]
+    for cached, computed in zip(rows[0](0, len(turn) - 1), rows[1](0, len(turn) - 1), strict=True):
+        torch.testing.assert_close(cached, computed, atol=1e-4, rtol=1e-4)
+    for e, got in zip((engine, fresh), out, strict=True):
+        while e.has_unfinished():
+            got += [t for o in e.step().outputs for t in o.token_ids]
+    assert out[0] == out[1]
 
 
 def _engine(tiny_target, **overrides) -> Engine:

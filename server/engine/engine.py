@@ -203,7 +203,7 @@ class Engine:
         with a KV budget, whose reservations count one step's columns per row (`ROW_SLACK`)."""
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
-        prefixes = None
+        prefixes = found = None
         features = self.planner.needs_hidden  # proposers that read the target's features get every prompt token's
         if self.prefixes is not None:
             found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
@@ -218,7 +218,7 @@ class Engine:
             for seq, h in zip(seqs, hidden, strict=True):
                 seq.features = [h]
         try:
-            self.planner.join(seqs, hidden)
+            self.planner.join(seqs, hidden, found)
         except BaseException:
             self.planner.leave(seqs)  # all or nothing: no half-joined rows stay behind
             self.runner.leave(set(ids))
@@ -314,7 +314,8 @@ class Engine:
         features = torch.cat(seq.features) if seq.features else None  # one per fed token: the cache's live ones
         if seq.features and len(seq.features) > 1:
             seq.features = [features]  # stored again at leave: joined once
-        self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row), features)
+        states = self.planner.prefix_states(seq, self.prefixes.block)  # what proposers computed of it
+        self.prefixes.store(tokens, seq.cache_salt, self.runner.kv.live(row), features, states)
 
     # ---- one step, isolated: a row that fails takes no neighbour with it ------------------------
     def _isolated_step(self, outputs: list[RequestOutput], failed: dict[str, Exception]) -> list[SeqStepStats]:

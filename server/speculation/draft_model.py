@@ -31,6 +31,7 @@ class DraftModelProposer(ModelProposer):
         self.forwards = 0
         self.pending: dict[str, list[int]] = {}
         self._drafted_last = set()
+        self._loaded = {}
 
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:
         """Nothing is computed yet: a sequence is prefilled into the draft cache the first time it
@@ -39,8 +40,10 @@ class DraftModelProposer(ModelProposer):
             self.pending[s.request_id] = list(s.tokens)
 
     def _start(self, request_ids: list[str]) -> None:
-        """Prefill: all of a sequence's tokens but the last become cached."""
-        self.runner.join(request_ids, [self.pending[rid][:-1] for rid in request_ids])
+        """Prefill: all of a sequence's tokens but the last become cached (a prefix the prefix cache kept
+        is loaded, the rest computed)."""
+        self.runner.join(request_ids, [self.pending[rid][:-1] for rid in request_ids],
+                         prefixes=self._entering(request_ids))
         self.forwards += 1
         for rid in request_ids:
             self.pending[rid] = self.pending[rid][-1:]

@@ -87,11 +87,23 @@ class EagleProposer(ModelProposer):
         self.fr_logits = linear_kernel(head, pack, weight="lm_head_fr", bias=None)  # [..., H] -> [..., N]
         self.pending: dict[str, _Pending] = {}
         self._drafted_last = set()
+        self._loaded = {}
         self.forwards = 0
         self._empty = torch.zeros(0, head.config.hidden_size, device=head.embed_weight.device)
 
+    # The pair at cache position t holds the feature at t and token t + 1 (a prefix-cache block's pairs
+    # are those its tokens determine, from the one before its first token's).
+    reads_ahead = 1
+
     def _start(self, request_ids: list[str]) -> None:
-        self.runner.join(request_ids, [[] for _ in request_ids])  # empty rows: their pending pairs feed next
+        # rows with their loaded pairs only (`load_prefix`): their pending pairs feed next
+        self.runner.join(request_ids, [[] for _ in request_ids], prefixes=self._entering(request_ids))
+
+    def _skip(self, request_id: str, positions: int) -> None:
+        pending = self.pending[request_id]
+        feats, tokens = pending.take()
+        assert feats is not None and len(tokens) > positions, "a loaded prefix leaves the prompt's last pairs"
+        pending.features, pending.tokens = [feats[positions:]], tokens[positions:]
 
     # ---- membership --------------------------------------------------------------------------
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:

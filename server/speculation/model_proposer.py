@@ -1,13 +1,16 @@
 """What proposers that run a model of their own share (a draft model, a draft head): a batched KV
-cache entered lazily, the rows' order, the draft distribution q and one draft token per row."""
+cache entered lazily (starting from keys and values the prefix cache kept of an earlier sequence's
+prompt, when it has them), the rows' order, the draft distribution q and one draft token per row."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
 
+from server.model.prefix_cache import State
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, sample
 from server.speculation.proposer import Proposal, Proposer, SequenceView
@@ -37,15 +40,48 @@ class ModelProposer(Proposer):
     forwards: int = 0  # forwards of the proposer's model so far (tests and the bench read it)
     pending: dict[str, Any]  # per request: what the cache has not been fed yet (the subclass's shape)
     _drafted_last: set[str]  # requests whose last committed step drafted with it (`backlog`; set in __init__)
+    # Keys and values of a prompt prefix computed for an earlier sequence, until the row enters the cache.
+    _loaded: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # How many tokens past its own position a cache position depends on (the head's pair at position t
+    # holds token t + 1): the prefix cache's block b then holds positions [b B - reads_ahead, (b + 1) B - reads_ahead).
+    reads_ahead: int = 0
+    caches_prefix = True
 
     # ---- checkpoints (a failed step is undone: proposer.py) -----------------------------------------
     def checkpoint(self) -> object:
-        return self.runner.kv.checkpoint(), self._copy_pending(self.pending), self.forwards
+        return self.runner.kv.checkpoint(), self._copy_pending(self.pending), self.forwards, dict(self._loaded)
 
     def restore(self, state: object) -> None:
-        kv, pending, forwards = state  # type: ignore[misc]
+        kv, pending, forwards, loaded = state  # type: ignore[misc]
         self.runner.kv.restore(kv)
-        self.pending, self.forwards = self._copy_pending(pending), forwards
+        self.pending, self.forwards, self._loaded = self._copy_pending(pending), forwards, dict(loaded)
+
+    # ---- the prefix cache (proposer.py: `prefix_state`, `load_prefix`) --------------------------------
+    def prefix_state(self, request_id: str, blocks: int, block: int) -> list[State]:
+        """Keys and values of the row's first `blocks` blocks that its cache holds, one pair per block:
+        block b's positions are those its tokens and the earlier blocks' determine (`reads_ahead`)."""
+        if request_id not in self.runner.rows:
+            return []
+        row = self.runner.kv.index(request_id)
+        n = min(blocks, (self.runner.kv.positions[row] + self.reads_ahead) // block)
+        if n == 0:
+            return []
+        keys, values = self.runner.kv.live(row)(0, n * block - self.reads_ahead)
+        cuts = [0, *(b * block - self.reads_ahead for b in range(1, n + 1))]
+        return [(keys[:, :, a:z].clone(), values[:, :, a:z].clone()) for a, z in itertools.pairwise(cuts)]
+
+    def load_prefix(self, request_id: str, states: list[State]) -> None:
+        """The row enters the cache with these positions loaded instead of computed (`_entering`)."""
+        keys, values = (torch.cat([s[i] for s in states], dim=2) for i in (0, 1))
+        self._loaded[request_id] = (keys, values)
+        self._skip(request_id, keys.shape[2])
+
+    def _skip(self, request_id: str, positions: int) -> None:
+        """Drop from `pending` what the row's first `positions` cache positions would have been fed."""
+
+    def _entering(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """The loaded prefixes of rows entering the cache now (for `ModelRunner.join`)."""
+        return [self._loaded.pop(rid, None) for rid in request_ids]
 
     @staticmethod
     def _copy_pending(pending: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +102,8 @@ class ModelProposer(Proposer):
     def _forget(self, request_ids: set[str]) -> None:
         """Subclasses' `leave` calls this."""
         self._drafted_last.difference_update(request_ids)
+        for rid in request_ids:
+            self._loaded.pop(rid, None)
 
     def backlog(self, request_ids: list[str]) -> int:
         """The pending tokens of rows that did not draft with this proposer at their last step (entering

@@ -10,6 +10,7 @@ whose cost is not declared. The engine never names a proposer.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,7 @@ import torch
 
 from server.model.attention import packs
 from server.model.kv_cache import KVShape
+from server.model.prefix_cache import Block, StateReader, leading_states
 from server.model.runner import ModelRunner
 from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
 from server.speculation.model_proposer import ModelProposer
@@ -110,13 +112,29 @@ class Planner:
         return bool(self.hidden_readers)
 
     # ---- membership --------------------------------------------------------------------------
-    def join(self, seqs: list[PlannedSequence], prompt_hidden: list[torch.Tensor] | None) -> None:
-        """New sequences join the proposers their method uses (`auto`: all of them)."""
+    def join(
+        self,
+        seqs: list[PlannedSequence],
+        prompt_hidden: list[torch.Tensor] | None,
+        prefixes: list[list[Block]] | None = None,
+    ) -> None:
+        """New sequences join the proposers their method uses (`auto`: all of them). `prefixes[i]`: the
+        prefix-cache blocks seqs[i]'s prompt starts with; a proposer that keeps a state of them gets
+        that of the leading blocks holding it (`Proposer.load_prefix`)."""
         for name, proposer in self.proposers.items():
             users = [i for i, s in enumerate(seqs) if _uses(s, name)]
             if users:
                 hidden = [prompt_hidden[i] for i in users] if proposer.traits.needs_hidden and prompt_hidden else None
                 proposer.join([seqs[i] for i in users], hidden)
+                for i in users if proposer.caches_prefix and prefixes else ():
+                    if states := leading_states(prefixes[i], name):  # type: ignore[index]
+                        proposer.load_prefix(seqs[i].request_id, states)
+
+    def prefix_states(self, seq: PlannedSequence, block: int) -> dict[str, StateReader]:
+        """Per proposer the sequence uses that keeps a state of prompt prefixes: a reader of its state of
+        the sequence's first blocks of `block` tokens (for the prefix cache, before the sequence leaves)."""
+        return {name: functools.partial(p.prefix_state, seq.request_id, block=block)
+                for name, p in self.proposers.items() if p.caches_prefix and _uses(seq, name)}
 
     def leave(self, seqs: list[PlannedSequence]) -> None:
         for name, proposer in self.proposers.items():

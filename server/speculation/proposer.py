@@ -9,7 +9,9 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    the prefix cache (server/model/prefix_cache.py) comes with the features stored beside them. When m
    falls short, the rest of the prompt (but the last token) is computed with the row's first step
    (server/engine/engine.py `_join`): a proposer that needs hidden states is not asked to draft for the
-   row before that step commits.
+   row before that step commits. Right after, a proposer that `caches_prefix` gets `load_prefix(request_id,
+   states)` for a sequence whose prompt starts with prefix-cache blocks that hold its state (one per
+   block, as its `prefix_state` gave them for an earlier sequence).
 2. Each step, `propose(seqs, ks)`: up to ks[i] draft tokens for seqs[i] (ks[i] may be 0: the row
    drafts nothing this step but is still asked, so a batched proposer's rows stay aligned).
 3. After verification, `commit(seq, drafts, emitted, hidden)`: `drafts` are the tokens this proposer
@@ -20,7 +22,11 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    tokens this step computed, if any (the t prompt tokens before the last one, whose features `join`
    did not get: [t + len(emitted), hidden]). Called before the tokens are appended to seq (a stop may
    drop some of them from the output afterwards).
-4. `leave(request_ids)`: finished or aborted.
+4. `leave(request_ids)`: finished or aborted. Just before, a proposer that `caches_prefix` is asked
+   `prefix_state(request_id, blocks, block)`: what it computed of the sequence's first `blocks` blocks of
+   `block` tokens, one state per block (tensors of its own; fewer when it computed fewer), which the
+   prefix cache keeps beside the target's keys and values for later sequences that start the same way.
+   A state must be a function of the block's tokens and those before it only.
 
 `backlog(request_ids)`, asked before `propose` by the planner when it times a proposer: how many tokens
 of those sequences its model must take in before it can draft for them beyond what one step of drafting
@@ -46,6 +52,7 @@ import torch
 
 from server.config import Settings
 from server.model.loading import LoadedModel
+from server.model.prefix_cache import State
 from server.types import SamplingParams
 
 
@@ -108,12 +115,21 @@ class Proposer(ABC):
     """One way of drafting. Subclasses set `traits` and implement `propose`."""
 
     traits: Traits
+    caches_prefix: bool = False  # has a state of prompt prefixes worth keeping (`prefix_state`, `load_prefix`)
 
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:  # noqa: B027
         """Sequences that start using this proposer (see the module docstring)."""
 
     def leave(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Sequences that finished or were aborted."""
+
+    def prefix_state(self, request_id: str, blocks: int, block: int) -> list[State]:
+        """Its state of the sequence's first `blocks` blocks of `block` tokens, one per block (see the
+        module docstring); [] when it computed none."""
+        return []
+
+    def load_prefix(self, request_id: str, states: list[State]) -> None:  # noqa: B027 - optional hook
+        """A joined sequence's first len(states) blocks as `prefix_state` gave them for an earlier one."""
 
     def backlog(self, request_ids: list[str]) -> int:
         """Tokens those sequences must feed before drafting beyond one step's worth (see the module
