@@ -223,3 +223,23 @@ def test_draft_with_a_differently_padded_vocabulary(tiny_target, tokenizer, prom
     requests = [request(f"r{i}", p, "draft", 3) for i, p in enumerate(prompt_ids)]
     out = run(Engine(tiny_target, draft, Settings.load()), requests)
     assert out == greedy_reference
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_a_lookahead_draft_ends_at_a_token_that_would_end_the_request(tiny_engine_factory, method):
+    """A copy of earlier text runs on past its end-of-turn (an agent's last answer, then the next turn's
+    header): nothing after a token that ends the request can be emitted, so the draft stops there and
+    the pass verifies no more; a request with `ignore_eos`, or whose stop token it is not, drafts on."""
+    engine = tiny_engine_factory()
+    eos = min(engine.eos_ids)
+    text = [101, 102, 103, 104, eos, 201, 202, 203, 204, 205, 206]
+    prompt = [*text, *text[:4]]  # ends like the text before its end-of-turn
+    plans = {}
+    for rid, sampling in (("eos", {"ignore_eos": False}), ("ignore", {}), ("stop", {"stop_token_ids": [202]})):
+        engine.add_request(request(rid, prompt, method, 8, max_tokens=16, **sampling))
+    for seq, row in zip(engine.running.values(), engine.planner.plan(list(engine.running.values())).rows,
+                        strict=True):
+        plans[seq.request_id] = row.drafts
+    assert plans["ignore"] == (text * 2)[4 : 4 + len(plans["ignore"])] and len(plans["ignore"]) > 2
+    assert plans["eos"] == [eos]
+    assert plans["stop"] == [eos, 201, 202] if method != "auto" else len(plans["stop"]) <= 3

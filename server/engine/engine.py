@@ -288,7 +288,9 @@ class Engine:
         )
         detok = IncrementalDetokenizer.for_request(self.tokenizer, list(request.prompt_token_ids), sampling)
         grammar = self.grammars.state(request.grammar) if request.grammar is not None else None
-        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar)
+        stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(self.eos_ids))
+        return Sequence(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar,
+                        stop_ids=stops)
 
     def _leave(self, request_ids: set[str], failed: Collection[str] = ()) -> None:
         """Rows leave the batch (finished, aborted or failed); what the cache computed for those that did
@@ -510,7 +512,7 @@ class Engine:
         sp = seq.request.sampling
         for i, token in enumerate(emitted):
             seq.output_ids.append(token)
-            if token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos):
+            if token in seq.stop_ids:
                 if sp.include_stop_str_in_output:
                     seq.detokenizer.add(token)  # the stop token's text (none if skip_special_tokens)
                 seq.finish_reason = "stop"

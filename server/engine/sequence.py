@@ -27,6 +27,9 @@ class Sequence:
     # short prompt tail rides with the row's first step, fed before `last_token` in its verify pass
     # (engine.py `_join`), and is cleared when that step commits.
     prefill: list[int] = field(default_factory=list)
+    # Token ids that end the request when it emits one: its `stop_token_ids`, and the model's EOS ids
+    # unless `ignore_eos` (engine.py `_sequence`).
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def request_id(self) -> str:
