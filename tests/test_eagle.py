@@ -164,7 +164,7 @@ def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_en
     got, want = (e.planner.proposers["eagle"].pending["b"] for e in (engine, fresh))
     # a pair (x_t's feature, x_t+1) per prompt token but the last, then (last's feature, the first output),
     # but for those whose keys and values the head computed for the first turn (kept in the prefix cache)
-    loaded = engine.planner.proposers["eagle"]._loaded["b"][0].shape[2]
+    loaded = sum(s[0].shape[2] for s in engine.planner.proposers["eagle"]._loaded["b"])
     assert want.tokens == [*turn[1:], *nxt[0]] and got.tokens == want.tokens[loaded:]
     torch.testing.assert_close(torch.cat(got.features), torch.cat(want.features)[loaded:], atol=1e-4, rtol=1e-4)
 
@@ -206,7 +206,7 @@ def test_the_heads_keys_and_values_of_a_cached_prompt_come_back_from_the_prefix_
         e.add_request(request("b", turn, "eagle", 4, max_tokens=24))
     heads = [e.planner.proposers["eagle"] for e in (engine, fresh)]
     blocks = len(shared) // 16
-    loaded = heads[0]._loaded["b"][0].shape[2]
+    loaded = sum(s[0].shape[2] for s in heads[0]._loaded["b"])
     assert blocks >= 2 and loaded == 16 * blocks - 1  # the pairs those blocks' tokens determine
     for e, out in ((engine, got), (fresh, want)):
         out += [t for o in e.step().outputs for t in o.token_ids]  # the tail rides: no draft from the head yet

@@ -40,8 +40,9 @@ class ModelProposer(Proposer):
     forwards: int = 0  # forwards of the proposer's model so far (tests and the bench read it)
     pending: dict[str, Any]  # per request: what the cache has not been fed yet (the subclass's shape)
     _drafted_last: set[str]  # requests whose last committed step drafted with it (`backlog`; set in __init__)
-    # Keys and values of a prompt prefix computed for an earlier sequence, until the row enters the cache.
-    _loaded: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # Per block, keys and values of a prompt prefix computed for an earlier sequence (the prefix cache's
+    # own tensors: nothing is copied until the row enters the cache).
+    _loaded: dict[str, list[State]]
     # How many tokens past its own position a cache position depends on (the head's pair at position t
     # holds token t + 1): the prefix cache's block b then holds positions [b B - reads_ahead, (b + 1) B - reads_ahead).
     reads_ahead: int = 0
@@ -72,16 +73,17 @@ class ModelProposer(Proposer):
 
     def load_prefix(self, request_id: str, states: list[State]) -> None:
         """The row enters the cache with these positions loaded instead of computed (`_entering`)."""
-        keys, values = (torch.cat([s[i] for s in states], dim=2) for i in (0, 1))
-        self._loaded[request_id] = (keys, values)
-        self._skip(request_id, keys.shape[2])
+        self._loaded[request_id] = states
+        self._skip(request_id, sum(s[0].shape[2] for s in states))
 
     def _skip(self, request_id: str, positions: int) -> None:
         """Drop from `pending` what the row's first `positions` cache positions would have been fed."""
 
     def _entering(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """The loaded prefixes of rows entering the cache now (for `ModelRunner.join`)."""
-        return [self._loaded.pop(rid, None) for rid in request_ids]
+        """The loaded prefixes of rows entering the cache now, keys and values (for `ModelRunner.join`)."""
+        states = [self._loaded.pop(rid, None) for rid in request_ids]
+        return [(torch.cat([b[0] for b in s], dim=2), torch.cat([b[1] for b in s], dim=2)) if s else None
+                for s in states]
 
     @staticmethod
     def _copy_pending(pending: dict[str, Any]) -> dict[str, Any]:
