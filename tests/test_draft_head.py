@@ -211,6 +211,10 @@ def test_shipped_head_loads_for_the_builtin_target():
     assert head.config.target_name == "SmolLM2-135M-Instruct"
     assert target.tokenizer.eos_token_id in head.config.vocab_ids
     assert head.config.training["heldout_acceptance"][0] > 0.5  # the GPU-distilled head (docs/distill.md)
+    # the shipped config was saved with Llama's default special ids, outside the decoder's one-token
+    # vocabulary: transformers warned about them at every server start
+    dcfg = head.decoder.config
+    assert [k for k in dcfg.to_dict() if k.endswith("_token_id") and getattr(dcfg, k) is not None] == []
 
 
 def test_last_layer_init_copies_the_targets_last_layer():

@@ -56,6 +56,9 @@ class HeadConfig:
     format: str = FORMAT
 
 
+NO_SPECIAL_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+
 def decoder_config(target_config: Any) -> LlamaConfig:
     """A one-layer Llama config with the target's width, heads and rotary settings and no vocabulary."""
     cfg = target_config.to_dict()
@@ -65,8 +68,9 @@ def decoder_config(target_config: Any) -> LlamaConfig:
         "attention_bias", "mlp_bias",
     )
     kwargs = {k: cfg[k] for k in keep if cfg.get(k) is not None}
-    # vocab_size 1: the decoder is only ever fed `inputs_embeds`, its own embedding table is unused.
-    return LlamaConfig(**kwargs, num_hidden_layers=1, vocab_size=1, pad_token_id=None, tie_word_embeddings=False)
+    # vocab_size 1: the decoder is only ever fed `inputs_embeds`, its own embedding table is unused; it has
+    # no special tokens either (Llama's default ids 1 and 2 lie outside a one-token vocabulary: a warning).
+    return LlamaConfig(**kwargs, num_hidden_layers=1, vocab_size=1, tie_word_embeddings=False, **NO_SPECIAL_TOKENS)
 
 
 class EagleHead(nn.Module):
@@ -83,7 +87,9 @@ class EagleHead(nn.Module):
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        dcfg = LlamaConfig.from_dict(config.decoder)
+        # heads saved before `decoder_config` cleared them carry Llama's default special ids (1, 2), out
+        # of a one-token vocabulary: cleared here too, so loading one does not warn
+        dcfg = LlamaConfig.from_dict({**config.decoder, **NO_SPECIAL_TOKENS})
         dcfg._attn_implementation = target.config._attn_implementation or "sdpa"
         self.decoder = LlamaModel(dcfg)
         self.decoder.norm = nn.Identity()  # predicted features are post-norm already (module docstring)
