@@ -734,3 +734,28 @@ def test_each_batch_size_reads_its_own_curve():
     assert cost.verify_time(5, rows=4) == pytest.approx(0.060 + 0.019)
     assert cost.token_cost(4, 1, packed=True) == pytest.approx(4 * 0.019 / 0.060)
     assert cost.verify_time(10, rows=9) > cost.verify_time(9, rows=9)  # above every curve: the largest below
+
+
+def test_a_model_rows_backlog_is_priced_once_it_has_been_timed():
+    """A row that starts drafting with a model proposer (or comes back to it after steps it did not)
+    first feeds it every pair it missed, its prompt's included: on this CPU about 0.1 ms a pair for the
+    draft head, 4-9 ms for a chat row's first draft at four rows, which decided whether head drafts at
+    four chat rows paid. The batch's choice prices it at its measured time per token; before any
+    timing, at nothing (no first draft is refused for a cost nobody has measured)."""
+    cost = cpu_costs()
+    cost.observe_draft("draft", 1, 0.004, rows=4)
+    policy = AdaptivePolicy({"draft": DraftModelProposer.traits}, cost, packed=True)
+    for i in range(100):
+        policy.observe(f"old{i}", "draft", 1, 1)  # its drafts are kept
+    caught_up = [BatchRow(f"r{i}", "draft", 1) for i in range(4)]
+    behind = [BatchRow(f"r{i}", "draft", 1, backlog=60) for i in range(4)]
+    tokens = policy._fixed(caught_up)[0]
+    rate = policy.batch_drafts(caught_up)[1]
+    assert policy.batch_drafts(behind)[1] == pytest.approx(rate)  # nothing timed yet
+
+    cost.observe_backlog("draft", 100, 0.012)  # 0.12 ms a token, then 0.1 and 0.08: the median
+    cost.observe_backlog("draft", 50, 0.005)
+    cost.observe_backlog("draft", 10, 0.0008)
+    assert cost.backlog_time("draft", 240) == pytest.approx(0.024)
+    assert tokens / policy.batch_drafts(behind)[1] - tokens / rate == pytest.approx(0.024)
+    assert policy.batch_drafts(caught_up)[1] == pytest.approx(rate)  # rows with nothing to take in pay nothing

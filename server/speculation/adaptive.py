@@ -231,6 +231,8 @@ class CostModel:
         self._draft_forward: dict[str, dict[int, deque[float]]] = {}
         self._prior_seen = 0  # `_passes` when the last prior timing came
         self._prior_draft: dict[str, dict[int, list[float]]] = {}  # the same, from calibration
+        # proposer -> recent seconds per backlog token (a pair a row missed, taken in before it drafts)
+        self._backlog: dict[str, deque[float]] = {}
         self._scale_cache: float | None = None  # `scale`'s result until the next timing
         self.prior_token_ratio = prior_token_ratio  # per-token slope as a fraction of T(1) before data
         self._fitted: tuple[float, float] | None = None  # `_fit`'s result until the next timing
@@ -263,6 +265,18 @@ class CostModel:
             table = (self._prior_draft if prior else self._draft_forward).setdefault(proposer, {})
             into = table.setdefault(rows, [] if prior else deque(maxlen=self._window))
             into.append(seconds / forwards)
+
+    def observe_backlog(self, proposer: str, tokens: int, seconds: float) -> None:
+        """`proposer` took in `tokens` backlog tokens (rows entering its cache, or back after steps they did
+        not draft) in `seconds` beyond its drafting forwards' time."""
+        if tokens > 0:
+            self._backlog.setdefault(proposer, deque(maxlen=self._window)).append(max(seconds, 0.0) / tokens)
+
+    def backlog_time(self, proposer: str, tokens: int) -> float:
+        """Seconds `proposer` takes to take in `tokens` backlog tokens: the median of its timings per
+        token; 0 before any (a first draft is not refused for a cost nobody has measured)."""
+        times = self._backlog.get(proposer)
+        return statistics.median(times) * tokens if times and tokens else 0.0
 
     def scale(self) -> float:
         """How much slower (> 1) or faster the machine runs now than at calibration: the median, over the
@@ -506,6 +520,7 @@ class BatchRow:
     level: int = 0
     flexible: int = 0  # lookahead drafts this row may verify if the pass is widened (0: not flexible)
     sampled: bool = False  # temperature > 0: acceptance is kept apart from greedy requests
+    backlog: int = 0  # tokens a model `proposer` must take in for this row before it drafts (`Proposer.backlog`)
 
 
 @dataclass(frozen=True)
@@ -707,8 +722,11 @@ class AdaptivePolicy:
         ) + sum(1.0 for r in rows if not r.flexible and r.proposer is None)
         drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
         for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
-            most = max(r.k for r in rows if r.proposer == name and not r.flexible)
+            mine = [r for r in rows if r.proposer == name and r.k and not r.flexible]
+            most = max(r.k for r in mine)
             drafting_s += most * self.own_cost(name, len(rows)) * (self.cost.verify_time(len(rows), len(rows)) or 0.0)
+            # what its rows missed, taken in first: a row's whole context when it first drafts with a model
+            drafting_s += self.cost.backlog_time(name, sum(r.backlog for r in mine))
         expected = [  # per flexible row: expected tokens with 0..flexible drafts
             expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.flexible, r.level, r.sampled), r.flexible)
             for r in rows if r.flexible

@@ -21,7 +21,7 @@ from server.model.attention import packs
 from server.model.kv_cache import KVShape
 from server.model.prefix_cache import Block, StateReader, leading_states
 from server.model.runner import ModelRunner
-from server.speculation.adaptive import AdaptivePolicy, BatchRow, Choice, CostModel, Offer
+from server.speculation.adaptive import MIN_GAIN, AdaptivePolicy, BatchRow, Choice, CostModel, Offer
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
@@ -290,7 +290,8 @@ class Planner:
                     drafts, level = offers.get(b, {}).get(name, ([], 0))
                     rows.append(BatchRow(seq.request_id, name, min(k, len(drafts)), level, sampled=seq.sampled))
                 else:
-                    rows.append(BatchRow(seq.request_id, name, k if name else 0, sampled=seq.sampled))
+                    behind = self.proposers[name].backlog([seq.request_id]) if name and k else 0
+                    rows.append(BatchRow(seq.request_id, name, k if name else 0, sampled=seq.sampled, backlog=behind))
             return rows
 
         rows = rows_for(demote=False)
@@ -300,7 +301,11 @@ class Planner:
         if any(not lookahead(choices[b][0]) and choices[b][0] is not None for b in auto_rows):
             without = rows_for(demote=True)
             other = policy.batch_drafts(without)
-            if other is not None and other[1] >= best[1]:
+            # the model's drafts must pay by the margin any drafting needs over plain decoding (MIN_GAIN):
+            # each row chose them priced as if the whole batch shared the model's forwards, and what a
+            # batch pays besides the pass and the forwards (a row's backlog of pairs, planning, commits)
+            # is not in either estimate
+            if other is not None and other[1] * MIN_GAIN >= best[1]:
                 rows, best = without, other
                 for b in auto_rows:
                     if choices[b][0] is not None and not lookahead(choices[b][0]):
@@ -337,7 +342,8 @@ class Planner:
     ) -> list[RowPlan]:
         """Ask each non-lookahead proposer for its chosen rows' drafts (every row it holds is asked,
         with K = 0 where it does not draft, so its batch stays aligned), timing it when its cost is
-        not declared and no drafting row has a backlog to take in first (`Proposer.backlog`)."""
+        not declared: as drafting when no drafting row has a backlog to take in first (`Proposer.backlog`),
+        else what the backlog took beyond the drafting forwards."""
         for name, proposer in self.proposers.items():
             if proposer.traits.lookahead:
                 continue
@@ -351,13 +357,18 @@ class Planner:
             # A call that also takes in a backlog (rows entering the proposer's cache, or back after steps
             # they did not draft) is a prefill as well: timed as drafting, it priced the draft head at
             # 4 chat rows at 9.8 ms a draft token (165 prompt pairs fed in the call) against 2.4-4 ms
-            # drafting, and `auto` never drafted with it again. Only drafting is timed.
-            timed = proposer.traits.draft_token_cost is None and not proposer.backlog(drafting)
+            # drafting, and `auto` never drafted with it again.
+            # The backlog is timed apart: what such a call takes beyond its drafting forwards' time
+            # (`CostModel.backlog_time`: the batch's choice prices it, `AdaptivePolicy._fixed`).
+            behind = proposer.backlog(drafting) if proposer.traits.draft_token_cost is None else 0
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
-            if timed:
+            if proposer.traits.draft_token_cost is None:
                 seconds = elapsed_since(started, self.device)
-                self.policy.cost.observe_draft(name, max(ks), seconds, rows=len(drafting))
+                if not behind:
+                    self.policy.cost.observe_draft(name, max(ks), seconds, rows=len(drafting))
+                elif (forward := self.policy.cost.draft_forward_time(name, len(drafting))) is not None:
+                    self.policy.cost.observe_backlog(name, behind, seconds - max(ks) * forward)
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
                 if ks[i] and proposal.drafts[i]:
