@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from types import FrameType
 
 import uvicorn
@@ -63,9 +64,18 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+# The engine's worker thread and the event loop share the GIL. A decode step is ~1,500 torch calls, each
+# releasing the GIL and taking it back; whenever the event loop grabbed it meanwhile (an SSE chunk, a
+# request body), the worker waited until the loop's code gave it up, at most Python's switch interval
+# (5 ms by default). At 0.5 ms, plain decoding over HTTP went from 0.937 / 0.959 / 0.979 of the same
+# engine in-process to 1.018 / 1.043 (`python -m bench.overhead --rounds 4`, runs alternated; docs/bench.md).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> int:
     """Serve until SIGTERM/SIGINT (returns 0 after a clean drain) or until the engine worker dies
     (returns 1)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings, engine_factory)
     config = uvicorn.Config(
         app,
