@@ -73,18 +73,25 @@ def assert_same_draws(model, prompt: list[int], got: list[int], want: list[int],
 
 class FixedCosts(CostModel):
     """A step-cost model with given costs that ignores the engine's timings, for tests of `auto`:
-    a pass over n tokens takes 1 + token_ratio * (n - 1) plain steps, and one draft token of proposer
-    `name` takes `draft[name]` plain steps of one row."""
+    a pass over n tokens takes 1 + token_ratio * (n - 1) plain steps, one draft token of proposer
+    `name` takes `draft[name]` plain steps of one row, and one token of its backlog `backlog[name]`."""
 
-    def __init__(self, token_ratio: float = 0.05, draft: dict[str, float] | None = None) -> None:
+    def __init__(
+        self, token_ratio: float = 0.05, draft: dict[str, float] | None = None, backlog: dict[str, float] | None = None
+    ) -> None:
         super().__init__()
         for n in (1, 2, 4, 8, 1, 2, 4, 8):
             super().observe_verify(n, 1.0 + token_ratio * (n - 1))
         for name, ratio in (draft or {}).items():
             super().observe_draft(name, 4, 4 * ratio)
+        for name, ratio in (backlog or {}).items():  # plain steps of one row per backlog token
+            super().observe_backlog(name, 1, ratio)
 
     def observe_verify(self, tokens: int, seconds: float, prior: bool = False, rows: int | None = None) -> None:
         """Ignored: the costs are fixed."""
 
     def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
+        """Ignored: the costs are fixed."""
+
+    def observe_backlog(self, proposer: str, tokens: int, seconds: float) -> None:
         """Ignored: the costs are fixed."""

@@ -452,6 +452,21 @@ def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_en
     assert batch.planner.proposers["draft"].forwards == 0  # the batch: no
 
 
+def test_a_batch_does_not_draft_with_a_model_whose_backlog_costs_more_than_its_drafts_gain(
+    tiny_engine_factory, prompt_ids
+):
+    """Four rows entering a draft model that is always right: each row chooses it, and the batch keeps
+    it while taking in the rows' prompts costs nothing; priced at its measured time (here half a plain
+    step a token: four prompts to feed first), the batch decodes plainly."""
+    for backlog, drafts in ((0.0, True), (0.5, False)):
+        costs = FixedCosts(token_ratio=0.05, draft={"draft": 0.05}, backlog={"draft": backlog})
+        engine = tiny_engine_factory(cost=costs)
+        for _ in range(20):
+            engine.planner.policy.observe("history", "draft", 8, 8)  # the draft model is always right
+        run(engine, [request(f"r{i}", prompt_ids[3], "auto", 8, max_tokens=8) for i in range(4)])  # 18 tokens
+        assert (engine.planner.proposers["draft"].forwards > 0) is drafts, backlog
+
+
 def test_greedy_and_sampled_acceptance_are_kept_apart():
     """Under sampling a right draft survives only with probability p(x): what greedy requests
     accepted says little about sampled ones, so each learns from its own kind."""
