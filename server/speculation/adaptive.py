@@ -720,7 +720,7 @@ class AdaptivePolicy:
             expected_tokens_upto(self.acceptance(r.request_id, r.proposer, r.k, r.level, r.sampled), r.k)[-1]
             for r in rows if not r.flexible and r.proposer is not None
         ) + sum(1.0 for r in rows if not r.flexible and r.proposer is None)
-        drafting_s = 0.0  # the forwards of proposers whose rows' drafts are fixed (lookahead ones are ~free)
+        drafting_s = 0.0  # forwards and backlogs of proposers whose rows' drafts are fixed (lookahead ones: ~free)
         for name in {r.proposer for r in rows if r.k and not r.flexible and r.proposer is not None}:
             mine = [r for r in rows if r.proposer == name and r.k and not r.flexible]
             most = max(r.k for r in mine)

@@ -303,8 +303,8 @@ class Planner:
             other = policy.batch_drafts(without)
             # the model's drafts must pay by the margin any drafting needs over plain decoding (MIN_GAIN):
             # each row chose them priced as if the whole batch shared the model's forwards, and what a
-            # batch pays besides the pass and the forwards (a row's backlog of pairs, planning, commits)
-            # is not in either estimate
+            # batch pays besides the pass, the forwards and the rows' backlogs (planning, commits, the
+            # model's own bookkeeping) is not in either estimate
             if other is not None and other[1] * MIN_GAIN >= best[1]:
                 rows, best = without, other
                 for b in auto_rows:
@@ -357,13 +357,14 @@ class Planner:
             # A call that also takes in a backlog (rows entering the proposer's cache, or back after steps
             # they did not draft) is a prefill as well: timed as drafting, it priced the draft head at
             # 4 chat rows at 9.8 ms a draft token (165 prompt pairs fed in the call) against 2.4-4 ms
-            # drafting, and `auto` never drafted with it again.
-            # The backlog is timed apart: what such a call takes beyond its drafting forwards' time
-            # (`CostModel.backlog_time`: the batch's choice prices it, `AdaptivePolicy._fixed`).
-            behind = proposer.backlog(drafting) if proposer.traits.draft_token_cost is None else 0
+            # drafting, and `auto` never drafted with it again. The backlog is timed apart: what such a
+            # call takes beyond its drafting forwards' time (`CostModel.backlog_time`: the batch's choice
+            # prices it, `AdaptivePolicy._fixed`).
+            timed = proposer.traits.draft_token_cost is None
+            behind = proposer.backlog(drafting) if timed else 0
             started = time.perf_counter()
             proposal = proposer.propose([seqs[b] for b in members], ks)
-            if proposer.traits.draft_token_cost is None:
+            if timed:
                 seconds = elapsed_since(started, self.device)
                 if not behind:
                     self.policy.cost.observe_draft(name, max(ks), seconds, rows=len(drafting))
