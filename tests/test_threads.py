@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, ThreadGovernor
 from server.model.runner import ModelRunner
@@ -76,6 +78,69 @@ def test_one_thread_or_no_prediction_changes_nothing():
     gov, clock, calls = governor()
     gov.observe(0.05, None)
     assert gov.score == {}
+
+
+def test_a_probe_before_the_current_count_has_a_score_never_compares_against_nothing():
+    """The order that crashed fresh servers on busy hosts: the first step carries a riding prompt tail
+    (no prediction), the probe falls due, and the probe's own timing was compared with a score the
+    current count never had (KeyError, every later step probed and raised again)."""
+    gov, clock, _ = governor()
+    gov.before_step()
+    gov.observe(2.5, None)  # a slow first step with nothing to compare
+    clock.now = 2.5
+    assert gov.before_step() == 2  # no probe: the current count has no score yet
+    gov.observe(0.05, 0.04)  # scores the current count; never raises
+    assert gov.current == 2 and 2 in gov.score and 1 not in gov.score
+    clock.now = 2.5 + FIRST_PROBE_S  # the probe is due a gap after the first score
+    assert gov.before_step() == 1
+    gov.observe(0.05, 0.04)
+    assert set(gov.score) == {1, 2}
+
+
+def test_a_probe_step_without_a_prediction_ends_the_probe_and_tries_again_later():
+    gov, clock, calls = governor()
+    gov.before_step()
+    gov.observe(0.05, 0.05)
+    clock.now = FIRST_PROBE_S
+    assert gov.before_step() == 1 and gov.probing
+    gov.observe(0.05, None)  # the probe step also prefilled: nothing learnt
+    assert not gov.probing and 1 not in gov.score
+    assert gov.before_step() == 2  # back to the current count until the probe falls due again
+    clock.now += FIRST_PROBE_S
+    assert gov.before_step() == 1
+    assert calls == [1, 2, 1]
+
+
+_timing = st.one_of(
+    st.none(), st.just(0.0), st.just(-1.0), st.just(float("inf")), st.just(float("nan")), st.just(1e308),
+    st.just(1e-300), st.floats(min_value=1e-9, max_value=1e6),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    threads=st.integers(min_value=1, max_value=4),
+    events=st.lists(
+        st.tuples(st.sampled_from(["step", "observe", "both"]), _timing, _timing,
+                  st.floats(min_value=0, max_value=500)),
+        max_size=80,
+    ),
+)
+def test_any_order_of_timings_and_probes_never_raises(threads, events):
+    """Random sequences of steps, timings (None, zero, negative, infinite, NaN and huge), observations
+    with or without a step before them, and clock jumps: the governor never raises, and always runs at
+    one of its counts."""
+    gov, clock, calls = governor(threads)
+    for kind, seconds, predicted, dt in events:
+        clock.now += dt
+        if kind in ("step", "both"):
+            n = gov.before_step()
+            assert n in gov.options
+        if kind in ("observe", "both"):
+            gov.observe(seconds if seconds is not None else 0.0, predicted)
+        assert gov.current in gov.options
+        assert all(v == v and 0 < v < float("inf") for v in gov.score.values())
+    assert all(c in gov.options for c in calls)
 
 
 def test_the_engine_runs_its_steps_at_the_thread_count_that_is_faster(tiny_engine_factory, monkeypatch):

@@ -20,6 +20,7 @@ Only on CPU, and only when torch has more than one thread to begin with.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -62,10 +63,10 @@ class ThreadGovernor:
         other = self._other()
         n = self.current
         if other is not None:
-            now = self._clock()
-            if self._next_probe is None:
-                self._next_probe = now + self._gap
-            elif now >= self._next_probe:
+            # a probe is due a gap after the current count's first score (`observe`): before it, a probe
+            # would have nothing to be compared with
+            due = self.current in self.score and self._next_probe is not None
+            if due and self._clock() >= self._next_probe:
                 n, self._probing = other, True
         if n != self._applied:
             self._set_threads(n)
@@ -81,9 +82,13 @@ class ThreadGovernor:
     def observe(self, seconds: float, predicted: float | None) -> None:
         """A verify pass of this step took `seconds`; the cost model predicted `predicted` for its width
         (None before it has timings: nothing to compare with yet)."""
-        if predicted is None or predicted <= 0 or seconds <= 0:
+        ratio = seconds / predicted if predicted and seconds > 0 else math.nan  # NaN: nothing to learn
+        if not 0 < ratio < math.inf:
+            if self._probing:  # a probe step nothing can be learnt from: the probe is tried again later
+                self._probing = False
+                self._next_probe = self._clock() + self._gap
             return
-        n, ratio = self._applied, seconds / predicted
+        n = self._applied
         old = self.score.get(n)
         # A probe's timing replaces what is known of its count (that may be minutes old); the current
         # count's timings are averaged.
@@ -91,6 +96,8 @@ class ThreadGovernor:
         other = self._other()
         if other is None:
             return
+        if self._next_probe is None:
+            self._next_probe = self._clock() + self._gap
         if self._probing:
             self._probing = False
             if self._cheaper(other, self.current):
@@ -102,6 +109,9 @@ class ThreadGovernor:
             self._switch(other)  # the current count got slower than the other was when last seen
 
     def _cheaper(self, a: int, b: int) -> bool:
+        """Whether count `a` is cheaper than `b` by the margin; a count with no score is never compared."""
+        if a not in self.score or b not in self.score:
+            return False
         return self.score[a] < (1 - MARGIN) * self.score[b]
 
     def _switch(self, n: int) -> None:
