@@ -87,6 +87,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.degraded = Counter(
+            "specula_engine_degraded",
+            "Failures of the engine's optional parts (thread governor, calibration, cost model, acceptance "
+            "estimates, planner, a proposer, prefix cache, grammar fast path): each cost speed, not an answer.",
+            ["model", "part"],
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
             "specula_prefix_cache_hits",
             "Prompt tokens whose keys and values came from the prefix cache instead of a prefill.",
@@ -183,6 +190,8 @@ class Metrics:
         if result.prefill_tokens or result.cached_tokens:
             self.prefix_cache_queries.labels(self.model).inc(result.prefill_tokens + result.cached_tokens)
             self.prefix_cache_hits.labels(self.model).inc(result.cached_tokens)
+        for part in result.degraded:
+            self.degraded.labels(self.model, part).inc()
         generated = sum(len(o.token_ids) for o in result.outputs)
         if generated:
             self.generation_tokens.labels(self.model).inc(generated)

@@ -244,3 +244,4 @@ class StepResult:
     # follow); they left too, and their clients get a 400
     rejected: dict[str, str] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens read from the prefix cache this step (not computed)
+    degraded: list[str] = field(default_factory=list)  # optional parts that failed since the last step, per failure

@@ -265,7 +265,33 @@ def test_requests_joining_together_with_one_prompt_prefill_it_once(tiny_target):
     assert got == want
 
 
-def test_when_a_follower_cannot_join_none_of_the_call_has(tiny_target):
+def test_when_a_follower_cannot_join_none_of_the_call_has(tiny_target, monkeypatch):
+
+    engine = _engine(tiny_target)
+    prompt = list(range(5000, 5000 + BLOCK + 3))
+    join = ModelRunner.join
+    calls = []
+
+    def second_call_fails(self, request_ids, *args, **kwargs):  # noqa: ANN001
+        calls.append(request_ids)
+        if len(calls) >= 2:  # the follower's prefill: the target cannot run it (with its cached prefix or not)
+            raise RuntimeError("the target's forward failed")
+        return join(self, request_ids, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "join", second_call_fails)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.add_requests([request("good", prompt, "ngram"), request("bad", prompt + [1], "ngram")])
+    assert calls == [["good"], ["bad"], ["bad"]]  # after its leader; again with no cached prefix
+    assert not engine.running and engine.runner.rows == []
+    assert all(not ids for ids in engine.planner.members.values())
+    monkeypatch.setattr(ModelRunner, "join", join)
+    engine.add_requests([request("good", prompt, "ngram")])  # nothing of the failed call stays behind
+    assert list(engine.running) == ["good"]
+
+
+def test_a_proposer_that_cannot_join_a_row_leaves_it_to_decode_without_it(tiny_target):
+    """A proposer's join is optional (server/failsafe.py): the rows join without it, decode plain, and
+    give plain decoding's text; the failure is counted."""
     from server.speculation.ngram import NgramProposer
     from server.speculation.registry import BUILTIN, Entry
 
@@ -276,10 +302,10 @@ def test_when_a_follower_cannot_join_none_of_the_call_has(tiny_target):
             super().join(seqs, prompt_hidden)
 
     registry = BUILTIN.with_entry(Entry("picky", Picky))
+    prompt = list(range(5000, 5000 + BLOCK + 3)) * 2
+    reqs = [request("good", prompt, "picky"), request("bad", prompt + [1], "picky")]
+    want = run(_engine(tiny_target), [request(r.request_id, r.prompt_token_ids, "none") for r in reqs])
     engine = Engine(tiny_target, None, Settings.load(), registry=registry)
-    prompt = list(range(5000, 5000 + BLOCK + 3))
-    with pytest.raises(RuntimeError, match="refuses"):
-        engine.add_requests([request("good", prompt, "picky"), request("bad", prompt + [1], "picky")])
-    assert not engine.running and engine.runner.rows == []
-    engine.add_requests([request("good", prompt, "picky")])  # nothing of the failed call stays behind
-    assert list(engine.running) == ["good"]
+    assert run(engine, reqs) == want
+    assert engine.parts.failures == {"proposer:picky": 1}
+    assert not engine.planner.members["picky"]

@@ -125,6 +125,8 @@ async def health(request: Request) -> JSONResponse:
     body: dict[str, Any] = {"status": "ok" if state.status == "ready" else state.status}
     if state.error:
         body["error"] = state.error
+    if (parts := getattr(state.engine, "parts", None)) is not None and (degraded := parts.report()):
+        body["degraded"] = degraded  # optional parts that failed (server/failsafe.py): slower, still correct
     return JSONResponse(body, status_code=200 if state.status == "ready" else 503)
 
 

@@ -5,6 +5,11 @@ queue. A request joins when the scheduler adds it (its prompt is prefilled then)
 end of the step that finishes it, or when it is aborted. The engine never names a proposer: the
 planner (server/speculation/planner.py) decides who drafts what, the model runner runs the target,
 and the rejection sampler decides what is kept (docs/design.md).
+
+What only makes steps cheaper is optional and fails safe (server/failsafe.py): the thread governor, the
+prefix cache, calibration and, through the planner, the proposers, `auto`'s estimates and the grammar's
+fast path. An exception in one of them is counted (`Engine.parts`) and the step goes on without it. A
+step fails only in what every answer needs: the target's pass, the sampler, a row's own grammar.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,7 @@ from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sequence import Sequence
 from server.engine.threads import ThreadGovernor
+from server.failsafe import OptionalParts
 from server.grammar import GrammarError, Grammars
 from server.model import prefix_cache
 from server.model.attention import use_gqa_attention
@@ -73,7 +79,8 @@ class Engine:
         for loaded in (target, draft):
             if loaded is not None:
                 use_gqa_attention(loaded.model)
-        self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost)
+        self.parts = OptionalParts()  # the optional parts' failures and switches (failsafe.py)
+        self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost, self.parts)
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         self.prefixes = (
             prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device, "prefix_cache_memory"))
@@ -182,14 +189,18 @@ class Engine:
     def _followers(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(leaders, followers): a follower's prompt begins with the same first block (and salt) as an
         earlier request's in `seqs`; none without a prefix cache."""
-        if self.prefixes is None or len(seqs) < 2:
+        if self.prefixes is None or len(seqs) < 2 or not self.parts.on("prefix_cache"):
             return seqs, []
         seen: set[bytes] = set()
         leaders, followers = [], []
-        for seq in seqs:
-            first = self.prefixes.names(seq.request.prompt_token_ids[:-1][: self.prefixes.block], seq.cache_salt)
-            (followers if first and first[0] in seen else leaders).append(seq)
-            seen.update(first)
+        try:
+            for seq in seqs:
+                first = self.prefixes.names(seq.request.prompt_token_ids[:-1][: self.prefixes.block], seq.cache_salt)
+                (followers if first and first[0] in seen else leaders).append(seq)
+                seen.update(first)
+        except Exception as exc:
+            self.parts.failed("prefix_cache", exc)
+            return seqs, []
         return leaders, followers
 
     def _join(self, seqs: list[Sequence], ride: bool = True) -> None:
@@ -203,18 +214,26 @@ class Engine:
         with a KV budget, whose reservations count one step's columns per row (`ROW_SLACK`)."""
         prompts = [list(s.request.prompt_token_ids[:-1]) for s in seqs]
         ids = [s.request_id for s in seqs]
-        prefixes = found = None
         features = self.planner.needs_hidden  # proposers that read the target's features get every prompt token's
-        if self.prefixes is not None:
-            found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
-            prefixes = [prefix_cache.concat(blocks) if blocks else None for blocks in found]
-        cached = [kv[0].shape[2] if kv is not None else 0 for kv in prefixes or [None] * len(seqs)]
+        found, prefixes = self._cached_prefixes(seqs, prompts, features)
         ride = ride and self.runner.packs and self.kv_slots is None
-        now = [p[:c] if ride and 0 < len(p) - c <= RIDE_TOKENS else p for p, c in zip(prompts, cached, strict=True)]
-        hidden = self.runner.join(ids, now, hidden=features, prefixes=prefixes)  # of the tokens computed now
-        if hidden is not None and self.prefixes is not None:  # the cached prefix's features, then those
-            hidden = [torch.cat([prefix_cache.concat_features(blocks), h]) if blocks else h
-                      for blocks, h in zip(found, hidden, strict=True)]
+        while True:
+            cached = [kv[0].shape[2] if kv is not None else 0 for kv in prefixes or [None] * len(seqs)]
+            now = [p[:c] if ride and 0 < len(p) - c <= RIDE_TOKENS else p for p, c in zip(prompts, cached, strict=True)]
+            try:
+                hidden = self.runner.join(ids, now, hidden=features, prefixes=prefixes)  # of the tokens computed now
+                if hidden is not None and found is not None:  # the cached prefix's features, then those
+                    hidden = [torch.cat([prefix_cache.concat_features(blocks), h]) if blocks else h
+                              for blocks, h in zip(found, hidden, strict=True)]
+                break
+            except Exception as exc:
+                if prefixes is None:
+                    raise
+                if ids[0] in self.runner.rows:  # joined, but the cached features did not fit: undone
+                    self.runner.leave(set(ids))
+                self.parts.failed("prefix_cache", exc)  # what it held did not load: a full prefill
+                found = prefixes = None
+        if hidden is not None and self.prefixes is not None:
             for seq, h in zip(seqs, hidden, strict=True):
                 seq.features = [h]
         try:
@@ -245,7 +264,7 @@ class Engine:
         """
         started = time.perf_counter()
         if self.threads is not None and self.running:
-            self.threads.before_step()
+            self._govern(self.threads.before_step)
         outputs: list[RequestOutput] = []
         failures: dict[str, Exception] = {}
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
@@ -255,7 +274,20 @@ class Engine:
         failed = {rid: _describe(e) for rid, e in failures.items() if not _own_input(e)}
         rejected = {rid: str(e) for rid, e in failures.items() if _own_input(e)}
         return StepResult(outputs, seq_stats, prefill, time.perf_counter() - started, failed=failed, rejected=rejected,
-                          cached_tokens=cached)
+                          cached_tokens=cached, degraded=self.parts.take_new())
+
+    def _govern(self, call: Callable[..., object], *args: object) -> None:
+        """A call of the thread governor; when it raises, or once it is switched off, the steps run at the
+        thread count it chose last."""
+        assert self.threads is not None
+        if self.parts.on("threads"):
+            try:
+                call(*args)
+                return
+            except Exception as exc:
+                self.parts.failed("threads", exc)
+        if torch.get_num_threads() != self.threads.current:
+            torch.set_num_threads(self.threads.current)
 
     # ---- the KV budget -------------------------------------------------------------------------
     def _kv_slots(self, target: LoadedModel, settings: Settings, reserved: int) -> int | None:
@@ -307,7 +339,29 @@ class Engine:
         for seq in leaving:
             del self.running[seq.request_id]
 
+    def _cached_prefixes(
+        self, seqs: list[Sequence], prompts: list[list[int]], features: bool
+    ) -> tuple[list[list[prefix_cache.Block]] | None, list[tuple[torch.Tensor, torch.Tensor] | None] | None]:
+        """(each prompt's cached blocks, their keys and values joined), or (None, None) without a prefix
+        cache or when it fails (a full prefill)."""
+        if self.prefixes is None or not self.parts.on("prefix_cache"):
+            return None, None
+        try:
+            found = [self.prefixes.match(p, s.cache_salt, features) for p, s in zip(prompts, seqs, strict=True)]
+            return found, [prefix_cache.concat(blocks) if blocks else None for blocks in found]
+        except Exception as exc:
+            self.parts.failed("prefix_cache", exc)
+            return None, None
+
     def _remember(self, seq: Sequence) -> None:
+        """Store a row's computed tokens in the prefix cache (`_store`); a failure stores nothing."""
+        if self.parts.on("prefix_cache"):
+            try:
+                self._store(seq)
+            except Exception as exc:
+                self.parts.failed("prefix_cache", exc)
+
+    def _store(self, seq: Sequence) -> None:
         """Store a row's computed tokens in the prefix cache (blocks it holds already are not read again):
         the cache's live tokens are the sequence's first ones (a stop may have cut the output shorter
         than what was computed)."""
@@ -339,6 +393,7 @@ class Engine:
                 why = f"a step failed again without the rows that fail alone: {_describe(again)}"
                 raise EngineFault(why) from again
         stats = self._commit(verified, outputs, failed) if verified is not None else []
+        self.planner.settle()  # rows a proposer dropped while planning leave it
         own_fault = all(_own_input(e) for e in failed.values())  # bad input never counts
         self._faulty_steps = self._faulty_steps + 1 if failed and not stats and not own_fault else 0
         if self._faulty_steps >= FAULTY_STEPS:
@@ -413,7 +468,7 @@ class Engine:
         predicted = self.planner.observe_verify(out.computed, seconds, record=not probe and not riding,
                                                 rows=len(active))
         if self.threads is not None:
-            self.threads.observe(seconds, None if riding else predicted)
+            self._govern(self.threads.observe, seconds, None if riding else predicted)
         return _Verified(active, kept, rows, logits, hidden, bounds, fed_at, verdict.accepted, verdict.tokens)
 
     def _commit(
@@ -658,7 +713,7 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
     engine = Engine(target, draft, settings)
     engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
-        calibrate(engine)
+        engine.parts.call("calibration", calibrate, engine, default=None)  # failing: learnt from traffic
     if not keep_dense:
         freed = engine.release_dense_weights()
         if freed:

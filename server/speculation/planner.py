@@ -6,6 +6,12 @@ them from the registry, telling them who joins and leaves, asking lookahead prop
 `auto` knows what they offer), the `auto` choice per row, each row's share of a batch's verify pass,
 dropping a model proposer that a whole batch would pay for but not gain from, and timing proposers
 whose cost is not declared. The engine never names a proposer.
+
+Every part the planner calls is optional (server/failsafe.py): a proposer that raises is dropped for
+the rows of that call (they leave it and go on with the others, or plain), the cost model and the
+acceptance estimates that raise teach nothing that step, the grammar's fast path that raises leaves its
+row without drafts, and a plan that raises is a plain step for every row (the proposers returned to the
+step's checkpoint). `auto` rows plan no drafts once the cost model or the acceptance estimates are off.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from typing import Protocol
 
 import torch
 
+from server.failsafe import OptionalParts
 from server.model.attention import packs
 from server.model.kv_cache import KVShape
 from server.model.prefix_cache import Block, StateReader, leading_states
 from server.model.runner import ModelRunner
 from server.speculation.adaptive import MIN_GAIN, AdaptivePolicy, BatchRow, Choice, CostModel, Offer
 from server.speculation.model_proposer import ModelProposer
-from server.speculation.proposer import BuildContext, Proposer, SequenceView
+from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 
 FORCED = "grammar"  # the drafter named for a row whose drafts are the tokens its grammar forces
@@ -86,9 +93,20 @@ class StepPlan:
 class Planner:
     """Owns the proposers and the `auto` policy. Single-threaded, like the engine."""
 
-    def __init__(self, ctx: BuildContext, registry: Registry = BUILTIN, cost: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        registry: Registry = BUILTIN,
+        cost: CostModel | None = None,
+        parts: OptionalParts | None = None,
+    ) -> None:
         built = {e.name: e.build(ctx) for e in registry.entries}
         self.proposers: dict[str, Proposer] = {name: p for name, p in built.items() if p is not None}
+        self.parts = parts if parts is not None else OptionalParts()
+        # proposer -> the request ids it holds (joined, not yet left or dropped after a failure)
+        self.members: dict[str, set[str]] = {name: set() for name in self.proposers}
+        self._step_start: dict[str, object] | None = None  # `checkpoint()`'s: the states at the step's start
+        self._dropping: dict[str, set[str]] = {}  # rows dropped by a proposer that failed this step (`settle`)
         # proposers that read the target's features: none can draft for a row whose prompt is still being computed
         self.hidden_readers = frozenset(name for name, p in self.proposers.items() if p.traits.needs_hidden)
         # A verify pass computes only real tokens when the target's forwards pack (model/attention.py).
@@ -124,38 +142,61 @@ class Planner:
         prefix-cache blocks seqs[i]'s prompt starts with; a proposer that keeps a state of them gets
         that of the leading blocks holding it (`Proposer.load_prefix`)."""
         for name, proposer in self.proposers.items():
-            users = [i for i, s in enumerate(seqs) if _uses(s, name)]
-            if users:
+            users = [i for i, s in enumerate(seqs) if s.mode in (name, AUTO)]
+            if not users or not self.parts.on(_part(name)):
+                continue
+            ids = {seqs[i].request_id for i in users}
+            self.members[name] |= ids
+            try:
                 hidden = [prompt_hidden[i] for i in users] if proposer.traits.needs_hidden and prompt_hidden else None
                 proposer.join([seqs[i] for i in users], hidden)
                 for i in users if proposer.caches_prefix and prefixes else ():
                     if states := leading_states(prefixes[i], name):  # type: ignore[index]
                         proposer.load_prefix(seqs[i].request_id, states)
+            except Exception as exc:
+                self._failed(name, exc, ids)
 
     def prefix_states(self, seq: PlannedSequence, block: int) -> dict[str, StateReader]:
         """Per proposer the sequence uses that keeps a state of prompt prefixes: a reader of its state of
         the sequence's first blocks of `block` tokens (for the prefix cache, before the sequence leaves)."""
         return {name: functools.partial(p.prefix_state, seq.request_id, block=block)
-                for name, p in self.proposers.items() if p.caches_prefix and _uses(seq, name)}
+                for name, p in self.proposers.items() if p.caches_prefix and self._uses(seq, name)}
 
     def leave(self, seqs: list[PlannedSequence]) -> None:
-        for name, proposer in self.proposers.items():
-            gone = {s.request_id for s in seqs if _uses(s, name)}
-            if gone:
-                proposer.leave(gone)
+        ids = {s.request_id for s in seqs}
+        for name in self.proposers:
+            self._drop(name, ids)
         for s in seqs:
-            self.policy.forget(s.request_id)
+            try:
+                self.policy.forget(s.request_id)
+            except Exception as exc:
+                self.parts.failed("acceptance", exc)
 
     # ---- one step ------------------------------------------------------------------------------
     def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset()) -> StepPlan:
         """Lookahead proposers first (nearly free), then each row's choice, the batch's width, and the
         drafts of the model proposers chosen. Rows in `hold` (request ids) take no part: no proposer
         looks at them (model proposers ask them for K = 0) and they draft nothing. An `auto` row whose
-        recent plans gained less than planning it costs sits out some steps (`AdaptivePolicy.due`)."""
+        recent plans gained less than planning it costs sits out some steps (`AdaptivePolicy.due`).
+        A plan that raises is a plain step (see the module docstring)."""
+        plain = StepPlan([RowPlan(None, []) for _ in seqs])
+        if not self.parts.on("planner"):
+            return plain
+        try:
+            return self._plan(seqs, hold)
+        except Exception as exc:
+            self.parts.failed("planner", exc)
+            if self._step_start is not None:  # what the failed plan's proposer calls changed
+                self.restore(self._step_start)
+            return plain
+
+    def _plan(self, seqs: list[PlannedSequence], hold: frozenset[str]) -> StepPlan:
         started = time.perf_counter()
-        # idle `auto` rows sit out this step as plain rows: no lookups, no choice
+        # idle `auto` rows sit out this step as plain rows: no lookups, no choice (all of them while the
+        # cost model or the acceptance estimates are switched off: `auto` would decide blind)
+        blind = not (self.parts.on("cost_model") and self.parts.on("acceptance"))
         idle = {s.request_id for s in seqs if s.mode == AUTO and s.request_id not in hold
-                and not self.policy.due(s.request_id)}
+                and (blind or not self.policy.due(s.request_id))}
         skip = hold | idle
         offers = self._lookahead(seqs, skip)
         choices = [
@@ -175,27 +216,49 @@ class Planner:
             self.policy.planned(seqs[b].request_id, len(seqs))
         rows = self._draft_with_models(seqs, choices, rows)
         rows = [
-            self._constrain(s, r) if s.grammar is not None and s.request_id not in hold else r
+            self._constrained(s, r) if s.grammar is not None and s.request_id not in hold else r
             for s, r in zip(seqs, rows, strict=True)
         ]
         return StepPlan(rows)
 
     # ---- undoing a failed step (server/engine/engine.py) ------------------------------------------
     def checkpoint(self) -> dict[str, object]:
-        """Every proposer's state before a step (see `Proposer.checkpoint`)."""
-        return {name: p.checkpoint() for name, p in self.proposers.items()}
+        """Every proposer's state before a step (see `Proposer.checkpoint`) and who holds which rows;
+        also where a failing plan or proposer call of this step returns them to."""
+        self._step_start = {
+            "proposers": {name: p.checkpoint() for name, p in self.proposers.items()},
+            "members": {name: set(ids) for name, ids in self.members.items()},
+        }
+        return self._step_start
 
-    def restore(self, states: dict[str, object]) -> None:
+    def restore(self, state: dict[str, object]) -> None:
+        proposers: dict[str, object] = state["proposers"]  # type: ignore[assignment]
         for name, proposer in self.proposers.items():
-            proposer.restore(states[name])
+            proposer.restore(proposers[name])
+        self.members = {name: set(ids) for name, ids in state["members"].items()}  # type: ignore[attr-defined]
+        self._dropping = {}
+
+    def settle(self) -> None:
+        """The step is committed: rows a proposer dropped while planning it leave that proposer now (not
+        while planning, which a failed step undoes by `restore`)."""
+        dropping, self._dropping = self._dropping, {}
+        for name, ids in dropping.items():
+            self.members[name] |= ids
+            self._drop(name, ids)
 
     def observe_verify(self, tokens: int, seconds: float, record: bool = True, rows: int | None = None) -> float | None:
         """The verify pass of `rows` rows computed `tokens` positions (packed: the real tokens; padded:
         rows x widest row) and took `seconds`; the cost model learns it when `record`. Returns what the
         cost model predicted for such a pass before this timing (None while it has none)."""
-        predicted = self.policy.cost.verify_time(tokens, rows)
-        if record:
-            self.policy.cost.observe_verify(tokens, seconds, rows=rows)
+        if not self.parts.on("cost_model"):
+            return None
+        try:
+            predicted = self.policy.cost.verify_time(tokens, rows)
+            if record:
+                self.policy.cost.observe_verify(tokens, seconds, rows=rows)
+        except Exception as exc:
+            self.parts.failed("cost_model", exc)
+            return None
         return predicted
 
     def commit(
@@ -207,11 +270,81 @@ class Planner:
     ) -> None:
         """Tell the sequence's proposers what the target kept, and `auto` how the drafts fared."""
         for name, proposer in self.proposers.items():
-            if _uses(seq, name):
-                proposer.commit(seq, row.own_drafts if row.proposer == name else [], emitted, hidden)
+            if self._uses(seq, name):
+                try:
+                    proposer.commit(seq, row.own_drafts if row.proposer == name else [], emitted, hidden)
+                except Exception as exc:
+                    self._failed(name, exc, {seq.request_id})
         if row.proposer == FORCED:
             return
-        self.policy.observe(seq.request_id, row.proposer, len(row.drafts), len(emitted) - 1, row.level, seq.sampled)
+        self.parts.call("acceptance", self.policy.observe, seq.request_id, row.proposer, len(row.drafts),
+                        len(emitted) - 1, row.level, seq.sampled, default=None)
+
+    # ---- proposers that fail (server/failsafe.py) -------------------------------------------------
+    def _uses(self, seq: PlannedSequence, name: str) -> bool:
+        """Whether the sequence is one of `name`'s (it joined and was not dropped)."""
+        return seq.request_id in self.members[name]
+
+    def _drop(self, name: str, request_ids: set[str]) -> None:
+        """The sequences leave proposer `name` (a failed `leave` is counted: they are gone all the same)."""
+        gone = request_ids & self.members[name]
+        if gone:
+            self.members[name] -= gone
+            try:
+                self.proposers[name].leave(gone)
+            except Exception as exc:
+                self.parts.failed(_part(name), exc)
+
+    def _failed(self, name: str, exc: Exception, request_ids: set[str], *, planning: bool = False) -> None:
+        """Proposer `name` raised in a call for `request_ids`: they leave it (every row does once the
+        proposer is switched off), and the step goes on without its drafts for them. While `planning`,
+        they stop being its rows at once but leave it when the step is committed (`settle`)."""
+        self.parts.failed(_part(name), exc)
+        ids = set(self.members[name]) if not self.parts.on(_part(name)) else request_ids & self.members[name]
+        if planning:
+            self.members[name] -= ids
+            self._dropping.setdefault(name, set()).update(ids)
+        else:
+            self._drop(name, ids)
+
+    def _propose(self, name: str, seqs: list[PlannedSequence], ks: list[int]) -> tuple[Proposal | None, bool]:
+        """(proposer `name`'s proposal for seqs, whether its first call gave it). When the call raises,
+        each row asked for drafts is tried alone (the others asked for none; the proposer restored after
+        each try), the rows that fail alone are dropped from it (or every row asked, when none or all
+        fail alone), and the call is made once more without them. None when no call succeeds."""
+        proposer = self.proposers[name]
+        try:
+            return proposer.propose(seqs, ks), True
+        except Exception as exc:
+            error = exc
+        self._restore(name)
+        asking = [i for i, k in enumerate(ks) if k]
+        bad: set[int] = set()
+        for i in asking if len(asking) > 1 else ():
+            try:
+                proposer.propose(seqs, [k if j == i else 0 for j, k in enumerate(ks)])
+            except Exception:
+                bad.add(i)
+            self._restore(name)
+        proposal = None
+        if bad and len(bad) < len(asking):
+            try:
+                proposal = proposer.propose(seqs, [0 if i in bad else k for i, k in enumerate(ks)])
+            except Exception:
+                self._restore(name)
+        if proposal is None:
+            bad = set(asking)
+        self._failed(name, error, {seqs[i].request_id for i in bad}, planning=True)
+        return proposal, False
+
+    def _restore(self, name: str) -> None:
+        """Proposer `name` back to the step's checkpoint (what a failed call of this step changed)."""
+        if self._step_start is not None:
+            proposers: dict[str, object] = self._step_start["proposers"]  # type: ignore[assignment]
+            try:
+                self.proposers[name].restore(proposers[name])
+            except Exception as exc:
+                self.parts.failed(_part(name), exc)
 
     # ---- planning steps ------------------------------------------------------------------------
     def _lookahead(self, seqs: list[PlannedSequence], hold: frozenset[str]) -> dict[int, RowOffers]:
@@ -220,10 +353,12 @@ class Planner:
         for name, proposer in self.proposers.items():
             if not proposer.traits.lookahead:
                 continue
-            rows = [b for b, s in enumerate(seqs) if _uses(s, name) and s.request_id not in hold]
+            rows = [b for b, s in enumerate(seqs) if self._uses(s, name) and s.request_id not in hold]
             if not rows:
                 continue
-            found = proposer.propose([seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
+            found, _ = self._propose(name, [seqs[b] for b in rows], [seqs[b].num_drafts() for b in rows])
+            if found is None:
+                continue
             levels = found.confidence or [0] * len(rows)
             for i, b in enumerate(rows):
                 if drafts := _until_stop(found.drafts[i], seqs[b].stop_ids):
@@ -236,6 +371,7 @@ class Planner:
         if seq.mode == PLAIN or k_max == 0:
             return None, 0
         blind = self.hidden_readers if seq.prefilling else frozenset()
+        blind |= {name for name in self.proposers if not self._uses(seq, name)}  # dropped after a failure
         if seq.mode != AUTO:
             return (None, 0) if seq.mode in blind else (seq.mode, k_max)
         choice: Choice = self.policy.choose(
@@ -314,6 +450,16 @@ class Planner:
             if row.flexible:
                 choices[b] = (row.proposer, k) if k else (None, 0)
 
+    def _constrained(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
+        """`_constrain`, or no drafts for the row when the grammar's fast path raises or is off (the
+        verify pass still applies the grammar's mask: only drafting is lost)."""
+        if self.parts.on("grammar"):
+            try:
+                return self._constrain(seq, row)
+            except Exception as exc:
+                self.parts.failed("grammar", exc)
+        return RowPlan(row.proposer, [], None, row.level, proposed=row.own_drafts)
+
     def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
         """A constrained row's drafts as its grammar allows them, or the tokens the grammar forces.
 
@@ -347,7 +493,7 @@ class Planner:
         for name, proposer in self.proposers.items():
             if proposer.traits.lookahead:
                 continue
-            members = [b for b, s in enumerate(seqs) if _uses(s, name)]
+            members = [b for b, s in enumerate(seqs) if self._uses(s, name)]
             if not members:
                 continue
             ks = [choices[b][1] if choices[b][0] == name else 0 for b in members]
@@ -361,25 +507,36 @@ class Planner:
             # call takes beyond its drafting forwards' time (`CostModel.backlog_time`: the batch's choice
             # prices it, `AdaptivePolicy._fixed`).
             timed = proposer.traits.draft_token_cost is None
-            behind = proposer.backlog(drafting) if timed else 0
+            try:
+                behind = proposer.backlog(drafting) if timed else 0
+            except Exception as exc:
+                self._failed(name, exc, set(drafting), planning=True)
+                continue
             started = time.perf_counter()
-            proposal = proposer.propose([seqs[b] for b in members], ks)
-            if timed:
+            proposal, clean = self._propose(name, [seqs[b] for b in members], ks)
+            if proposal is None:
+                continue
+            if timed and clean:
                 seconds = elapsed_since(started, self.device)
-                if not behind:
-                    self.policy.cost.observe_draft(name, max(ks), seconds, rows=len(drafting))
-                elif (forward := self.policy.cost.draft_forward_time(name, len(drafting))) is not None:
-                    self.policy.cost.observe_backlog(name, behind, seconds - max(ks) * forward)
+                self.parts.call("cost_model", self._time_drafting, name, ks, len(drafting), behind, seconds,
+                                default=None)
             qs = proposal.q or [None] * len(members)
             for i, b in enumerate(members):
                 if ks[i] and proposal.drafts[i]:
                     rows[b] = RowPlan(name, proposal.drafts[i], qs[i])
         return rows
 
+    def _time_drafting(self, name: str, ks: list[int], drafting: int, behind: int, seconds: float) -> None:
+        """Teach the cost model a timed proposer call (see `_draft_with_models`)."""
+        if not behind:
+            self.policy.cost.observe_draft(name, max(ks), seconds, rows=drafting)
+        elif (forward := self.policy.cost.draft_forward_time(name, drafting)) is not None:
+            self.policy.cost.observe_backlog(name, behind, seconds - max(ks) * forward)
 
-def _uses(seq: PlannedSequence, proposer: str) -> bool:
-    """Whether a sequence joins `proposer` (auto sequences join every proposer)."""
-    return seq.mode in (proposer, AUTO)
+
+def _part(proposer: str) -> str:
+    """A proposer's name among the optional parts (server/failsafe.py)."""
+    return f"proposer:{proposer}"
 
 
 def elapsed_since(started: float, device: torch.device) -> float:
