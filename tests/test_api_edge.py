@@ -5,6 +5,7 @@ client-chosen strings cannot blow up the log line."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import threading
@@ -125,6 +126,49 @@ def test_health_answers_while_a_large_prompt_is_tokenized(live_url):
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert latencies and max(latencies) < 1.0
+
+
+def test_bad_input_keeps_the_connection_alive(live_url):
+    """Bad input is a 400 on the client's keep-alive connection, which then serves its next request: a
+    500 (what a RecursionError or an int() ValueError in parsing became) made uvicorn close it."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    bodies = [
+        json.dumps(ok)[:-1] + ', "metadata": ' + "[" * 5000 + "]" * 5000 + "}",
+        json.dumps(ok).replace('"max_tokens": 2', '"max_tokens": ' + "9" * 5000),
+        json.dumps({**ok, "logit_bias": {"²": 1}}),
+        json.dumps({**ok, "guided_json": "[" * 5000 + "]" * 5000}),
+        json.dumps(chat_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}])),
+    ]
+    conn = http.client.HTTPConnection(*live_url.removeprefix("http://").split(":"), timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        for body in bodies:
+            path = CHAT if '"messages"' in body else COMP
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 400 and json.loads(r.read())["error"]["type"] == "invalid_request_error"
+        conn.request("POST", COMP, json.dumps(ok), {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        assert conn.sock is sock  # one connection throughout: never closed, never reopened
+    finally:
+        conn.close()
+
+
+async def test_a_content_length_int_cannot_read_is_too_large_not_a_500(tokenizer):
+    """The body limit reads Content-Length: one of 5,000 digits is past int()'s limit (a ValueError, a
+    500); it is over any limit. A non-ASCII digit int() refuses ("²", which str.isdigit takes) is not a
+    length at all: the body is counted as it streams in."""
+    app = create_app(Settings.load(max_request_body_bytes=2000), lambda _: FakeEngine(tokenizer))
+    body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 1})
+    async with app.router.lifespan_context(app):
+        async with await _client(app) as client:
+            for declared, status in ((b"9" * 5000, 413), (b"\xb2", 200), (b"0" * 30 + b"12", 200)):
+                headers = {"content-type": "application/json", "content-length": declared}
+                r = await client.post(COMP, content=body, headers=headers)
+                assert r.status_code == status, r.text
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from tests.api_helpers import MODEL, chat_body, running_app
+from tests.api_helpers import MODEL, chat_body, running_app, sse_data, sse_json
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -15,6 +16,18 @@ COMP = "/v1/completions"
 def comp_body(**extra):
     return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra}
 
+
+def with_tool_call(arguments: str, **extra) -> dict:
+    """A chat body whose history holds an assistant tool call with these `arguments` (messages[1])."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    return {**chat_body(), "messages": history, **extra}
+
+
+DEEP_TEXT = "[" * 100_000 + "]" * 100_000  # JSON text nested past Python's recursion limit
+LONG_INT = "9" * 5000  # an integer literal past int()'s 4,300 digits
+ARGS = "messages[1].tool_calls[0].function.arguments"
+F = [{"type": "function", "function": {"name": "f"}}]
 
 # (path, json body, status, expected `param`, expected `code` or None, a word in the message)
 CASES = [
@@ -127,6 +140,27 @@ CASES = [
     (COMP, comp_body(logprobs=50), 400, "logprobs", None, "less than"),
     (COMP, comp_body(max_tokens=1024), 400, "prompt", "context_length_exceeded", "maximum context length"),
     (COMP, {**comp_body(), "model": "nope"}, 404, "model", "model_not_found", "nope"),
+    # client text inside fields that is parsed again: digits int() refuses, JSON past the parser's limits
+    (CHAT, chat_body(logit_bias={"²": 1}), 400, "logit_bias", None, "token ids"),
+    (CHAT, chat_body(logit_bias={"1" * 5000: 1}), 400, "logit_bias", None, "outside the vocabulary"),
+    (COMP, comp_body(guided_json='{"a": ' * 5000 + "1" + "}" * 5000), 400, "guided_json", None, "nested more than 128"),
+    (COMP, comp_body(guided_json=f'{{"maximum": {LONG_INT}}}'), 400, "guided_json", None, "5000 digits"),
+    (COMP, comp_body(guided_json='{"const": "\\ud800"}'), 400, "guided_json", None, "surrogate"),
+    (COMP, comp_body(guided_json={"x-guidance": []}), 400, "guided_json", None, "x-guidance"),
+    (
+        CHAT,
+        chat_body(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"maximum": 10**40}}}),
+        400,
+        "response_format.json_schema.schema",
+        None,
+        "cannot decode",
+    ),
+    (CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"maximum": 10**40}}}],
+                     tool_choice="required"), 400, "tools", None, "cannot decode"),
+    (CHAT, with_tool_call(DEEP_TEXT), 400, ARGS, None, "nested more than 128"),
+    (CHAT, with_tool_call("[" * 129 + "]" * 129), 400, ARGS, None, "nested more than 128"),
+    (CHAT, with_tool_call(DEEP_TEXT, tools=F), 400, ARGS, None, "nested more than 128"),
+    (CHAT, with_tool_call(f"[{LONG_INT}]"), 400, ARGS, None, "5000 digits"),
 ]
 
 
@@ -155,6 +189,69 @@ async def test_bad_requests_are_4xx_in_openai_shape(client):
             check_error(r, status, param, code, word)
     # the worker survived all of it
     assert (await client.post(COMP, json=comp_body())).status_code == 200
+
+
+def raw_body(base: dict, **members: str) -> str:
+    """`base` as JSON text with `members` added as JSON text of their own (what json.dumps cannot write:
+    nesting past the recursion limit, integers past int()'s digit limit)."""
+    return json.dumps(base)[:-1] + "".join(f', "{key}": {text}' for key, text in members.items()) + "}"
+
+
+HI = [{"role": "user", "content": "x"}]
+# (path, body text, expected `param`, a word in the message): valid JSON past what the server reads
+RAW_CASES = [
+    (CHAT, raw_body(chat_body(), metadata='{"a": ' * 5000 + "1" + "}" * 5000), "metadata", "nested more than 128"),
+    (CHAT, raw_body(chat_body(), metadata="[" * 500 + "]" * 500), "metadata", "nested more than 128"),
+    (CHAT, raw_body({"model": MODEL}, messages=DEEP_TEXT), "messages", "nested more than 128"),
+    (COMP, raw_body({"model": MODEL}, prompt=DEEP_TEXT), "prompt", "nested more than 128"),
+    (CHAT, raw_body({"model": MODEL, "messages": HI}, max_tokens=LONG_INT), "max_tokens", "5000 digits"),
+    (CHAT, raw_body({"model": MODEL, "messages": HI}, seed="-" + LONG_INT), "seed", "5000 digits"),
+    (COMP, raw_body({"model": MODEL, "max_tokens": 2}, prompt=f"[1, {LONG_INT}]"), "prompt[1]", "5000 digits"),
+    (COMP, raw_body({"model": MODEL, "max_tokens": 2}, prompt=f"[[1], [2, {LONG_INT}]]"), "prompt[1][1]", "digits"),
+    (CHAT, raw_body(chat_body(), metadata=f'{{"n": {LONG_INT}, "d": {DEEP_TEXT}}}'), "metadata", "nested"),
+    (CHAT, "[" * 100_000 + "]" * 100_000, None, "nested more than 128"),
+]
+
+
+async def test_json_past_the_parsers_limits_is_a_400_naming_the_field(tiny_engine_factory):
+    """Nesting deeper than 128 levels (past ~1,000 Python's parser raised RecursionError) and integer
+    literals int() refuses (over 4,300 digits: ValueError) were 500s; each is a 400 naming the top-level
+    field, the worker serves on, and a stream in flight meanwhile is untouched."""
+    json_ = {"content-type": "application/json"}
+    async with running_app(tiny_engine_factory, draft=None) as (_, c):
+
+        async def bad(path: str, text: str, param: str | None, word: str) -> None:
+            for body in (text, text.replace("{", '{"stream": true, ', 1) if text.startswith("{") else text):
+                check_error(await c.post(path, content=body, headers=json_), 400, param, None, word)
+
+        async def in_flight() -> list[str]:
+            async with c.stream("POST", CHAT, json=chat_body(max_tokens=24, temperature=0, stream=True)) as r:
+                assert r.status_code == 200
+                return sse_data((await r.aread()).decode())
+
+        stream, *_ = await asyncio.gather(in_flight(), *(bad(*case) for case in RAW_CASES))
+        assert stream[-1] == "[DONE]" and json.loads(stream[-2])["choices"][0]["finish_reason"] == "length"
+        assert (await c.post(COMP, json=comp_body())).status_code == 200
+        # just inside the limits (the body's own object is the first level): read and served
+        deep_ok = raw_body(chat_body(), metadata="[" * 127 + "]" * 127)
+        assert (await c.post(CHAT, content=deep_ok, headers=json_)).status_code == 200
+        longest = raw_body({"model": MODEL, "messages": HI}, max_tokens="1" + "0" * 4299)  # read, and too many
+        check_error(await c.post(CHAT, content=longest, headers=json_), 400, "messages", "context_length_exceeded")
+
+
+async def test_a_tool_call_the_model_garbles_stays_text(client):
+    r"""guided_regex makes the reply a tool-call block whose name holds an escape JSON does not know
+    (`\q`): not a call of an offered function, so it stays text. Its parse was a 500 (a broken stream)."""
+    reply = r'<tool_call>{"name": "\q", "arguments": {}}</tool_call>'
+    forced = r'<tool_call>\{"name": "\\q", "arguments": \{\}\}</tool_call>'  # that text as a regex
+    body = chat_body(max_tokens=40, tools=F, guided_regex=forced)
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == reply and not message.get("tool_calls")
+    r = await client.post(CHAT, json={**body, "stream": True})
+    chunks = sse_json(r.text)
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]) == reply
 
 
 async def test_neutral_values_of_unimplemented_fields_are_accepted(client):

@@ -12,6 +12,7 @@ import pytest
 
 from server.api.app import create_app
 from server.api.chat_template import render_messages, supports_tools
+from server.api.errors import APIError
 from server.api.schemas import ChatMessage, ToolDefinition
 from server.api.tool_calls import ToolCallParser, parse_whole
 from server.config import Settings
@@ -101,6 +102,24 @@ def test_arguments_are_streamed_before_the_block_ends():
     assert [d.arguments for d in rest] == ['is"}']
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",  # past Python's recursion limit: RecursionError
+        '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",  # bare
+        r'<tool_call>{"name": "\q", "arguments": {}}</tool_call>',  # an escape JSON does not know: ValueError
+        r'<tool_call>{"name": "f\u12", "arguments": {}}</tool_call>',
+    ],
+)
+def test_output_the_parser_cannot_read_stays_text(text):
+    """Model output (which a client can force with guided_regex) that is not a readable call of an
+    offered function is text, whole and streamed; reading it raised (a 500, or a broken stream)."""
+    assert parse_whole(text, NAMES) == (text, [])
+    parser = ToolCallParser(NAMES)
+    deltas = [d for i in range(0, len(text), 7) for d in parser.feed(text[i : i + 7])] + parser.finish()
+    assert "".join(d.content or "" for d in deltas) == text and not parser.calls
+
+
 def msgs(*raw: dict) -> list[ChatMessage]:
     return [ChatMessage.model_validate(m) for m in raw]
 
@@ -145,6 +164,28 @@ def test_native_rendering_for_a_template_with_tools(tokenizer):
     assert specs == [WEATHER]
     text = tok.apply_chat_template(messages, tools=specs, tokenize=False)
     assert text == "[tool get_weather]<user>Weather in Paris?<assistant>(call get_weather Paris)<tool>18 C, sunny"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "word"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested more than 128"),
+        ('{"x": ' + "[" * 128 + "]" * 128 + "}", "nested more than 128"),
+        ('{"x": ' + "9" * 5000 + "}", "5000 digits"),
+        ('{"city": "\\ud800"}', "surrogate"),  # rendered as text, half a character the tokenizer refuses
+    ],
+)
+def test_arguments_the_server_cannot_read_are_a_400_naming_them(tokenizer, arguments, word):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}"
+    tok.chat_template += "{% endfor %}{{ m.content }}{% endfor %}{{ tools }}"
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    history = msgs(HISTORY[0], {"role": "assistant", "content": "ok"}, {**HISTORY[1], "tool_calls": [call] * 2})
+    for template in (tok, tokenizer):  # native and fallback rendering
+        with pytest.raises(APIError) as err:
+            render_messages(template, history, [ToolDefinition.model_validate(WEATHER)], parallel_tool_calls=True)
+        assert err.value.status == 400 and err.value.param == "messages[2].tool_calls[0].function.arguments"
+        assert word in err.value.message
 
 
 SCRIPT = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -3,7 +3,9 @@
 FastAPI would parse and validate a declared body on the loop: a valid 8 MB body of many small
 messages takes seconds to validate. The generation routes read the raw bytes instead (bounded by the
 body limit, `body_limit.py`) and call `parse_body` on a worker thread; errors are the same
-`RequestValidationError`s FastAPI raises, so they become the same 400s (`errors.py`).
+`RequestValidationError`s FastAPI raises, so they become the same 400s (`errors.py`). Valid JSON past
+what the server reads (nested more than `client_json.MAX_DEPTH` deep, an integer too long to convert) is
+a 400 naming the field it is in.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from server.api.client_json import JSONLimitError, loads
 from server.api.errors import bad_request
 from server.api.offload import Offload
 
@@ -33,13 +36,15 @@ def _is_json(content_type: str | None) -> bool:
 
 def parse_body(raw: bytes, content_type: str | None, model: type[B]) -> B:
     """`raw` as a `model`; raises `RequestValidationError` (locations under "body", as FastAPI's) or an
-    `APIError` 400 for a body that is not JSON."""
+    `APIError` 400 for a body that is not JSON, or JSON past the server's limits."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     if not _is_json(content_type):
         raise bad_request("the request body must be JSON, sent with `Content-Type: application/json`")
     try:
-        data: Any = json.loads(raw)
+        data: Any = loads(raw)
+    except JSONLimitError as exc:
+        raise bad_request(f"{exc.path or 'request body'}: {exc.message}", exc.path or None) from exc
     except json.JSONDecodeError as exc:
         ctx = {"error": exc.msg}
         raise RequestValidationError(

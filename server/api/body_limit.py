@@ -22,6 +22,12 @@ def too_large_message(max_bytes: int) -> str:
     return f"the request body is larger than this server accepts ({max_bytes} bytes: max_request_body_bytes)"
 
 
+def _over(digits: str, max_bytes: int) -> bool:
+    """Whether a Content-Length of ASCII `digits` exceeds `max_bytes` (one too long for int() does)."""
+    digits = digits.lstrip("0") or "0"
+    return len(digits) > len(str(max_bytes)) or int(digits) > max_bytes
+
+
 class BodyLimit:
     """Wraps an ASGI app; `on_error(413)` is called for each body refused before the app saw it."""
 
@@ -34,8 +40,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+        declared = (Headers(scope=scope).get("content-length") or "").strip()
+        if declared.isascii() and declared.isdigit() and _over(declared, self.max_bytes):
             if self._on_error is not None:
                 self._on_error(413)
             response = APIError(413, too_large_message(self.max_bytes), code="request_too_large").response()

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.api.schemas import ChatMessage, ToolDefinition
+from server.api import client_json
+from server.api.errors import bad_request
+from server.api.schemas import ChatMessage, ToolDefinition, lone_surrogate_in_json
 from server.api.tool_calls import CLOSE, OPEN
 
 FALLBACK_INTRO = (
@@ -44,15 +46,30 @@ def supports_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _arguments(text: str) -> Any:
-    """A call's arguments as an object when they are JSON (what tool-aware templates expect)."""
+def _arguments(text: str, param: str) -> Any:
+    """A call's arguments as an object when they are JSON (what tool-aware templates expect), else the
+    text; a 400 naming `param` for JSON past what the server reads or holding half a character."""
     try:
-        return json.loads(text)
+        value = client_json.loads(text)
+    except client_json.JSONLimitError as exc:
+        raise bad_request(f"{param}: {exc.message}", param) from exc
     except ValueError:
         return text
+    problem = lone_surrogate_in_json(value)
+    if problem is not None:
+        raise bad_request(f"{param}: {problem}", param)
+    return value
 
 
-def _native(m: ChatMessage) -> dict[str, Any]:
+def _calls(m: ChatMessage, i: int) -> list[tuple[Any, Any]]:
+    """(the call, its arguments as `_arguments` reads them) for each of message `i`'s tool calls."""
+    return [
+        (c, _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"))
+        for j, c in enumerate(m.tool_calls or ())
+    ]
+
+
+def _native(m: ChatMessage, i: int) -> dict[str, Any]:
     """A message as tool-aware templates (and plain ones) read it."""
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
     if m.role == "function":  # legacy function results are tool results
@@ -62,15 +79,14 @@ def _native(m: ChatMessage) -> dict[str, Any]:
     if m.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
-            for c in m.tool_calls
-            for args in [_arguments(c.function.arguments)]
+            for c, args in _calls(m, i)
         ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
 
 
-def _fallback(m: ChatMessage) -> dict[str, Any]:
+def _fallback(m: ChatMessage, i: int) -> dict[str, Any]:
     """A message for a template that knows nothing of tools: calls and results become text."""
     if m.role in ("tool", "function"):
         return {"role": "user", "content": f"<tool_response>\n{m.content or ''}\n</tool_response>"}
@@ -79,8 +95,7 @@ def _fallback(m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_calls:
         blocks = [
-            f"{OPEN}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)})}\n{CLOSE}"
-            for c in m.tool_calls
+            f"{OPEN}\n{json.dumps({'name': c.function.name, 'arguments': args})}\n{CLOSE}" for c, args in _calls(m, i)
         ]
         out["content"] = "\n".join([out["content"], *blocks] if out["content"] else blocks)
     return out
@@ -93,8 +108,8 @@ def render_messages(
     tool_history = any(m.tool_calls or m.role in ("tool", "function") for m in messages)
     if supports_tools(tokenizer) or not (tools or tool_history):
         specs = [t.model_dump(exclude_none=True) for t in tools] or None
-        return [_native(m) for m in messages], specs
-    rendered = [_fallback(m) for m in messages]
+        return [_native(m, i) for i, m in enumerate(messages)], specs
+    rendered = [_fallback(m, i) for i, m in enumerate(messages)]
     if tools:
         described = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
         intro = FALLBACK_INTRO.format(tools=described) + ("" if parallel_tool_calls else SINGLE_CALL)

@@ -16,6 +16,7 @@ from server.api.chat_template import render_messages
 from server.api.errors import APIError, bad_request
 from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
 from server.api.tool_calls import CLOSE
+from server.request_log import capped
 from server.types import GenerationRequest, SamplingParams, ServingLimits, SpeculationParams
 
 
@@ -123,15 +124,27 @@ def check_token_ids(info: ModelInfo, body: _GenerationBody) -> None:
         if not 0 <= t < vocab:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", "stop_token_ids")
     for key in body.logit_bias or {}:
-        if not 0 <= int(key) < vocab:
-            raise bad_request(f"logit_bias: token id {key} is outside the vocabulary [0, {vocab})", "logit_bias")
+        if not _bias_token(key) < vocab:
+            shown = capped(key.strip(), 40)
+            raise bad_request(f"logit_bias: token id {shown} is outside the vocabulary [0, {vocab})", "logit_bias")
+
+
+_PAST_ANY_VOCABULARY = 10**18
+
+
+def _bias_token(key: str) -> int:
+    """The token id a logit_bias key names (ASCII digits around spaces: the schema checked), or
+    `_PAST_ANY_VOCABULARY` for one of more digits than int() may convert or any vocabulary needs."""
+    digits = key.strip().lstrip("0") or "0"
+    return int(digits) if len(digits) < 18 else _PAST_ANY_VOCABULARY
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs; keys that name the same id ("7", " 7") add up."""
+    """(token id, bias) pairs; keys that name the same id ("7", " 7", "007") add up."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        out[int(key)] = out.get(int(key), 0.0) + float(value)
+        token = _bias_token(key)
+        out[token] = out.get(token, 0.0) + float(value)
     return tuple(out.items())
 
 

@@ -16,10 +16,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.request_log import capped
 from server.speculation.registry import BUILTIN
 
 
-def _lone_surrogate(value: Any, path: str) -> str | None:
+def lone_surrogate(value: Any, path: str) -> str | None:
     """The path of the first string in `value` that is not valid UTF-8 text (None when all are)."""
     if isinstance(value, str):
         try:
@@ -29,10 +30,19 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
+        found = lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
         if found is not None:
             return found
     return None
+
+
+def lone_surrogate_in_json(value: Any) -> str | None:
+    """What is wrong with JSON parsed from a string field when one of its strings holds half a character
+    (a `\\ud800` escape in the field's text), or None."""
+    where = lone_surrogate(value, "")
+    if where is None:
+        return None
+    return f"the JSON in it holds a lone UTF-16 surrogate (half of a character) at {where or 'its top level'}: not text"
 
 
 class _Body(BaseModel):
@@ -46,7 +56,7 @@ class _Body(BaseModel):
     def _valid_text(cls, data: Any) -> Any:
         """Text the tokenizer cannot take is bad input: a lone UTF-16 surrogate (half of a character, as
         JSON's \\ud800 escapes can write) is not a Unicode character."""
-        where = _lone_surrogate(data, "")
+        where = lone_surrogate(data, "")
         if where is not None:
             raise ValueError(f"{where or 'a string'} holds a lone UTF-16 surrogate (half of a character): not text")
         return data
@@ -186,10 +196,11 @@ class _GenerationBody(_Body):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            digits = key.strip()
+            if not (digits.isascii() and digits.isdigit()):  # str.isdigit alone takes "²" and "١", int() not all
+                raise ValueError(f"keys must be token ids (decimal digits), got {capped(key, 40)!r}")
             if not -100 <= bias <= 100:
-                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+                raise ValueError(f"bias of token {capped(key, 40)} must be in [-100, 100], got {bias}")
         return v
 
     @model_validator(mode="after")

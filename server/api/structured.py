@@ -28,8 +28,15 @@ from typing import Any, Literal
 
 import llguidance
 
+from server.api import client_json
 from server.api.errors import bad_request
-from server.api.schemas import ChatCompletionRequest, NamedToolChoice, ToolDefinition, _GenerationBody
+from server.api.schemas import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    ToolDefinition,
+    _GenerationBody,
+    lone_surrogate_in_json,
+)
 from server.api.tool_calls import CLOSE, OPEN
 
 ToolFormat = Literal["tagged", "bare"]
@@ -113,16 +120,29 @@ def _json(schema: Any, param: str) -> str:
     """A lark rule for JSON that follows `schema`, in the compact style (checked alone, to name `param`)."""
     if not isinstance(schema, dict):
         raise bad_request("a JSON schema must be a JSON object", param)
-    styled = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_STYLE}}
-    _validated(llguidance.LLMatcher.grammar_from_json_schema(styled), param)
+    guidance = schema.get("x-guidance", {})
+    if not isinstance(guidance, dict):
+        raise bad_request(f"{param}: x-guidance must be an object of llguidance options", param)
+    styled = {**schema, "x-guidance": {**guidance, **JSON_STYLE}}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(styled)
+    except ValueError as exc:  # what llguidance cannot even read (validation below names the rest)
+        raise bad_request(f"{param}: this server cannot decode under it: {exc}", param) from exc
+    _validated(grammar, param)
     return "%json " + json.dumps(styled)
 
 
 def _parse_json(text: str) -> Any:
     try:
-        return json.loads(text)
+        schema = client_json.loads(text)
+    except client_json.JSONLimitError as exc:
+        raise bad_request(f"guided_json: {exc.message}", "guided_json") from exc
     except json.JSONDecodeError as exc:
         raise bad_request(f"guided_json is not valid JSON: {exc}", "guided_json") from exc
+    problem = lone_surrogate_in_json(schema)  # llguidance cannot take half a character
+    if problem is not None:
+        raise bad_request(f"guided_json: {problem}", "guided_json")
+    return schema
 
 
 def _lark_regex(pattern: str) -> str:

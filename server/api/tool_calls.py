@@ -63,6 +63,14 @@ def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _name(header: re.Match[str]) -> str | None:
+    """The function name a call's header spells, or None when its escapes are not JSON's (`"\\q"`)."""
+    try:
+        return json.loads(f'"{header.group(1)}"')
+    except ValueError:
+        return None
+
+
 def _held_tail(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -140,9 +148,10 @@ class ToolCallParser:
         end = self._buffer.find(CLOSE)
         if self._header is None:
             match = _HEADER.match(self._buffer)
-            if match and json.loads(f'"{match.group(1)}"') in self.names:
+            name = _name(match) if match else None
+            if name is not None and name in self.names:
                 self._header = match
-                self.calls.append(ToolCall(_new_id(), json.loads(f'"{match.group(1)}"'), ""))
+                self.calls.append(ToolCall(_new_id(), name, ""))
                 call = self.calls[-1]
                 out.append(Delta(index=len(self.calls) - 1, id=call.id, name=call.name, arguments=""))
         if end != -1:
@@ -196,7 +205,7 @@ class ToolCallParser:
         """(name, arguments JSON) of each call in `text` (an object or a list of them), or None."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or past the parser's limits (digits, nesting)
             return None
         items = value if isinstance(value, list) else [value]
         calls = []
