@@ -1,6 +1,7 @@
 """The dequantized-weights cache (server/model/loading.py) never serves garbage and never wedges a start:
 an unwritable directory, a truncated or corrupted file, and replicas racing on one empty directory all
-end in a served model with the GGUF's weights. Every fault is made for real on a tiny GGUF file (tests/models.py)."""
+end in a served model with the GGUF's weights; a load that cannot succeed makes `serve` exit non-zero.
+Every fault is made for real on a tiny GGUF file (tests/models.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from server.api.app import create_app
+from server.config import Settings
 from server.model import loading
 from server.model.loading import load_model
 from tests.models import write_tiny_gguf
+from tests.test_api_serve import free_port
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +234,51 @@ def test_temporaries_of_writers_that_died_are_swept(gguf_file, reference, tmp_pa
     os.utime(dead, (hours_ago, hours_ago))
     assert_weights(load(gguf_file, tmp_path).model, reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, live.name])
+
+
+def test_a_failed_load_reports_503_and_asks_to_exit(tmp_path):
+    """`ServerState` tells its runner (serve.py) that loading failed, and /health keeps answering 503
+    with the reason while the runner shuts down."""
+
+    def broken_factory(settings):
+        raise OSError("the target cannot be read")
+
+    app = create_app(Settings.load(cache_dir=tmp_path), broken_factory)
+    state = app.state.specula
+    failed = threading.Event()
+    state.on_failed = failed.set
+    with TestClient(app) as client:
+        assert failed.wait(30)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "the target cannot be read" in health.json()["error"]
+
+
+def test_serve_exits_non_zero_when_the_model_cannot_load(tmp_path):
+    """The real process with a target that is no GGUF: it logs why and exits 1 for its supervisor, instead
+    of answering 503 forever."""
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--target", str(bad), "--speculation", "none"]
+    env = {**os.environ, "SPECULA_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    statuses: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the server is still running after its load failed"
+            try:
+                statuses.add(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 1, out[-3000:]
+        assert statuses <= {503}, statuses  # never healthy on the way out
+        assert "model loading failed" in out and str(bad) in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
