@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
@@ -74,3 +75,59 @@ def cycling_llama(vocab_size: int, cycle: list[int], *, hidden: int = 64) -> Lla
             embed[token, i + 1] = 4.0  # cycle token i also lights dim i + 1 ...
             head[cycle[(i + 1) % len(cycle)], i + 1] = 10.0  # ... which makes its successor win
     return model
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
+    """A tiny Llama as a real GGUF file (float32 tensors, a byte-level BPE tokenizer of ~260 tokens) that
+    transformers dequantizes in well under a second: the loading path and the weights cache on a file
+    like the built-in model's, without its 20 s."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "i n"]
+    tokens = specials + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
+    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials))
+    heads, kv_heads, ffn = 4, 2, 2 * hidden
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.3).astype(np.float32))
+
+    add("token_embd.weight", len(tokens), hidden)  # tied to the output layer, as SmolLM2's
+    kv = hidden // heads * kv_heads
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)),
+                            ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
+            add(f"blk.{i}.{name}.weight", *shape)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -5,7 +5,8 @@ finish for up to `settings.shutdown_grace_s`, aborts what is left, then lets uvi
 connections and exit with status 0. A second signal exits at once. When the engine worker dies
 (`ServerState` turns `broken`: /health 503, in-flight requests already have their errors), uvicorn
 shuts down the same way and `serve` returns 1, so a supervisor (Kubernetes, docker's restart policy)
-starts a fresh process.
+starts a fresh process. So does a model load that fails (`failed`: /health 503 with the reason until the
+process has exited), instead of answering 503 forever.
 """
 
 from __future__ import annotations
@@ -36,9 +37,16 @@ class DrainingServer(uvicorn.Server):
         self._draining: asyncio.Task[None] | None = None
         self.exit_code = 0
         state.on_broken = self._engine_died
+        state.on_failed = self._load_failed
 
     def _engine_died(self) -> None:
         log.critical("the engine worker died: shutting down with exit status 1 for a supervisor to restart")
+        self.exit_code = 1
+        self.should_exit = True
+
+    def _load_failed(self) -> None:
+        log.critical("the model failed to load (%s): shutting down with exit status 1 for a supervisor to "
+                     "restart", self._state.error)
         self.exit_code = 1
         self.should_exit = True
 
@@ -73,8 +81,8 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0 after a clean drain) or until the engine worker dies
-    (returns 1)."""
+    """Serve until SIGTERM/SIGINT (returns 0 after a clean drain), or until loading fails or the engine
+    worker dies (returns 1)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings, engine_factory)
     config = uvicorn.Config(

@@ -4,7 +4,8 @@ ready -> broken when the engine worker dies.
 `ServerState` is the one object routes read. While the engine loads, `/health` and the API answer
 503; once loaded it owns the scheduler, the metrics and the `OpenAIServing` handlers. When the worker
 dies (scheduler.py) the state turns `broken` (503 everywhere) and `on_broken` (set by serve.py) makes
-the process exit non-zero for its supervisor to restart it.
+the process exit non-zero for its supervisor to restart it; a load that fails (`failed`, 503) calls
+`on_failed`, which does the same.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ServerState:
         self.offload = Offload()  # parsing and tokenizing off the event loop
         self._ready = asyncio.Event()
         self.on_broken: Callable[[], None] | None = None  # called once the engine worker has died
+        self.on_failed: Callable[[], None] | None = None  # called once loading has failed
 
     async def load(self) -> None:
         """Build the engine in a daemon thread (never blocking the loop), then start the scheduler."""
@@ -67,6 +69,8 @@ class ServerState:
             log.exception("model loading failed")
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             self._ready.set()
+            if self.on_failed is not None:
+                self.on_failed()
             return
         self._start(engine)
 
