@@ -68,6 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         "--protect-metrics", action="store_true", default=None, help="/metrics, /docs, /openapi.json need the key too"
     )
     serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413")
+    edge = {  # the HTTP edge's limits (server/api/connections.py): flag -> help
+        "max_header_bytes": "a larger request line and headers get 431",
+        "max_header_count": "more header fields get 431",
+        "header_timeout_s": "seconds a request's line and headers may take to arrive (then 408)",
+        "body_timeout_s": "seconds a request's body may take to arrive after its headers (then 408)",
+        "max_connections": "open connections at most; a new one past it gets 503",
+    }
+    for name, text in edge.items():
+        field = Settings.model_fields[name]
+        serve.add_argument(f"--{name.replace('_', '-')}", type=field.annotation, default=None,
+                           help=f"{text}; default {field.default:g}")
     serve.add_argument("--max-batch-size", type=int, default=None)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument(
@@ -97,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             args.api_key = _read_key_file(parser, args.api_key_file)
         settings = _settings(
             args, *_MODEL_FIELDS, "host", "port", "api_key", "protect_metrics", "max_request_body_bytes",
+            *edge,
             "max_batch_size", "served_model_name", "record_traffic",
         )
         return run_server(settings)  # 1 when the engine worker died (a supervisor restarts the server)

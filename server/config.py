@@ -117,6 +117,17 @@ class Settings(BaseSettings):
     # Request bodies above this many bytes are answered 413 before they are read (Content-Length) or as
     # soon as the streamed bytes pass it (chunked bodies).
     max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    # What one connection may cost before the app sees its request (server/api/connections.py): a request line and
+    # headers over `max_header_bytes`, or more than `max_header_count` header fields, get 431; a head not complete
+    # within `header_timeout_s` (from the connection opening, or from its first byte on a kept-alive connection),
+    # or a body not complete within `body_timeout_s` of its head, gets 408 and the connection is closed. The
+    # deadlines bound reading the request, never writing the answer (a stream runs as long as it runs). Past
+    # `max_connections` open connections, a new one is answered 503 and closed.
+    max_header_bytes: int = Field(default=32 * 1024, ge=1)
+    max_header_count: int = Field(default=100, ge=1)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=512, ge=1)
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"

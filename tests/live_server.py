@@ -1,4 +1,5 @@
-"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, serving the tiny engine."""
+"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, serving the tiny engine, with
+the protocol and connection limits `serve` runs with (`server/api/connections.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.api.app import create_app
+from server.api.connections import uvicorn_config
 from server.config import Settings
 from server.engine.engine import Engine
 from server.model.loading import LoadedModel
@@ -27,7 +29,7 @@ def serve_app(app: FastAPI, timeout_s: float = 120) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -7,6 +7,7 @@ import json
 import threading
 
 from server.api.app import create_app
+from server.api.state import PUBLIC_ERRORS
 from server.config import Settings
 from tests.api_helpers import MODEL, chat_body, running_app, sse_data, sse_json
 
@@ -35,10 +36,13 @@ async def test_health_is_503_while_loading_then_200(tiny_engine_factory):
             assert (await client.get("/health")).status_code == 200
 
 
-async def test_health_reports_a_failed_load():
-    def broken(_settings):
-        raise FileNotFoundError("no such model")
+async def test_health_reports_a_failed_load_without_its_details_which_are_logged(caplog):
+    """/health and 503s need no key: they say the load failed, never the exception (paths, internals)."""
 
+    def broken(_settings):
+        raise FileNotFoundError("/srv/secret/models/llama: no such model")
+
+    caplog.set_level("ERROR", logger="server.api.state")
     app = create_app(Settings.load(), broken)
     async with app.router.lifespan_context(app):
         assert await app.state.specula.wait_ready(10) == "failed"
@@ -46,7 +50,12 @@ async def test_health_reports_a_failed_load():
 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             r = await client.get("/health")
-            assert r.status_code == 503 and "no such model" in r.json()["error"]
+            assert r.status_code == 503 and r.json() == {"status": "failed", "error": PUBLIC_ERRORS["failed"]}
+            late = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert late.status_code == 503 and late.json()["error"]["message"] == PUBLIC_ERRORS["failed"]
+            for answer in (r, late):
+                assert "secret" not in answer.text and "FileNotFoundError" not in answer.text
+    assert "/srv/secret/models/llama: no such model" in caplog.text  # the operator's log says why
 
 
 async def test_models_docs_and_metrics(tiny_engine_factory):

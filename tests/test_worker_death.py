@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from server.api.state import PUBLIC_ERRORS
 from server.engine.engine import Engine
 from server.model.runner import ModelRunner
 from tests.live_server import live_server
@@ -77,9 +78,10 @@ def test_a_dead_worker_fails_what_is_in_flight_and_health_turns_503(tiny_target,
 
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "broken"
-        assert "WorkerKilled" in health.json()["error"]
+        assert health.json()["error"] == PUBLIC_ERRORS["broken"]  # no exception text to clients without a key
         late = httpx.post(f"{url}/v1/completions", json=body, timeout=5)
         assert late.status_code == 503 and late.json()["error"]["code"] == "broken"
+        assert "WorkerKilled" not in health.text + late.text
 
 
 HARNESS = """

@@ -6,6 +6,7 @@ Routes (all errors in OpenAI's shape, see `errors.py`):
 * `GET /v1/models`, `GET /v1/models/{id}`.
 * `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
 * `GET /metrics`: Prometheus exposition.
+* `HEAD` on `/health` and `/metrics`: as GET, without the body.
 * `GET /docs`, `GET /redoc`, `GET /openapi.json`: OpenAPI docs (`openapi.py`: every status each route answers).
 * `GET /`: the playground page (`playground.py`), its files under `/static/`.
 
@@ -119,7 +120,14 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 ops = APIRouter()
 
 
-@ops.get("/health", summary="200 when ready; 503 while loading, after a failed load, while draining, or broken")
+# HEAD answers as GET without the body (load balancers probe with HEAD); the document lists GET only. The
+# operation ids are spelled out: FastAPI's would name them after whichever of the two methods a set yields first.
+@ops.api_route(
+    "/health",
+    methods=["GET", "HEAD"],
+    summary="200 when ready; 503 while loading, after a failed load, while draining, or broken",
+    operation_id="health_health_get",
+)
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     body: dict[str, Any] = {"status": "ok" if state.status == "ready" else state.status}
@@ -130,7 +138,13 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if state.status == "ready" else 503)
 
 
-@ops.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(require_api_key_if_protected)])
+@ops.api_route(
+    "/metrics",
+    methods=["GET", "HEAD"],
+    summary="Prometheus metrics",
+    dependencies=[Depends(require_api_key_if_protected)],
+    operation_id="metrics_metrics_get",
+)
 async def metrics(request: Request) -> Response:
     state = get_state(request)
     if state.metrics is None:
@@ -160,6 +174,9 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
         openapi_url=None,  # served by install_openapi, behind the key when protect_metrics
         docs_url=None,
         redoc_url=None,
+        # Starlette's slash redirects (`/health/` -> `/health`) are absolute URLs built from the Host header,
+        # an open redirect: off. `/static` -> `/static/` redirects to a path (playground.py), the rest are 404s.
+        redirect_slashes=False,
     )
     app.state.specula = state
     install_error_handlers(app, state.observe_error)

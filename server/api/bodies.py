@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from server.api.client_json import JSONLimitError, loads
-from server.api.errors import bad_request
+from server.api.errors import ClientDisconnected, bad_request
 from server.api.offload import Offload
 
 B = TypeVar("B", bound=BaseModel)
@@ -61,5 +62,8 @@ def parse_body(raw: bytes, content_type: str | None, model: type[B]) -> B:
 
 async def read_body(request: Request, model: type[B], offload: Offload) -> B:
     """The request's body as a `model`, parsed and validated on a worker thread."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived, or cut off by body_timeout_s (connections.py)
+        raise ClientDisconnected from None
     return await offload(parse_body, raw, request.headers.get("content-type"), model)

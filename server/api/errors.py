@@ -122,7 +122,9 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
         code = "request_too_large" if exc.status_code == 413 else None  # a streamed body passed the limit
-        return respond(APIError(exc.status_code, message, code=code))
+        response = respond(APIError(exc.status_code, message, code=code))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, _: ClientDisconnected) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -21,6 +21,13 @@ router = APIRouter(include_in_schema=False)
 @router.get("/")
 async def playground() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+
+@router.get("/static")
+async def static_root() -> RedirectResponse:
+    """`/static` -> `/static/`, a path on this server: never a URL built from the Host header, which the
+    client picks (Starlette's own slash redirect did that: an open redirect)."""
+    return RedirectResponse("/static/")
 
 
 def install_playground(app: FastAPI) -> None:

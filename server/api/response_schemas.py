@@ -219,7 +219,9 @@ class ModelList(_Doc):
 
 class Health(_Doc):
     status: Literal["ok", "loading", "failed", "draining", "broken"]
-    error: str | None = Field(default=None, description="why loading failed, or why the engine failed (broken)")
+    error: str | None = Field(
+        default=None, description="a short reason after a failed load or when the engine failed; the log says why"
+    )
 
 
 DOCUMENTED = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health)

@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from server.api.app import create_app
+from server.api.connections import uvicorn_config
 from server.api.state import EngineFactory, ServerState
 from server.config import Settings
 
@@ -85,7 +86,7 @@ def serve(settings: Settings, engine_factory: EngineFactory | None = None) -> in
     worker dies (returns 1)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings, engine_factory)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
         host=settings.host,
         port=settings.port,

@@ -29,6 +29,16 @@ from server.traffic import TrafficRecorder
 log = logging.getLogger(__name__)
 
 Status = Literal["loading", "ready", "failed", "draining", "broken"]
+
+# What clients (/health and 503s, no key needed) are told when the server cannot serve: a fixed reason per
+# status. The exception behind a failed load or a dead engine is logged, never answered: its text can hold
+# file paths and other internals.
+PUBLIC_ERRORS: dict[str, str] = {
+    "loading": "the model is still loading",
+    "failed": "the model failed to load; the server's log says why",
+    "draining": "the server is shutting down",
+    "broken": "the engine failed; the server is restarting",
+}
 EngineFactory = Callable[[Settings], Any]  # returns a server.engine.engine.Engine
 
 
@@ -65,9 +75,9 @@ class ServerState:
         threading.Thread(target=build, name="specula-loader", daemon=True).start()
         try:
             engine = await done
-        except Exception as exc:
+        except Exception:
             log.exception("model loading failed")
-            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.status, self.error = "failed", PUBLIC_ERRORS["failed"]
             self._ready.set()
             if self.on_failed is not None:
                 self.on_failed()
@@ -112,8 +122,9 @@ class ServerState:
                  s.num_speculative_tokens, s.auto_max_speculative_tokens)
 
     def _engine_died(self, exc: BaseException) -> None:
-        """The worker died (its requests have their errors): 503 from now on, and exit if serving."""
-        self.status, self.error = "broken", f"the engine failed: {type(exc).__name__}: {exc}"[:500]
+        """The worker died (its requests have their errors; the scheduler logged why): 503 from now on,
+        and exit if serving."""
+        self.status, self.error = "broken", PUBLIC_ERRORS["broken"]
         if self.on_broken is not None:
             self.on_broken()
 
@@ -126,13 +137,9 @@ class ServerState:
         """The handlers, or a 503 while loading, after a failed load, or while draining."""
         if self.status == "ready" and self.serving is not None:
             return self.serving
-        reason = {
-            "loading": "the model is still loading",
-            "draining": "the server is shutting down",
-            "broken": "the engine failed; the server is restarting",
-        }
-        message = reason.get(self.status, f"the model failed to load: {self.error}")
-        raise APIError(503, message, code="model_not_ready" if self.status == "loading" else self.status)
+        raise APIError(
+            503, PUBLIC_ERRORS[self.status], code="model_not_ready" if self.status == "loading" else self.status
+        )
 
     def observe_error(self, status: int) -> None:
         if self.metrics is not None:
