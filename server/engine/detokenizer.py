@@ -9,6 +9,10 @@ Per-request options (vLLM's): `skip_special_tokens` (default on: special tokens 
 `spaces_between_special_tokens` (with special tokens kept: a space between a special token and its
 neighbours, as slow tokenizers write them), `min_tokens` (stop strings are looked for only once that
 many tokens were generated: a stop string completed earlier does not end the sequence).
+
+Stop strings are followed as the text grows (`_StopString`, a Knuth-Morris-Pratt automaton per string):
+each new character costs O(1) amortised whatever the stop strings' lengths, so a client's 100k-character
+stop strings cost its own request a table built once, not every neighbour a rescan of the text per token.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self._stops = [_StopString(s) for s in self.stop]
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         spaced = not skip_special_tokens and spaces_between_special_tokens
@@ -99,13 +104,19 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        if self._added >= self.min_tokens:
+        if self._stops:
             self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, new_from - len(stop) + 1))
-            if at != -1:
+        """Feed the text from `new_from` to every stop string; cut at the first (in the request's order)
+        that completes in it, when stop strings count yet (`min_tokens`)."""
+        new = self.text[new_from:]
+        ends = [stop.feed(new) for stop in self._stops]  # every automaton sees every character
+        if self._added < self.min_tokens:
+            return
+        for stop, end in zip(self.stop, ends, strict=True):
+            if end >= 0:
+                at = new_from + end + 1 - len(stop)
                 self.text = self.text[: at + len(stop) if self.include_stop else at]
                 self.stopped = True
                 return
@@ -128,10 +139,41 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((stop.matched for stop in self._stops), default=0)
+
+
+class _StopString:
+    """One stop string followed through a growing text: `matched` is the length of the longest prefix
+    of it that the text seen so far ends with (a proper prefix between calls)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        self._fail: list[int] | None = None  # KMP failure function, built at the first character fed
+
+    def feed(self, text: str) -> int:
+        """Follow `text`; the index in it where the first complete occurrence ends, or -1. The automaton
+        goes on past a match, as if it had not ended the text (a match before `min_tokens` does not count)."""
+        stop, fail, m, first = self.stop, self._table(), self.matched, -1
+        for i, ch in enumerate(text):
+            while m and stop[m] != ch:
+                m = fail[m - 1]
+            if stop[m] == ch:
+                m += 1
+            if m == len(stop):
+                first = i if first < 0 else first
+                m = fail[m - 1]
+        self.matched = m
+        return first
+
+    def _table(self) -> list[int]:
+        if self._fail is None:
+            stop, fail, k = self.stop, [0] * len(self.stop), 0
+            for i in range(1, len(stop)):
+                while k and stop[i] != stop[k]:
+                    k = fail[k - 1]
+                if stop[i] == stop[k]:
+                    k += 1
+                fail[i] = k
+            self._fail = fail
+        return self._fail
