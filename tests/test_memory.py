@@ -169,3 +169,32 @@ def test_metrics_export_the_parts_and_the_process_rss():
     other.watch_memory(broken)
     assert "specula_memory_bytes" in other.render()[0].decode()  # the scrape itself still works
 
+
+def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized_whole(tokenizer):
+    """The tokenizer's output costs ~500 bytes a token while it exists: a multi-megabyte prompt is refused
+    from its first part, and a prompt within the context is tokenized as it always was."""
+    from server.api.errors import APIError
+    from server.api.prompts import HEAD_CHARS_PER_TOKEN, ModelInfo, encode
+    from server.types import ServingLimits
+
+    calls: list[int] = []
+
+    def counting(text, **kwargs):
+        calls.append(len(text))
+        return tokenizer(text, **kwargs)
+
+    info = ModelInfo("m", counting, ServingLimits(max_context=256, vocab_size=len(tokenizer), methods=("none",)),
+                     "none", 4, 16, 16)
+    huge = "a " * 500_000  # 1 MB, 500k tokens
+    with pytest.raises(APIError) as refused:
+        encode(info, huge, "prompt")
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+    assert calls == [HEAD_CHARS_PER_TOKEN * 257]  # only its head was tokenized
+    calls.clear()
+    text = "The quick brown fox. " * 20
+    assert encode(info, text, "prompt") == list(tokenizer(text)["input_ids"]) and calls == [len(text)]
+    spaces = " " * (HEAD_CHARS_PER_TOKEN * 300)  # long runs of few tokens: counted whole, as before
+    assert encode(info, spaces, "prompt") == list(tokenizer(spaces)["input_ids"])
+    english = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens in 2,700 characters
+    with pytest.raises(APIError):
+        encode(info, english, "prompt")  # ~4.5 characters a token: refused from its first 2,056
