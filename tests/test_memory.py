@@ -124,6 +124,20 @@ def test_an_idle_cache_without_a_budget_frees_its_buffers(tiny_target, tiny_draf
     assert held <= engine.memory_usage()["weights"] + engine.memory_usage()["proposers"] + SLACK_BYTES
 
 
+def test_the_heap_is_trimmed_when_the_cache_moves_into_a_bigger_buffer_not_when_it_frees(tiny_target, prompt_ids):
+    engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
+    trims: list[int] = []
+    engine._trim_heap = lambda: trims.append(engine.runner.kv.nbytes)
+    engine.add_request(request("a", prompt_ids[0], "none", max_tokens=4))
+    engine.step()  # its short prompt rides with its first step
+    assert len(trims) == 1  # the cache's first storage
+    engine.add_request(request("b", (prompt_ids[3] * 30)[:300], "none", max_tokens=4))
+    assert len(trims) == 2 and trims[-1] > trims[0]  # a longer row: a bigger buffer
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.kv.nbytes == 0 and len(trims) == 2  # the batch emptied: no trim (idle does it)
+
+
 def test_a_joins_scratch_cache_counts_as_working_memory_and_is_sized_to_the_prompt(tiny_target, prompt_ids):
     engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
     prompt = (prompt_ids[3] * 40)[:700]
@@ -198,3 +212,18 @@ def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized_whole
     english = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens in 2,700 characters
     with pytest.raises(APIError):
         encode(info, english, "prompt")  # ~4.5 characters a token: refused from its first 2,056
+
+
+def test_a_server_caps_the_heap_arenas_unless_the_environment_says(monkeypatch):
+    import subprocess
+    import sys
+
+    from server.model.memory import limit_heap_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_heap_arenas() is False  # the operator's choice stands
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    code = "from server.model.memory import limit_heap_arenas; import ctypes.util; " \
+           "print(limit_heap_arenas() or ctypes.util.find_library('c') is None)"  # glibc: applied
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr

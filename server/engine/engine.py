@@ -102,6 +102,7 @@ class Engine:
         self._trim_heap = HeapTrimmer()
         self.step_memory = StepMemory()  # steps' working memory (server/engine/memory.py; `measure_memory`)
         self._runtime_bytes: int | None = None  # what the process held besides the measured parts (`settle_memory`)
+        self._kv_bytes = self.runner.kv.nbytes  # the target cache's storage after the last step or join
         # torch's thread count per step, from measured step times (threads.py); CPU with > 1 thread only
         threads = torch.get_num_threads()
         self.threads = ThreadGovernor(threads) if self.device.type == "cpu" and threads > 1 else None
@@ -124,6 +125,17 @@ class Engine:
         the OS, so the RSS falls back."""
         if not self.running:
             self._trim_heap()
+
+    def _trim_after_growth(self) -> None:
+        """The target's cache moved into a bigger buffer (no KV budget): give the free pages the old buffer
+        left back at once. glibc keeps freed blocks below its mmap threshold (which rises to the largest
+        block freed so far) in its heap, where what later blocks do not reuse stays resident until the next
+        idle second. Growth is rare (doubling); a batch emptying frees without a trim
+        (`release_idle_memory` does it when idle)."""
+        size = self.runner.kv.nbytes
+        if size > self._kv_bytes:
+            self._trim_heap()
+        self._kv_bytes = size
 
     def release_dense_weights(self) -> int:
         """Drop the dense weights every model this engine runs holds a reordered copy of (CPU, oneDNN:
@@ -217,13 +229,16 @@ class Engine:
             if seq.request_id in self.running:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
         leaders, followers = self._followers(seqs)
-        self._join(leaders, ride=not followers)  # followers read the leaders' prompts from the cache
-        if followers:
-            try:
-                self._join(followers, ride=True)
-            except BaseException:
-                self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
-                raise
+        try:
+            self._join(leaders, ride=not followers)  # followers read the leaders' prompts from the cache
+            if followers:
+                try:
+                    self._join(followers, ride=True)
+                except BaseException:
+                    self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
+                    raise
+        finally:
+            self._trim_after_growth()
 
     def _followers(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(leaders, followers): a follower's prompt begins with the same first block (and salt) as an
@@ -297,6 +312,7 @@ class Engine:
         failures: dict[str, Exception] = {}
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
         self._leave({o.request_id for o in outputs if o.finished} | set(failures), failed=set(failures))
+        self._trim_after_growth()
         prefill, self._prefill_tokens = self._prefill_tokens, 0
         cached, self._cached_tokens = self._cached_tokens, 0
         failed = {rid: _describe(e) for rid, e in failures.items() if not _own_input(e)}

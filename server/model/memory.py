@@ -53,6 +53,21 @@ def _libc_function(name: str) -> Callable[..., int] | None:
     return getattr(ctypes.CDLL(library), name, None) if library else None
 
 
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_heap_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (`mallopt(M_ARENA_MAX)`) for a server process, unless MALLOC_ARENA_MAX
+    is set. glibc gives threads that allocate at once arenas of their own (up to 8 per core), each
+    keeping its freed blocks: the tokenizing threads', the worker's and the event loop's heaps grow
+    apart. Measured (soak, built-in model, 3 minutes): peak RSS 1.07x the memory parts with 2 arenas
+    against 1.10-1.13x without. Call it before threads start; returns whether it was applied."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and mallopt(_M_ARENA_MAX, arenas) == 1
+
+
 class HeapTrimmer:
     """Gives the C heap's free pages back to the kernel (glibc `malloc_trim`), so a burst's temporary
     buffers (activations, logits, prefill caches) do not stay in the RSS once the server is idle.
