@@ -119,6 +119,7 @@ class Report:
     memory_parts_mb: dict[str, float] = field(default_factory=dict)
     memory_sum_mb: float = 0.0
     rss_ratio: float | None = None  # rss_peak_mb / memory_sum_mb (None: the server exports no parts)
+    memory_parts_series: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (s, part -> MiB)
     drained: bool = False  # running and waiting gauges back to 0 after the traffic
     problems: list[str] = field(default_factory=list)
 
@@ -163,6 +164,7 @@ class RssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.url, self.every_s, self.started = pid, url, every_s, time.monotonic()
         self.series: list[tuple[float, float]] = []
+        self.parts_series: list[tuple[float, dict[str, float]]] = []
         self.largest_parts: dict[str, float] = {}
         self.stop = threading.Event()
 
@@ -177,6 +179,8 @@ class RssSampler(threading.Thread):
                     parts = memory_parts(httpx.get(f"{self.url}/metrics", timeout=10).text)
                 except httpx.HTTPError:
                     parts = {}
+                if parts:
+                    self.parts_series.append((self.series[-1][0], {k: round(v, 1) for k, v in parts.items()}))
                 if sum(parts.values()) > sum(self.largest_parts.values()):
                     self.largest_parts = parts
             self.stop.wait(self.every_s)
@@ -386,6 +390,7 @@ def soak(
     report.rss_peak_mb = round(max(high_water, *(r for _, r in sampler.series), 0.0), 1)
     report.rss_idle_mb = round(report.rss_idle_mb, 1)
     report.memory_parts_mb = {k: round(v, 1) for k, v in sampler.largest_parts.items()}
+    report.memory_parts_series = sampler.parts_series
     report.memory_sum_mb = round(sum(sampler.largest_parts.values()), 1)
     if report.memory_sum_mb:
         report.rss_ratio = round(report.rss_peak_mb / report.memory_sum_mb, 3)
