@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench bench-peer soak clean
+.PHONY: setup serve test lint bench bench-peer soak soak-ci clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,14 @@ bench-peer: $(STAMP)
 # of the built-in model): requests served, statuses, p50/p95, RSS series -> bench/results/soak.json (docs/bench.md)
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# CI's soak (.ci/run, after the tests): a fresh default server started beside 2 CPU hogs, its first
+# requests, then 2 minutes of the mixed traffic; fails on any 5xx or lost request, a server that does not
+# come up, or a peak RSS over 1.15x the memory parts /metrics exports (docs/bench.md "Soak")
+SOAK_CI_OUT ?= $(or $(TMPDIR),/tmp)/specula-soak-ci/soak.json
+soak-ci: $(STAMP)
+	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 \
+		--out $(SOAK_CI_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,16 +1,25 @@
-"""`make soak`: mixed traffic against a live server for a bounded time, then idle; what it served.
+"""`make soak`: mixed traffic against a fresh server for a bounded time, then idle; what it served.
 
-Each of `--clients` concurrent clients loops until the deadline, picking one kind of request at a
-time (seeded): chat and text completions (some with prompts of 300-1500 words), streams read to the
-end, streams aborted after two chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the
-context; a multi-megabyte body) and bad fields (out-of-range numbers, unknown models, a lone UTF-16
-surrogate...). It reports requests served, statuses per kind, p50/p95 latency of the completed ones,
-and the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
-traffic). It fails (exit 1) on any 5xx, any lost request (no status, a stream without `[DONE]`, a
-timeout), or a server that does not drain. Server settings come from the environment
+With `--hogs N`, N CPU-bound processes run for the whole soak, started before the server (which then
+loads and calibrates on a busy host, as users' servers do) and stopped however the soak ends. Right
+after the server answers `/health`, it gets its first request alone, then `FRESH_CLIENTS` concurrent
+clients each send `FRESH_CHATS` short chats (what a fresh server on a busy host once failed: its first
+requests). Then each of `--clients` concurrent clients loops until the deadline, picking one kind of
+request at a time (seeded): chat and text completions (some with prompts of 300-1500 words), streams
+read to the end, streams aborted after two chunks, n = 2 seeded sampling, oversized inputs (a prompt
+beyond the context; a multi-megabyte body) and bad fields (out-of-range numbers, unknown models, a lone
+UTF-16 surrogate...). It reports requests served, statuses per kind, p50/p95 latency of the completed
+ones, the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
+traffic) and the memory parts its /metrics exports (`specula_memory_bytes{part}`, docs/api.md#memory),
+whose largest sum the peak RSS is held to (`--max-rss-ratio`, default 1.15). The peak is the kernel's
+high-water mark of the server's RSS since it became healthy (VmHWM, reset then), so no spike between
+two samples escapes. It fails (exit 1) on any 5xx, any lost request (no status, a stream without
+`[DONE]`, a timeout), a fresh-start request that is not a 200, a server that does not come up or does
+not drain, or a peak RSS over the ratio. Server settings come from the environment
 (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server serve`).
 
     python -m bench.soak --seconds 600                    # the built-in model, 10 minutes
+    python -m bench.soak --seconds 120 --hogs 2           # CI's (make soak-ci): 2 minutes on a busy host
     python -m bench.soak -- --target DIR --served-model-name tiny   # any model directory
 """
 
@@ -19,13 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +49,9 @@ import httpx
 from bench.server_proc import live_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
+FRESH_CLIENTS = 8  # concurrent short chat clients right after the server's first request
+FRESH_CHATS = 2  # chats each of them sends
+MAX_RSS_RATIO = 1.15  # the peak RSS may exceed the largest sum of the memory parts /metrics exports by this
 WORDS = "the quick brown fox jumps over the lazy dog while specula drafts and verifies tokens".split()
 
 # kind -> share of the traffic
@@ -97,23 +114,58 @@ class Report:
     rss_after_warmup_mb: float = 0.0
     rss_peak_mb: float = 0.0
     rss_idle_mb: float = 0.0
+    hogs: int = 0  # CPU-bound processes that ran beside the server
+    # /metrics' memory parts (specula_memory_bytes{part}, MiB) when their sum was largest, and that sum
+    memory_parts_mb: dict[str, float] = field(default_factory=dict)
+    memory_sum_mb: float = 0.0
+    rss_ratio: float | None = None  # rss_peak_mb / memory_sum_mb (None: the server exports no parts)
+    memory_parts_series: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (s, part -> MiB)
     drained: bool = False  # running and waiting gauges back to 0 after the traffic
     problems: list[str] = field(default_factory=list)
 
 
-def rss_mb(pid: int) -> float:
-    """Resident set size of a process (Linux /proc), in MiB."""
+def rss_mb(pid: int, field_name: str = "VmRSS") -> float:
+    """Resident set size of a process (Linux /proc), in MiB; `VmHWM`: its high-water mark."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field_name + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
+def reset_peak_rss(pid: int) -> bool:
+    """Reset a process's RSS high-water mark (VmHWM) to its RSS now (Linux: /proc/PID/clear_refs)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+MEMORY_LINE = re.compile(r'^specula_memory_bytes\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+
+
+def memory_parts(metrics_text: str) -> dict[str, float]:
+    """`specula_memory_bytes{part=...}` from a /metrics body, in MiB per part ({} when it has none)."""
+    parts = {}
+    for line in metrics_text.splitlines():
+        m = MEMORY_LINE.match(line)
+        if m:
+            part = re.search(r'part="([^"]*)"', m["labels"])
+            if part:
+                parts[part[1]] = float(m["value"]) / 2**20
+    return parts
+
+
 class RssSampler(threading.Thread):
-    def __init__(self, pid: int, every_s: float = 1.0) -> None:
+    """The server's RSS every `every_s` seconds and, from its /metrics, its memory parts: the parts when
+    their sum was largest."""
+
+    def __init__(self, pid: int, url: str | None = None, every_s: float = 1.0) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every_s, self.started = pid, every_s, time.monotonic()
+        self.pid, self.url, self.every_s, self.started = pid, url, every_s, time.monotonic()
         self.series: list[tuple[float, float]] = []
+        self.parts_series: list[tuple[float, dict[str, float]]] = []
+        self.largest_parts: dict[str, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -122,7 +174,36 @@ class RssSampler(threading.Thread):
                 self.series.append((round(time.monotonic() - self.started, 1), round(rss_mb(self.pid), 1)))
             except OSError:
                 return
+            if self.url is not None:
+                try:
+                    parts = memory_parts(httpx.get(f"{self.url}/metrics", timeout=10).text)
+                except httpx.HTTPError:
+                    parts = {}
+                if parts:
+                    self.parts_series.append((self.series[-1][0], {k: round(v, 1) for k, v in parts.items()}))
+                if sum(parts.values()) > sum(self.largest_parts.values()):
+                    self.largest_parts = parts
             self.stop.wait(self.every_s)
+
+
+HOG = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    for _ in range(10**6): pass\n"
+
+
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen]]:
+    """`n` processes that keep a CPU core busy until the block ends, however it ends (each also stops by
+    itself within a few milliseconds once its parent is gone: no orphans when the soak is killed)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -204,6 +285,33 @@ async def traffic(url: str, target: Target, clients: int, seconds: float, seed: 
     return outcomes
 
 
+async def fresh_start(url: str, target: Target, seed: int) -> list[Outcome]:
+    """A fresh server's first request, alone, then `FRESH_CLIENTS` concurrent clients sending
+    `FRESH_CHATS` short chats each: every one must be a 200."""
+    rng = random.Random(seed)
+
+    async def chat(client: httpx.AsyncClient, kind: str) -> Outcome:
+        body = {"model": target.model, "messages": [{"role": "user", "content": prompt(rng, rng.randint(3, 20))}],
+                "max_tokens": rng.randint(4, 24), "temperature": rng.choice([0, 0.7])}
+        started = time.monotonic()
+        try:
+            r = await client.post("/v1/chat/completions", json=body)
+            ok = r.status_code != 200 or r.json().get("choices")
+            return Outcome(kind, r.status_code if ok else "lost", time.monotonic() - started)
+        except httpx.HTTPError:
+            return Outcome(kind, "lost", time.monotonic() - started)
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        outcomes = [await chat(client, "first_request")]
+
+        async def client_loop() -> list[Outcome]:
+            return [await chat(client, "fresh_burst") for _ in range(FRESH_CHATS)]
+
+        for got in await asyncio.gather(*(client_loop() for _ in range(FRESH_CLIENTS))):
+            outcomes += got
+    return outcomes
+
+
 def gauges(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     found = {}
@@ -222,43 +330,75 @@ def summarize(outcomes: list[Outcome], seconds: float, clients: int) -> Report:
     p50 = statistics.median(done) if done else None
     p95 = done[min(len(done) - 1, int(0.95 * len(done)))] if done else None
     problems = [f"{k}: {n} x {s}" for k, c in statuses.items() for s, n in c.items()
-                if s in ("lost", "stream_error") or (s.isdigit() and int(s) >= 500)]
+                if s in ("lost", "stream_error") or (s.isdigit() and int(s) >= 500)
+                or (k in ("first_request", "fresh_burst") and s != "200")]
     return Report(seconds, clients, len(outcomes), len(done), {k: dict(c) for k, c in statuses.items()}, p50, p95,
                   problems=problems)
 
 
 def soak(
     server_args: list[str], *, seconds: float, clients: int, idle_s: float, warmup_s: float, seed: int,
-    log_path: Path, context: int = 2048, body_mb: float = 3.0, threads: int | None = None,
+    log_path: Path, context: int = 2048, body_mb: float = 3.0, threads: int | None = None, hogs: int = 0,
+    max_rss_ratio: float | None = MAX_RSS_RATIO, start_timeout_s: float = 600.0,
     progress: Callable[[str], None] = print,
 ) -> Report:
-    """Start a server with `server_args`, warm it up, run the traffic, idle; the report."""
+    """Start `hogs` CPU hogs, then a server with `server_args`; its first requests, warm-up, the traffic,
+    idle; the report. A server that does not come up raises RuntimeError."""
     procs: list[Any] = []
-    with live_server(server_args, threads, log_path, procs=procs) as url:
-        sampler = RssSampler(procs[0].pid)
+    with cpu_hogs(hogs), live_server(server_args, threads, log_path, timeout_s=start_timeout_s, procs=procs) as url:
+        pid = procs[0].pid
+        exact_peak = reset_peak_rss(pid)
+        sampler = RssSampler(pid, url)
         sampler.start()
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         target = Target(model, context, body_mb)
-        progress(f"warm-up {warmup_s:.0f} s")
-        asyncio.run(traffic(url, target, clients, warmup_s, seed + 1))
-        warm = rss_mb(procs[0].pid)
-        progress(f"traffic {seconds:.0f} s, {clients} clients")
-        report = summarize(asyncio.run(traffic(url, target, clients, seconds, seed)), seconds, clients)
-        progress(f"idle {idle_s:.0f} s")
-        time.sleep(idle_s)
-        report.rss_idle_mb = rss_mb(procs[0].pid)
-        load = gauges(url)
-        report.drained = load.get("specula_requests_running") == 0 and load.get("specula_requests_waiting") == 0
-        if not report.drained:
-            report.problems.append(f"not drained after the traffic: {load}")
-        if httpx.get(f"{url}/health", timeout=10).status_code != 200:
-            report.problems.append("/health is not 200 after the traffic")
+        progress(f"fresh start: 1 request, then {FRESH_CLIENTS} clients x {FRESH_CHATS} short chats"
+                 + (f" ({hogs} CPU hogs running)" if hogs else ""))
+        first = asyncio.run(fresh_start(url, target, seed + 2))
+        warm = 0.0
+        outcomes = first
+        if procs[0].poll() is None:  # the rest only for a server still running
+            progress(f"warm-up {warmup_s:.0f} s")
+            asyncio.run(traffic(url, target, clients, warmup_s, seed + 1))
+            warm = rss_mb(pid)
+            progress(f"traffic {seconds:.0f} s, {clients} clients")
+            outcomes = first + asyncio.run(traffic(url, target, clients, seconds, seed))
+        report = summarize(outcomes, seconds, clients)
+        if procs[0].poll() is None:
+            progress(f"idle {idle_s:.0f} s")
+            time.sleep(idle_s)
+        high_water = rss_mb(pid, "VmHWM") if exact_peak and procs[0].poll() is None else 0.0
         sampler.stop.set()
         sampler.join()
+        if procs[0].poll() is not None:
+            report.problems.append(f"the server exited (status {procs[0].returncode}) during the soak")
+        else:
+            report.rss_idle_mb = rss_mb(pid)
+            try:
+                load = gauges(url)
+                health = httpx.get(f"{url}/health", timeout=10).status_code
+            except httpx.HTTPError as exc:
+                load, health = {}, f"unreachable ({exc})"
+            report.drained = load.get("specula_requests_running") == 0 and load.get("specula_requests_waiting") == 0
+            if not report.drained:
+                report.problems.append(f"not drained after the traffic: {load}")
+            if health != 200:
+                report.problems.append(f"/health is {health} after the traffic, not 200")
+    report.hogs = hogs
     report.rss_mb = sampler.series
     report.rss_after_warmup_mb = round(warm, 1)
-    report.rss_peak_mb = max((r for _, r in sampler.series), default=0.0)
+    report.rss_peak_mb = round(max(high_water, *(r for _, r in sampler.series), 0.0), 1)
     report.rss_idle_mb = round(report.rss_idle_mb, 1)
+    report.memory_parts_mb = {k: round(v, 1) for k, v in sampler.largest_parts.items()}
+    report.memory_parts_series = sampler.parts_series
+    report.memory_sum_mb = round(sum(sampler.largest_parts.values()), 1)
+    if report.memory_sum_mb:
+        report.rss_ratio = round(report.rss_peak_mb / report.memory_sum_mb, 3)
+        if max_rss_ratio is not None and report.rss_ratio > max_rss_ratio:
+            report.problems.append(f"peak RSS {report.rss_peak_mb:.0f} MiB is {report.rss_ratio:.2f}x the memory "
+                                   f"parts' sum {report.memory_sum_mb:.0f} MiB (over {max_rss_ratio:.2f}x)")
+    elif max_rss_ratio is not None:
+        report.problems.append("the server's /metrics exports no specula_memory_bytes: no memory plan to check")
     return report
 
 
@@ -271,6 +411,10 @@ def format_report(r: Report) -> str:
         *[f"  {kind:<17} {dict(sorted(c.items()))}" for kind, c in sorted(r.statuses.items())],
         f"RSS: {r.rss_after_warmup_mb:.0f} MiB after warm-up, peak {r.rss_peak_mb:.0f} MiB, "
         f"{r.rss_idle_mb:.0f} MiB after idle ({r.rss_idle_mb / max(r.rss_after_warmup_mb, 1e-9):.2f}x warm-up)",
+        "memory parts at their largest sum (MiB, /metrics): "
+        + (", ".join(f"{k} {v:.0f}" for k, v in r.memory_parts_mb.items()) or "none exported")
+        + (f"; sum {r.memory_sum_mb:.0f}, peak RSS / sum {r.rss_ratio:.2f}" if r.rss_ratio is not None else ""),
+        *([f"CPU hogs beside the server: {r.hogs}"] if r.hogs else []),
         f"drained: {r.drained}; problems: {r.problems or 'none'}",
     ]
     return "\n".join(lines)
@@ -287,16 +431,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads of the server")
     p.add_argument("--context", type=int, default=2048, help="the server's context (sizes the oversized prompts)")
     p.add_argument("--body-mb", type=float, default=3.0, help="size of the oversized bodies")
+    p.add_argument("--hogs", type=int, default=0,
+                   help="CPU-bound processes running for the whole soak, started before the server")
+    p.add_argument("--max-rss-ratio", type=float, default=MAX_RSS_RATIO,
+                   help="fail when the peak RSS exceeds the memory parts' sum by more (0: do not check)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0, help="how long the server may take to be healthy")
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     p.add_argument("server_args", nargs="*", help="passed to `python -m server serve` (after --)")
     args = p.parse_args(argv)
-    report = soak(args.server_args, seconds=args.seconds, clients=args.clients, idle_s=args.idle_s,
-                  warmup_s=args.warmup_s, seed=args.seed, log_path=args.out.with_suffix(".log"),
-                  context=args.context, body_mb=args.body_mb, threads=args.threads)
+    # SIGTERM (a CI runner's timeout) unwinds like Ctrl-C: the server and the hogs are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    log_path = args.out.with_suffix(".log")
+    try:
+        report = soak(args.server_args, seconds=args.seconds, clients=args.clients, idle_s=args.idle_s,
+                      warmup_s=args.warmup_s, seed=args.seed, log_path=log_path, context=args.context,
+                      body_mb=args.body_mb, threads=args.threads, hogs=args.hogs,
+                      max_rss_ratio=args.max_rss_ratio or None, start_timeout_s=args.start_timeout_s)
+    except RuntimeError as exc:  # the server did not come up
+        print(f"soak FAILED: {exc}", file=sys.stderr)
+        print_log_tail(log_path)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(report), indent=1) + "\n")
     print(format_report(report))
-    return 1 if report.problems else 0
+    if report.problems:
+        print(f"soak FAILED: {'; '.join(report.problems)} (server log: {log_path})", file=sys.stderr)
+        print_log_tail(log_path)
+        return 1
+    return 0
+
+
+def print_log_tail(path: Path, lines: int = 40) -> None:
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    print(f"--- last {len(tail)} lines of {path} ---", *tail, sep="\n", file=sys.stderr)
 
 
 if __name__ == "__main__":

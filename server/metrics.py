@@ -11,6 +11,7 @@ Who calls what (all methods are thread-safe; the worker thread and the event loo
 * `observe_request(...)`        once when a request finishes (any finish reason).
 * `observe_error(status)`       once per HTTP error response (4xx/5xx).
 * `set_load(...)`               whenever queue lengths or KV usage change (e.g. after each step).
+* `watch_memory(source)`        once: `source()` gives the memory parts in bytes, read at every scrape.
 * `render()`                    for GET /metrics.
 
 Contract: the speculation counters grow by exactly the sums of the per-sequence `SeqStepStats`, which
@@ -20,14 +21,27 @@ decode_steps (one step per verify pass a sequence took part in).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import get_args
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+)
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 from server.types import FinishReason, RequestStats, StepResult
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+
+log = logging.getLogger(__name__)
 
 # Tokens emitted per verify pass is an integer in [1, K + 1], K <= 32.
 ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33)
@@ -237,6 +251,38 @@ class Metrics:
         self.waiting.labels(self.model).set(waiting)
         self.kv_usage.labels(self.model).set(kv_cache_usage)
 
+    def watch_memory(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Export `source()` (part -> bytes: the engine's `memory_usage`, server/engine/memory.py) as
+        `specula_memory_bytes{model, part}`, read at every scrape, beside the process's own
+        `process_resident_memory_bytes`. Once per `Metrics`."""
+        self.registry.register(_MemoryCollector(self.model, source))
+        ProcessCollector(registry=self.registry)
+
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its Content-Type, for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _MemoryCollector:
+    """`specula_memory_bytes{model, part}` from a callable read at scrape time (a failing read exports
+    nothing rather than failing the scrape)."""
+
+    NAME = "specula_memory_bytes"
+    HELP = "Bytes of each part of the server's memory, measured from its objects (docs/api.md#memory)."
+
+    def __init__(self, model: str, source: Callable[[], Mapping[str, int]]) -> None:
+        self.model, self.source = model, source
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["model", "part"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["model", "part"])
+        try:
+            parts = dict(self.source())
+        except Exception:  # noqa: BLE001 - a gauge must never break /metrics
+            log.warning("memory gauges unavailable", exc_info=True)
+            parts = {}
+        for part, value in parts.items():
+            family.add_metric([self.model, part], float(value))
+        yield family

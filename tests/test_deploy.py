@@ -157,3 +157,14 @@ def test_ci_script_installs_prometheus_and_runs_make_test() -> None:
     assert "apt-get install" in text and "prometheus" in text and "make test" in text
     assert script.stat().st_mode & 0o111, ".ci/run must be executable"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_ci_soaks_a_fresh_server_on_a_busy_host_after_the_tests() -> None:
+    """After `make test` (whose exit 5, nothing collected, still fails CI), `.ci/run` runs the soak with CPU
+    hogs against a fresh default server (`make soak-ci`) and fails when it does."""
+    text = (ROOT / ".ci" / "run").read_text()
+    assert '"$status" -eq 5' in text and "exit 1" in text
+    assert text.index("make test") < text.index("make soak-ci")
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nsoak-ci:", 1)[1].split("\n\n", 1)[0]
+    assert "bench.soak" in recipe and "--hogs 2" in recipe and "--seconds 120" in recipe

@@ -103,7 +103,7 @@ def test_stop_strings_followed_as_the_text_grows_match_a_search_of_the_whole_tex
     """The incremental matcher cuts where a search of the text so far would (the first stop string, in
     the request's order, completing in the new text; matches completing before stop strings count are
     ignored) and holds back exactly the longest tail that may still become a stop string."""
-    text, counted_from, found = "", None, None
+    text = ""
     matchers = [_StopString(s) for s in stops]
     for chunk in chunks:
         start = len(text)

@@ -1,11 +1,18 @@
-"""A short soak (`bench/soak.py`) against a real `serve` process on the tiny model: mixed traffic with
-aborts, oversized inputs and bad fields; no 5xx, no lost request, the server drains and stays healthy."""
+"""A short soak (`bench/soak.py`) against a real `serve` process on the tiny model: its first requests,
+then mixed traffic with aborts, oversized inputs and bad fields; no 5xx, no lost request, the server
+drains and stays healthy, and its peak RSS stays within its memory plan. The CPU hogs (`--hogs`) run
+for the soak only: gone when it ends, whatever ends it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from bench.soak import MIX, format_report, soak
+import pytest
+
+from bench.soak import FRESH_CHATS, FRESH_CLIENTS, MAX_RSS_RATIO, MIX, cpu_hogs, format_report, memory_parts, soak
 from server.model.runner import ModelRunner
 
 
@@ -22,7 +29,13 @@ def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp
     text = format_report(report)
     assert not report.problems, text
     assert report.drained, text
-    assert set(report.statuses) == set(MIX), text  # every kind of traffic was sent
+    assert report.statuses["first_request"] == {"200": 1}, text
+    assert report.statuses["fresh_burst"] == {"200": FRESH_CLIENTS * FRESH_CHATS}, text
+    assert set(report.statuses) == set(MIX) | {"first_request", "fresh_burst"}, text  # every kind was sent
+    # the memory plan: every part exported, and the peak RSS within it
+    assert set(report.memory_parts_mb) == {"weights", "kv_cache", "prefix_cache", "proposers", "activations",
+                                           "runtime"}, text
+    assert report.rss_ratio is not None and report.rss_ratio <= MAX_RSS_RATIO, text
     for kind in ("oversized_prompt", "oversized_body"):
         assert set(report.statuses[kind]) <= {"400", "413"}, text
     assert all(s in ("200", "400", "404", "413", "422") for s in report.statuses["bad_field"]), text
@@ -30,3 +43,46 @@ def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp
     for kind in ("chat", "long_prompt", "completion", "stream", "n2_seeded"):
         assert set(report.statuses[kind]) == {"200"}, text
     assert report.served > 0 and report.rss_peak_mb > 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_hogs_keep_a_core_busy_and_stop_with_the_soak():
+    with pytest.raises(KeyboardInterrupt), cpu_hogs(2) as procs:  # Ctrl-C in the middle of a soak
+        pids = [p.pid for p in procs]
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs)
+        ticks = [int(open(f"/proc/{pid}/stat").read().split(")")[-1].split()[11]) for pid in pids]  # utime
+        assert all(t > 0 for t in ticks)
+        raise KeyboardInterrupt
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_hogs_stop_by_themselves_when_the_soak_is_killed(tmp_path):
+    """A soak killed outright (SIGKILL: no cleanup runs) leaves no hog spinning."""
+    script = "import sys, os, time\nfrom bench.soak import cpu_hogs\nwith cpu_hogs(1) as p:\n" \
+             "    print(p[0].pid, flush=True)\n    time.sleep(60)\n"
+    soak_proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                 cwd=Path(__file__).resolve().parent.parent)
+    hog = int(soak_proc.stdout.readline())
+    assert alive(hog)
+    soak_proc.kill()
+    soak_proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(hog) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(hog)
+
+
+def test_memory_parts_are_read_from_the_metrics_text():
+    text = ('# HELP specula_memory_bytes x\n'
+            'specula_memory_bytes{model="m",part="weights"} 1048576.0\n'
+            'specula_memory_bytes{model="m",part="kv_cache"} 2.097152e+06\n'
+            'specula_requests_running{model="m"} 0.0\n')
+    assert memory_parts(text) == {"weights": 1.0, "kv_cache": 2.0}

@@ -59,7 +59,7 @@ def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
         text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return encode(info, text, "messages", add_special_tokens=False)
 
 
 def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
@@ -69,18 +69,45 @@ def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
 
 def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
     """Token ids of each prompt; token id prompts are checked against the vocabulary."""
-    tok = info.tokenizer
     vocab = info.limits.vocab_size
     out: list[list[int]] = []
     for i, prompt in enumerate(body.prompt):
         if isinstance(prompt, str):
-            out.append(list(tok(prompt)["input_ids"]))
+            out.append(encode(info, prompt, "prompt"))
             continue
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", f"prompt[{i}]")
         out.append(list(prompt))
     return out
+
+
+# A prompt text longer than this many characters per token of the context is first tokenized in part: the
+# tokenizer's output costs ~500 bytes per token while it exists (a 3 MB prompt: ~740 MB, and the API
+# tokenizes up to 4 at once), so a text far beyond the context is refused from its first part alone.
+# English runs ~4.5 characters a token, code ~3.
+HEAD_CHARS_PER_TOKEN = 8
+CUT_SLACK_TOKENS = 64  # cutting a text changes its tokens only around the cut: far fewer than this
+
+
+def encode(info: ModelInfo, text: str, param: str, **kwargs: Any) -> list[int]:
+    """`text`'s token ids (`kwargs` for the tokenizer call). A text of more than `HEAD_CHARS_PER_TOKEN` x the
+    context in characters whose first that many characters alone hold more tokens than the context (by
+    `CUT_SLACK_TOKENS`) is a 400 (`context_length_exceeded`) without tokenizing the rest; other texts are
+    tokenized whole, as before."""
+    limit = info.limits.max_context
+    head = HEAD_CHARS_PER_TOKEN * (limit + 1)
+    if len(text) > head:
+        counted = len(info.tokenizer(text[:head], **kwargs)["input_ids"])
+        if counted > limit + CUT_SLACK_TOKENS:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, the {param} holds more than "
+                f"{counted - CUT_SLACK_TOKENS} tokens (its first {head} characters do). Please reduce the "
+                f"length of the {param}.",
+                param,
+                "context_length_exceeded",
+            )
+    return list(info.tokenizer(text, **kwargs)["input_ids"])
 
 
 def resolve_max_tokens(info: ModelInfo, requested: int | None, prompt_len: int, param: str) -> int:

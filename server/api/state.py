@@ -95,6 +95,8 @@ class ServerState:
             k=s.num_speculative_tokens,
             methods=engine.limits.methods,
         )
+        if hasattr(engine, "memory_usage"):  # specula_memory_bytes{part} (server/engine/memory.py)
+            self.metrics.watch_memory(engine.memory_usage)
         self.scheduler = Scheduler(
             engine,
             max_batch_size=s.max_batch_size,

@@ -27,6 +27,7 @@ import torch
 from server.config import Settings
 from server.engine.calibration import calibrate
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.memory import StepMemory, measure_step_memory
 from server.engine.sequence import Sequence
 from server.engine.threads import ThreadGovernor
 from server.failsafe import OptionalParts
@@ -35,7 +36,7 @@ from server.model import prefix_cache
 from server.model.attention import use_gqa_attention
 from server.model.kv_cache import BatchKV, KVCheckpoint, slots_for
 from server.model.loading import LoadedModel, load_draft_like, load_model
-from server.model.memory import HeapTrimmer, budget_bytes
+from server.model.memory import HeapTrimmer, budget_bytes, rss_bytes, settle, tensor_bytes
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, raw_logprobs
 from server.speculation.adaptive import CostModel
@@ -106,6 +107,9 @@ class Engine:
         self._seed_source = random.SystemRandom()
         self._faulty_steps = 0  # consecutive steps in which every row failed (see `FAULTY_STEPS`)
         self._trim_heap = HeapTrimmer()
+        self.step_memory = StepMemory()  # steps' working memory (server/engine/memory.py; `measure_memory`)
+        self._runtime_bytes: int | None = None  # what the process held besides the measured parts (`settle_memory`)
+        self._kv_bytes = self.runner.kv.nbytes  # the target cache's storage after the last step or join
         # torch's thread count per step, from measured step times (threads.py); CPU with > 1 thread only
         threads = torch.get_num_threads()
         self.threads = ThreadGovernor(threads) if self.device.type == "cpu" and threads > 1 else None
@@ -129,6 +133,17 @@ class Engine:
         if not self.running:
             self._trim_heap()
 
+    def _trim_after_growth(self) -> None:
+        """The target's cache moved into a bigger buffer (no KV budget): give the free pages the old buffer
+        left back at once. glibc keeps freed blocks below its mmap threshold (which rises to the largest
+        block freed so far) in its heap, where what later blocks do not reuse stays resident until the next
+        idle second. Growth is rare (doubling); a batch emptying frees without a trim
+        (`release_idle_memory` does it when idle)."""
+        size = self.runner.kv.nbytes
+        if size > self._kv_bytes:
+            self._trim_heap()
+        self._kv_bytes = size
+
     def release_dense_weights(self) -> int:
         """Drop the dense weights every model this engine runs holds a reordered copy of (CPU, oneDNN:
         `LeanForward.release_dense`), for a process in which nothing else runs these models; bytes dropped."""
@@ -139,6 +154,49 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.running)
+
+    # ---- memory: what it is made of (server/engine/memory.py) ----------------------------------
+    def measure_memory(self) -> None:
+        """Measure the steps' working memory per computed token and per scored position (about a second on
+        2 CPU cores), and plan the widest verify pass the settings allow. Optional: when it fails the
+        `activations` part counts the joins' scratch caches only."""
+        try:
+            measured = measure_step_memory(self.target.model, self.vocab_size, self.planner.needs_hidden)
+        except Exception as exc:  # noqa: BLE001 - a gauge must never stop a server from starting
+            log.warning("could not measure the steps' working memory: %s", _describe(exc))
+            return
+        measured.high_water = self.step_memory.high_water
+        measured.plan(self.settings.max_batch_size, self.settings.widest_drafts + 1)
+        self.step_memory = measured
+        log.info("step working memory: %d bytes per computed token, %d per scored position; the widest verify "
+                 "pass (%d rows x %d positions) %.0f MiB", measured.per_token, measured.per_position,
+                 self.settings.max_batch_size, self.settings.widest_drafts + 1, measured.planned / 2**20)
+
+    def settle_memory(self) -> None:
+        """Once loaded: free what loading left unreachable, give the heap back, and take the process's RSS
+        less the measured parts as the `runtime` part (Python, torch, libraries, the tokenizer)."""
+        settle(self._trim_heap)
+        parts = self.memory_usage()
+        held = sum(v for k, v in parts.items() if k not in ("runtime", "activations"))
+        self._runtime_bytes = max(0, rss_bytes() - held)
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of each part of the server's memory, measured from the objects now (server/engine/memory.py);
+        callable from any thread."""
+        seen: set[tuple[str, int]] = set()  # storages counted: the proposers' share of the target's weights
+        parts = {
+            "weights": tensor_bytes(self.runner.weight_tensors(), seen),
+            "kv_cache": tensor_bytes(self.runner.kv.storage(), seen),
+            "prefix_cache": self.prefixes.used_bytes if self.prefixes is not None else 0,
+            # their weights and caches, and the target's features the rows keep for a draft head (`_remember`)
+            "proposers": tensor_bytes(self.planner.weight_tensors(), seen) + self.planner.cache_bytes(seen)
+            + tensor_bytes((t for s in list(self.running.values()) for t in list(s.features or ())), seen),
+            "activations": self.step_memory.peak,
+        }
+        if self._runtime_bytes is None:  # measured once, lazily for an engine built without `build_engine`
+            self._runtime_bytes = max(0, rss_bytes() - sum(v for k, v in parts.items() if k != "activations"))
+        parts["runtime"] = self._runtime_bytes
+        return parts
 
     def kv_cache_usage(self) -> float:
         """With a KV budget: the fraction of it the running rows hold (rows x the largest reservation,
@@ -178,13 +236,16 @@ class Engine:
             if seq.request_id in self.running:
                 raise ValueError(f"duplicate request id {seq.request_id!r}")
         leaders, followers = self._followers(seqs)
-        self._join(leaders, ride=not followers)  # followers read the leaders' prompts from the cache
-        if followers:
-            try:
-                self._join(followers, ride=True)
-            except BaseException:
-                self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
-                raise
+        try:
+            self._join(leaders, ride=not followers)  # followers read the leaders' prompts from the cache
+            if followers:
+                try:
+                    self._join(followers, ride=True)
+                except BaseException:
+                    self._leave({s.request_id for s in leaders})  # their prompts stay cached: they were computed
+                    raise
+        finally:
+            self._trim_after_growth()
 
     def _followers(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(leaders, followers): a follower's prompt begins with the same first block (and salt) as an
@@ -225,6 +286,7 @@ class Engine:
                 if hidden is not None and found is not None:  # the cached prefix's features, then those
                     hidden = [torch.cat([prefix_cache.concat_features(blocks), h]) if blocks else h
                               for blocks, h in zip(found, hidden, strict=True)]
+                self.step_memory.observe(self.runner.join_tokens, 0, self.runner.join_bytes)
                 break
             except Exception as exc:
                 if prefixes is None:
@@ -269,6 +331,7 @@ class Engine:
         failures: dict[str, Exception] = {}
         seq_stats = self._isolated_step(outputs, failures) if self.running else []
         self._leave({o.request_id for o in outputs if o.finished} | set(failures), failed=set(failures))
+        self._trim_after_growth()
         prefill, self._prefill_tokens = self._prefill_tokens, 0
         cached, self._cached_tokens = self._cached_tokens, 0
         failed = {rid: _describe(e) for rid, e in failures.items() if not _own_input(e)}
@@ -448,6 +511,7 @@ class Engine:
         drafts = [r.drafts for r in rows]
         # Row after row, each active row's k + 1 verify positions: what follows costs the computed tokens.
         logits, hidden = out.of_rows(active)  # [positions, vocab], [fed positions, hidden]
+        self.step_memory.observe(out.computed, logits.shape[0])
         fed_at = list(itertools.accumulate((len(fed[b]) for b in active), initial=0))  # row i's fed positions in hidden
         sampling = BatchSampling.from_params(
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
@@ -718,4 +782,9 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
         freed = engine.release_dense_weights()
         if freed:
             log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)
+    engine.measure_memory()
+    engine.settle_memory()
+    parts = engine.memory_usage()
+    log.info("memory (MiB): %s; RSS %.0f", ", ".join(f"{k} {v / 2**20:.0f}" for k, v in parts.items()),
+             rss_bytes() / 2**20)
     return engine

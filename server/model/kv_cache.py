@@ -23,6 +23,7 @@ never grows: rows x capacity <= slots, which admission guarantees (`fits`; serve
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,10 +92,19 @@ class _BufferLayer(CacheLayerMixin):
 
     def __init__(self, owner: BatchKV) -> None:
         super().__init__()
-        self.owner = owner
+        # A weak reference: the cache holds its layers, so a strong one would make every `BatchKV` a
+        # reference cycle, whose buffers (a join's prefill cache: tens of MB) wait for the cyclic garbage
+        # collector instead of being freed when the last reference goes.
+        self._owner = weakref.ref(owner)
         self.key_store: torch.Tensor | None = None  # flat
         self.value_store: torch.Tensor | None = None
         self.heads = self.head_dim = self.value_dim = 0
+
+    @property
+    def owner(self) -> BatchKV:
+        owner = self._owner()
+        assert owner is not None, "a cache layer outlived its cache"
+        return owner
 
     def allocate(self, heads: int, head_dim: int, value_dim: int, like: torch.Tensor, slots: int) -> None:
         """Zeroed flat buffers of `slots` tokens (zeroing makes a budget's pages resident at once)."""
@@ -107,6 +117,16 @@ class _BufferLayer(CacheLayerMixin):
     @property
     def slots(self) -> int:
         return 0 if self.key_store is None else self.key_store.numel() // (self.heads * self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layer's storage (allocated, whether rows use it or not)."""
+        return sum(s.numel() * s.element_size() for s in (self.key_store, self.value_store) if s is not None)
+
+    def free(self) -> None:
+        """Drop the storage, and the views of it (a view alone keeps the whole buffer alive)."""
+        self.key_store = self.value_store = self.keys = self.values = None
+        self.is_initialized = False
 
     def view(self, rows: int, capacity: int) -> None:
         h = self.heads
@@ -228,6 +248,15 @@ class BatchKV:
     def live_tokens(self) -> int:
         return sum(self.positions)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's storage: allocated, whether rows use it or not (a budget's from the start)."""
+        return sum(layer.nbytes for layer in self.cache.layers)
+
+    def storage(self) -> list[torch.Tensor]:
+        """The flat buffers behind the cache (`nbytes` of them)."""
+        return [s for layer in self.cache.layers for s in (layer.key_store, layer.value_store) if s is not None]
+
     # ---- a forward -------------------------------------------------------------------------------
     def reserve(self, width: int) -> None:
         """Make room for a forward that appends `width` columns: compact holes when they outgrow the
@@ -303,14 +332,16 @@ class BatchKV:
             self.keep[:] = False
             if self.slots is None:  # an idle unbudgeted cache holds no memory
                 for layer in self.cache.layers:
-                    layer.key_store = layer.value_store = None
-                    layer.is_initialized = False
+                    layer.free()
                 self.capacity = 16
                 self.keep = torch.zeros(0, self.capacity, dtype=torch.bool, device=self.device)
 
-    def new_rows(self, request_ids: list[str]) -> BatchKV:
-        """An empty, unbudgeted cache for rows about to be prefilled and then merged with `add_rows`."""
+    def new_rows(self, request_ids: list[str], columns: int = 0) -> BatchKV:
+        """An empty, unbudgeted cache for rows about to be prefilled and then merged with `add_rows`;
+        `columns`: what the longest of them will hold, allocated at once (not doubled on the way there:
+        this scratch copy of the prompts is working memory beside the batch's cache)."""
         fresh = BatchKV(self.num_layers, self.device)
+        fresh.capacity = max(fresh.capacity, columns)
         fresh.rows = list(request_ids)
         fresh.positions = [0] * len(request_ids)
         fresh._recent = [deque(maxlen=_RECENT) for _ in request_ids]

@@ -240,6 +240,11 @@ class LeanForward:
             found = shared[packed] = cls(model, base, pack=packed)
         return found
 
+    def packed_weights(self) -> list[torch.Tensor]:
+        """The reordered copies its packed kernels multiply (none when it runs `F.linear`)."""
+        kernels = [k for layer in self.linears for k in layer] + [self.lm_head]
+        return [k.packed for k in kernels if isinstance(k, PackedLinear)]
+
     def release_dense(self) -> int:
         """Drop the dense weights the packed kernels were reordered from (`PackedLinear.release`): on CPU
         a model's linear layers are otherwise held twice (SmolLM2-135M: 418 MiB of its 513 MiB again). For a

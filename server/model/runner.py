@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from server.model.attention import Packing, packs
 from server.model.kv_cache import BatchKV, KVShape
 from server.model.lean_forward import LeanForward
+from server.model.memory import tensor_bytes
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -101,11 +102,19 @@ class ModelRunner:
         self.forward_kind = "transformers" if not lean_call else "lean-onednn" if self.call.packed else "lean"
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
+        # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
+        # tokens one of its forwards computed
+        self.join_bytes = self.join_tokens = 0
 
     def release_dense(self) -> int:
         """Drop the dense copies of the weights the lean forward multiplies reordered copies of (see
         `LeanForward.release_dense`); bytes dropped."""
         return self.call.release_dense() if isinstance(self.call, LeanForward) else 0
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers, and the reordered copies the lean forward multiplies."""
+        packed = self.call.packed_weights() if isinstance(self.call, LeanForward) else []
+        return [*self.model.parameters(), *self.model.buffers(), *packed]
 
     @staticmethod
     def kv_shape(model: PreTrainedModel) -> KVShape:
@@ -146,7 +155,10 @@ class ModelRunner:
             raise ValueError("this model has no LM head: ask for hidden states, not logits")
         kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
         pack = Packing.of(counts, self.device) if self.packs and min(counts) < width else None
-        want_states = bool(layers) or (hidden and self.has_lm_head)
+        # the final hidden states: the lean forward returns them as `last_hidden_state`; transformers' causal LM
+        # only among every layer's (which a step would then hold: 30 layers' worth per token)
+        lean = isinstance(self.call, LeanForward)
+        want_states = bool(layers) or (hidden and self.has_lm_head and not lean)
         if pack is not None:
             feed = self._feed_packed(inputs, pack)
             position_ids = (torch.tensor(kv.positions, device=self.device)[pack.rows] + pack.steps)[None]  # [1, N]
@@ -180,7 +192,7 @@ class ModelRunner:
             kv.packing = None
         kv.advance(counts, width)
         states = out.hidden_states if want_states else None
-        final = (states[-1] if self.has_lm_head else out.last_hidden_state) if hidden else None
+        final = (states[-1] if self.has_lm_head and not lean else out.last_hidden_state) if hidden else None
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [batch, W, ...] or [1, N, ...] -> [N, ...]
         flat_logits = flat(out.logits.float()) if logits else None
         if logit_index is not None:
@@ -266,18 +278,22 @@ class ModelRunner:
         hidden states (after the final norm) of the inputs it computed, [len(inputs[b]) - p_b, hidden],
         else None."""
         fresh = copy.copy(self)  # the same model over an empty cache of the new rows
-        fresh.kv = self.kv.new_rows(request_ids)
+        loaded = [kv[0].shape[2] for kv in prefixes or () if kv is not None]
+        fresh.kv = self.kv.new_rows(request_ids, max([len(x) for x in inputs] + loaded, default=0))
         if prefixes is not None:
             fresh.kv.load_prefixes(list(prefixes))
             inputs = [x[p:] for x, p in zip(inputs, fresh.kv.positions, strict=True)]
         states: list[list[torch.Tensor]] = [[] for _ in request_ids]
         longest = max((len(x) for x in inputs), default=0)
+        self.join_tokens = 0
         for start in range(0, longest, chunk):
             part = [x[start : start + chunk] for x in inputs]
             out = fresh.forward(part, logits=False, hidden=hidden)
+            self.join_tokens = max(self.join_tokens, out.computed)
             if hidden:
                 for b, x in enumerate(part):
                     states[b].append(out.hidden[b, : len(x)])
+        self.join_bytes = fresh.kv.nbytes + tensor_bytes(t for kv in prefixes or () if kv is not None for t in kv)
         self.kv.add_rows(fresh.kv)
         if not hidden:
             return None

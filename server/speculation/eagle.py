@@ -23,7 +23,8 @@ import torch
 
 from server.draft_head.model import EagleHead
 from server.model.attention import use_gqa_attention
-from server.model.lean_forward import linear_kernel, packs_linears
+from server.model.lean_forward import PackedLinear, linear_kernel, packs_linears
+from server.model.memory import tensor_bytes
 from server.model.runner import ModelRunner
 from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposal, SequenceView, Traits
@@ -90,6 +91,16 @@ class EagleProposer(ModelProposer):
         self._loaded = {}
         self.forwards = 0
         self._empty = torch.zeros(0, head.config.hidden_size, device=head.embed_weight.device)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The head's weights (its embedding is the target's), fc's and the FR matrix's reordered copies too."""
+        packed = [k.packed for k in (self.fc, self.fr_logits) if isinstance(k, PackedLinear)]
+        return [*super().weight_tensors(), *self.head.parameters(), *self.head.buffers(), *packed]
+
+    def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
+        """Its KV cache, and the target's features rows hold until they feed them."""
+        pending = [f for p in list(self.pending.values()) for f in list(p.features)]
+        return super().cache_bytes(seen) + tensor_bytes(pending, seen)
 
     # The pair at cache position t holds the feature at t and token t + 1 (a prefix-cache block's pairs
     # are those its tokens determine, from the one before its first token's).

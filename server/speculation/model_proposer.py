@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from server.model.memory import tensor_bytes
 from server.model.prefix_cache import State
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, sample
@@ -47,6 +48,13 @@ class ModelProposer(Proposer):
     # holds token t + 1): the prefix cache's block b then holds positions [b B - reads_ahead, (b + 1) B - reads_ahead).
     reads_ahead: int = 0
     caches_prefix = True
+
+    # ---- memory (proposer.py) ----------------------------------------------------------------------
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return self.runner.weight_tensors()
+
+    def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
+        return tensor_bytes(self.runner.kv.storage(), seen)
 
     # ---- checkpoints (a failed step is undone: proposer.py) -----------------------------------------
     def checkpoint(self) -> object:

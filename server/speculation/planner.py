@@ -127,6 +127,15 @@ class Planner:
         """What one token costs in each model proposer's own KV cache (for the KV budget's share)."""
         return [ModelRunner.kv_shape(r.model) for r in self.model_runners()]
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The weights of the proposers' own models (proposer.py `weight_tensors`)."""
+        return [t for p in self.proposers.values() for t in p.weight_tensors()]
+
+    def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
+        """Bytes the proposers keep for rows and across requests (their KV caches, indexes); storages in
+        `seen` are not counted again."""
+        return sum(p.cache_bytes(seen) for p in self.proposers.values())
+
     @property
     def needs_hidden(self) -> bool:
         return bool(self.hidden_readers)

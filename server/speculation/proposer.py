@@ -152,6 +152,17 @@ class Proposer(ABC):
     def restore(self, state: object) -> None:  # noqa: B027 - optional hook
         """Return to `state` (from `checkpoint` before this step); it stays valid for another restore."""
 
+    # ---- memory (the server's `specula_memory_bytes{part="proposers"}`: server/engine/memory.py) ----
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The weights of a model of its own (reordered copies included; tensors it shares with the target
+        are counted once); none for a proposer without a model."""
+        return []
+
+    def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
+        """Bytes of what it keeps for rows or across requests (a KV cache, an index of earlier text); tensor
+        storages in `seen` are counted already (server/model/memory.py `tensor_bytes`)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class BuildContext:

@@ -319,6 +319,13 @@ class SharedIndex:
         self._order.append(salt)
         self.tokens += len(tokens)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the partitions' arrays (each request's tokens, the hay and its order by token)."""
+        # snapshots (list() of a dict or deque is atomic): the worker thread changes them while /metrics reads
+        return sum(sum(a.nbytes for a in list(p.parts)) + p.hay.nbytes + p.by_token.nbytes + p.sorted_tokens.nbytes
+                   for p in list(self.partitions.values()))
+
     def lookup(self, text: np.ndarray, k: int, salt: str | None = None) -> Match:
         part = self.partitions.get(salt)
         return part.lookup(text, k) if part is not None else NO_MATCH
@@ -346,6 +353,10 @@ class SuffixProposer(Proposer):
     @classmethod
     def build(cls, ctx: BuildContext) -> SuffixProposer:
         return cls()
+
+    def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
+        """The global index and the running requests' own (proposer.py)."""
+        return self.shared.nbytes + sum(index.buf.nbytes for index in list(self.requests.values()))
 
     def join(self, seqs: list[SequenceView], prompt_hidden: object = None) -> None:
         for seq in seqs:

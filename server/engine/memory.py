@@ -1,0 +1,117 @@
+"""What a server's memory is made of, measured from its objects (docs/api.md "Memory").
+
+`Engine.memory_usage()` gives these parts in bytes; `/metrics` exports them as `specula_memory_bytes{part}`:
+
+* `weights`: the target's parameters and buffers, and the reordered copies its packed kernels multiply
+  (server/model/lean_forward.py `PackedLinear`; the dense copies they replace are dropped: `release_dense`).
+* `kv_cache`: the target's batch KV cache as allocated (with `kv_cache_memory`, the budget's share from the
+  start; without, what the running rows grew it to, freed when the batch empties).
+* `prefix_cache`: the blocks the prefix cache holds (within `prefix_cache_memory`).
+* `proposers`: what the proposers hold of their own: a draft model's or draft head's weights (not already
+  counted as the target's), their KV caches, `suffix`'s index of earlier outputs.
+* `activations`: the working memory of the largest step, which lives only while it runs: a join's scratch
+  cache of the prompts it prefills (and the cached prefixes loaded into it), the forward's tensors per
+  computed token, and per scored position the logits (vocabulary-wide, fp32), p and the verdict.
+  `StepMemory` holds the last two as bytes per token and per position, measured at start-up
+  (`measure_step_memory`), and the largest step so far; the part is never below the widest verify pass
+  the settings allow (`max_batch_size` rows x the widest drafts + 1).
+* `runtime`: Python, torch and the other libraries, the tokenizer, and whatever else was resident once the
+  server had loaded, measured once (`Engine.settle_memory`): the process's RSS then less the parts above.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from server.model.memory import PeakTensorBytes
+from server.model.runner import ModelRunner
+from server.sampling import BatchSampling, probabilities
+from server.speculation.rejection import rejection_sample
+from server.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PARTS = ("weights", "kv_cache", "prefix_cache", "proposers", "activations", "runtime")
+
+# The probe's shapes: small, as every operation runs Python while it is measured (the bytes scale per token)
+PROBE_PREFILL = 32  # tokens of one row's prefill
+PROBE_ROWS, PROBE_WIDTH = 2, 9  # a verify pass of rows x (8 drafts + 1)
+# The most expensive sampling path per position: penalties (token counts), temperature, top-k and top-p (a
+# sort of the vocabulary)
+PROBE_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1,
+                                frequency_penalty=0.5)
+
+
+@dataclass
+class StepMemory:
+    """The working memory of steps: bytes per computed token of a forward, per scored position (logits,
+    p, the verdict), the widest verify pass the settings allow (`planned`) and the largest step so far."""
+
+    per_token: int = 0
+    per_position: int = 0
+    planned: int = 0
+    high_water: int = 0
+
+    def plan(self, rows: int, positions_per_row: int) -> None:
+        """The widest verify pass: `rows` rows scoring `positions_per_row` positions, every one computed."""
+        self.planned = self.bytes(rows * positions_per_row, rows * positions_per_row)
+
+    def bytes(self, tokens: int, positions: int, extra: int = 0) -> int:
+        return tokens * self.per_token + positions * self.per_position + extra
+
+    def observe(self, tokens: int, positions: int, extra: int = 0) -> None:
+        """A step computed `tokens` tokens, scored `positions` positions and held `extra` bytes besides
+        (a join's scratch cache)."""
+        self.high_water = max(self.high_water, self.bytes(tokens, positions, extra))
+
+    @property
+    def peak(self) -> int:
+        return max(self.planned, self.high_water)
+
+
+def measure_step_memory(model: torch.nn.Module, vocab_size: int, hidden: bool) -> StepMemory:
+    """Bytes per computed token and per scored position of `model`'s steps, measured on a scratch cache
+    with `PeakTensorBytes`: a one-row prefill (the forward's tensors, its cache not counted), then a
+    verify pass of `PROBE_ROWS` x `PROBE_WIDTH` with the most expensive sampling and the verdict (what it
+    holds beyond the forward's per-token share, per scored position). `hidden`: the forward also returns
+    its final hidden states (a proposer reads them)."""
+    device = next(model.parameters()).device
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bytes do not depend on it; on a busy host one thread does not crawl (threads.py)
+    try:
+        return _measure(model, vocab_size, hidden, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(model: torch.nn.Module, vocab_size: int, hidden: bool, device: torch.device) -> StepMemory:
+    with torch.no_grad():
+        runner = ModelRunner(model)
+        runner.kv = runner.kv.new_rows(["probe"], PROBE_PREFILL)
+        ids = list(range(100, 100 + PROBE_PREFILL))
+        with PeakTensorBytes() as peak:
+            runner.forward([ids], logits=False, hidden=hidden)
+        per_token = max(0, peak.peak - runner.kv.nbytes) // PROBE_PREFILL
+
+        rows = [f"probe{b}" for b in range(PROBE_ROWS)]
+        runner = ModelRunner(model)
+        runner.kv = runner.kv.new_rows(rows, PROBE_PREFILL + PROBE_WIDTH)
+        runner.forward([ids] * PROBE_ROWS, logits=False)
+        drafts = [list(range(200, 200 + PROBE_WIDTH - 1))] * PROBE_ROWS
+        positions = PROBE_ROWS * PROBE_WIDTH
+        params = [PROBE_SAMPLING] * PROBE_ROWS
+        gens = [torch.Generator(device=device).manual_seed(b) for b in range(PROBE_ROWS)]
+        with PeakTensorBytes() as peak:
+            out = runner.forward([[ids[-1], *d] for d in drafts], hidden=hidden)
+            logits, _ = out.of_rows(range(PROBE_ROWS))
+            sampling = BatchSampling.from_params(params, device, generated=[0] * PROBE_ROWS,
+                                                 prompts=[tuple(ids)] * PROBE_ROWS)
+            counts = torch.zeros(positions, vocab_size, device=device)
+            at = sampling.at_positions([PROBE_WIDTH] * PROBE_ROWS)
+            p = probabilities(logits[:, None], at, counts[:, None])[:, 0]
+            rejection_sample(drafts, p, [None] * PROBE_ROWS, gens, [False] * PROBE_ROWS)
+        per_position = max(0, peak.peak - per_token * positions) // positions
+    return StepMemory(per_token=per_token, per_position=per_position)
