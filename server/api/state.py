@@ -109,8 +109,8 @@ class ServerState:
             tokenizer=engine.tokenizer,
             limits=engine.limits,
             default_method=method,
-            default_num_tokens=s.num_speculative_tokens,
-            auto_max_num_tokens=s.auto_max_speculative_tokens,
+            num_speculative_tokens=s.num_speculative_tokens,
+            auto_max_speculative_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
