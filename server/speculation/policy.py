@@ -140,6 +140,7 @@ class StepCosts:
     def __init__(self, policy: AutoPolicy, rows: int) -> None:
         self.policy, self.rows = policy, rows
         self.passes: PassCosts = policy.cost.costs(rows)
+        self.plain = self.passes.verify(rows)  # a plain pass of this batch, as the curve prices it
         self._memo: dict[tuple[object, ...], object] = {}
 
     def _cached(self, key: tuple[object, ...], make):  # noqa: ANN001, ANN202
@@ -150,7 +151,7 @@ class StepCosts:
     def token_cost(self, k: int) -> float:
         """One row's k more verified tokens, per token, over the row's share of a plain step. Packed, only
         its k tokens are added; padded, every row's pass widens by k."""
-        plain, rows = self.passes.plain, self.rows
+        plain, rows = self.plain, self.rows
         if self.policy.packed:
             return rows * max(self.passes.verify(rows + k) - plain, 0.0) / (k * plain)
         return max(self.passes.verify(rows * (k + 1)) - plain, 0.0) / (k * plain)
@@ -162,7 +163,7 @@ class StepCosts:
             if declared is not None:
                 return declared
             forward = self.policy.cost.draft_time(proposer, self.rows)
-            return forward / self.passes.plain if forward is not None else self.policy.tuning.untimed_draft_cost
+            return forward / self.plain if forward is not None else self.policy.tuning.untimed_draft_cost
 
         return self._cached(("own", proposer), make)
 
@@ -177,7 +178,7 @@ class StepCosts:
 
     def drafting_seconds(self, proposer: str, k: int, backlog: int) -> float:
         """A proposer's k draft forwards for the batch and the backlog its rows take in first, in seconds."""
-        return k * self.own_cost(proposer) * self.passes.plain + self.policy.cost.backlog_time(proposer, backlog)
+        return k * self.own_cost(proposer) * self.plain + self.policy.cost.backlog_time(proposer, backlog)
 
 
 class AutoPolicy:
