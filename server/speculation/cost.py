@@ -6,8 +6,9 @@ One estimator (chosen against the others tried by how well each predicted the ne
     verify_time(rows, tokens) = plain_time(rows) x ratio(rows, tokens)
 
 * `ratio(rows, tokens)`, the shape: what a wider pass costs against the plain passes (every row feeding
-  one token) of its own moment: each timing over the plain passes' median when it was taken, the median of
-  those per width (calibration's ratio counted once per timing it took), non-decreasing in the width,
+  one token) of its own moment: each timing over the median of the batch size's plain passes when it was
+  taken (while it has timed none, over its plain time as read from its passes, below), the median of those
+  per width (calibration's ratio counted once per timing it took), non-decreasing in the width,
   linear between widths and beyond the widest. A batch size with no wider pass timed reads what the same
   drafts added at the nearest batch size that has (the next larger first: a draft costs more in a larger
   batch, so erring there drafts less); with none anywhere, the prior's share of a row per token.
@@ -82,6 +83,7 @@ class _Batch:
     """The passes of one batch size: plain ones (one token a row) and wider ones as ratios to them."""
 
     plain: deque[float]  # traffic's passes as plain-pass seconds: plain ones, and wider ones over their ratio
+    timed_plain: deque[float]  # traffic's plain passes alone
     ratios: dict[int, deque[float]] = field(default_factory=dict)  # width -> traffic's timings over plain's median
     prior: dict[int, list[float]] = field(default_factory=dict)  # width -> calibration's timings, seconds
 
@@ -103,9 +105,11 @@ class CostModel:
         if prior:
             batch.prior.setdefault(tokens, []).append(seconds)
             return
-        if tokens > rows:
-            if batch.plain:  # its ratio to the plain passes of its moment
-                batch.ratios.setdefault(tokens, deque(maxlen=kept)).append(seconds / statistics.median(batch.plain))
+        if tokens <= rows:
+            batch.timed_plain.append(seconds)
+        else:  # its ratio to the plain passes of its moment (as timed, else as read from the batch's passes)
+            if plain := batch.timed_plain or batch.plain:
+                batch.ratios.setdefault(tokens, deque(maxlen=kept)).append(seconds / statistics.median(plain))
             shape = PassCosts(self, rows, 1.0)  # this width against a plain pass, as the model prices it now
             seconds *= shape.verify(rows) / shape.verify(tokens)
         batch.plain.append(seconds)  # how fast plain passes of this batch size run now
@@ -126,7 +130,8 @@ class CostModel:
 
     def _batch(self, rows: int) -> _Batch:
         if rows not in self._batches:
-            self._batches[rows] = _Batch(deque(maxlen=self.tuning.timings_kept))
+            kept = self.tuning.timings_kept
+            self._batches[rows] = _Batch(deque(maxlen=kept), deque(maxlen=kept))
         return self._batches[rows]
 
     # ---- what is predicted -----------------------------------------------------------------------

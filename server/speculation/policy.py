@@ -245,7 +245,7 @@ class AutoPolicy:
         for name, cost in costs.items():
             if best_k(1.0, cost, k_max)[1] < t.min_gain:
                 continue
-            interval = min(max(math.ceil(cost / t.probe_budget), 2), t.max_probe_interval)
+            interval = min(max(math.ceil(cost / t.probe_budget), t.min_probe_interval), t.max_probe_interval)
             if state.steps - state.last_used.get(name, 0) >= interval:
                 return Choice(name, 1)
         return None

@@ -29,7 +29,8 @@ class AutoTuning:
     untimed_draft_cost: float = 0.75  # a model proposer's draft token before it is timed, in plain passes
     # probes (policy.py)
     probe_budget: float = 0.02  # probes of an unused proposer cost at most this fraction of a row's steps
-    max_probe_interval: int = 64  # ... and come at least this often (steps)
+    min_probe_interval: int = 2  # ... come at most this often (steps)
+    max_probe_interval: int = 64  # ... and at least this often
     # planning rows whose plans gain nothing (policy.py)
     idle_planning: float = 0.005  # idle rows are planned within this fraction of a plain step
     max_idle_gap: int = 8  # ... and at least every this many steps
