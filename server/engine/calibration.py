@@ -102,7 +102,7 @@ class Subject:
         return [n for n, p in self.proposers.items() if p.traits.draft_token_cost is None]
 
     @property
-    def widest(self) -> int:
+    def max_num_tokens(self) -> int:
         """The most draft tokens a request gets by default, whatever its method: `auto`'s K or a fixed one's."""
         return max(self.settings.num_speculative_tokens, self.settings.auto_max_speculative_tokens)
 
@@ -212,7 +212,7 @@ def measure(subject: Subject, key: dict[str, object], budget_s: float = BUDGET_S
     row: every width, then each model proposer; then larger batches), until `budget_s` is spent."""
     deadline = time.perf_counter() + budget_s
     result = Calibration(key)
-    widest, top = subject.widest, subject.settings.max_batch_size
+    widest, top = subject.max_num_tokens, subject.settings.max_batch_size
     # (what, rows, per pass the tokens each row feeds)
     tasks: list[tuple[str, int, list[list[int]]]] = [("verify", 1, [[w] for w in widths(widest)])]
     tasks += [(name, 1, []) for name in subject.timed]
