@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def in_process(ids: list[int]) -> float:
         started = time.perf_counter()
-        engine.add_request(GenerationRequest(
+        engine.add_requests([GenerationRequest(
             f"r{time.perf_counter_ns()}", tuple(ids), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
             SpeculationParams("none", 1),
-        ))
+        )])
         while engine.has_unfinished():
             engine.step()
         return time.perf_counter() - started

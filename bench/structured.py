@@ -23,7 +23,7 @@ from server.api.schemas import ChatCompletionRequest
 from server.api.structured import request_grammar
 from server.config import Settings
 from server.engine.engine import Engine, build_engine
-from server.speculation.planner import FORCED
+from server.speculation.plan import FORCED
 from server.speculation.suffix import GLOBAL_TOKENS, SharedIndex, SuffixProposer
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
@@ -102,7 +102,7 @@ def grammar_for(schema: dict) -> str:
 def forget_earlier_answers(engine: Engine) -> None:
     """Empty `suffix`'s global index: every method here answers the same prompt, and a method run after
     another would otherwise be drafted the whole answer from its predecessor's output."""
-    suffix = engine.planner.proposers.get("suffix")
+    suffix = engine.proposer("suffix") if "suffix" in engine.limits.methods else None
     if isinstance(suffix, SuffixProposer):
         suffix.shared = SharedIndex(GLOBAL_TOKENS)
 
@@ -113,7 +113,7 @@ def run_case(engine: Engine, prompt: list[int], grammar: str, method: str, max_t
                             SamplingParams(max_tokens=max_tokens, temperature=0.0), SpeculationParams(method, 8),
                             grammar)
     started = time.perf_counter()
-    engine.add_request(req)
+    engine.add_requests([req])
     text, stats = "", None
     while engine.has_unfinished():
         for out in engine.step().outputs:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from server.speculation.adaptive import expected_tokens, speedup
+from server.speculation.acceptance import expected_tokens, speedup
 
 
 def expected_tokens_per_step(a: float, k: int) -> float:

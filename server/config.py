@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # The most draft tokens `auto` may choose for a row in one step (it chooses fewer unless measured
     # acceptance and pass costs say a longer run pays: a long n-gram or suffix match in copied text).
     auto_max_speculative_tokens: int = Field(default=DEFAULT_AUTO_MAX_TOKENS, ge=1, le=32)
+    # `auto`'s tuning constants, overridden for experiments: {name: value} (the names and what each does:
+    # server/speculation/tuning.py, docs/auto.md); a name the engine does not know stops it at start-up.
+    auto_tuning: dict[str, float] = Field(default_factory=dict)
     ngram_max: int = Field(default=4, ge=1, le=16)  # longest n-gram prompt lookup tries
     ngram_min: int = Field(default=1, ge=1, le=16)
     # Time the target's verify passes and the model proposers at start-up (or read the timings stored in
@@ -161,15 +164,6 @@ class Settings(BaseSettings):
     def resolved_draft_head(self) -> Path | None:
         """The draft head directory to load, or None (see `draft_head`)."""
         return resolve_head(self.draft_head, self.target)
-
-    def default_num_tokens(self, method: str) -> int:
-        """K for a request that names `method` and no K: `auto`'s ceiling, or a fixed method's K."""
-        return self.auto_max_speculative_tokens if method == "auto" else self.num_speculative_tokens
-
-    @property
-    def widest_drafts(self) -> int:
-        """The most draft tokens a request gets by default, whatever its method (calibration times up to it)."""
-        return max(self.num_speculative_tokens, self.auto_max_speculative_tokens)
 
     @classmethod
     def settings_customise_sources(

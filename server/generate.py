@@ -25,7 +25,10 @@ def generate_cli(settings: Settings, args: argparse.Namespace) -> int:
         request_id=uuid.uuid4().hex,
         prompt_token_ids=tuple(prompt_ids),
         sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed),
-        speculation=SpeculationParams(settings.speculation, settings.default_num_tokens(settings.speculation)),
+        speculation=SpeculationParams.resolve(
+            None, None, default_method=settings.speculation, num_speculative_tokens=settings.num_speculative_tokens,
+            auto_max_speculative_tokens=settings.auto_max_speculative_tokens,
+        ),
     )
     try:
         engine.limits.check(request)
@@ -33,7 +36,7 @@ def generate_cli(settings: Settings, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     started = time.perf_counter()  # the prompt's prefill counts, as it does for a server's request
-    engine.add_request(request)
+    engine.add_requests([request])
     final = None
     while engine.has_unfinished():
         for out in engine.step().outputs:
@@ -43,8 +46,9 @@ def generate_cli(settings: Settings, args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     assert final is not None
     st = final.stats
+    k = 0 if st.method == "none" else request.speculation.num_tokens
     print(
-        f"\n\n[{st.method} K={request.speculation.k}] {st.completion_tokens} tokens in {elapsed:.2f} s "
+        f"\n\n[{st.method} K={k}] {st.completion_tokens} tokens in {elapsed:.2f} s "
         f"({st.completion_tokens / elapsed:.1f} tok/s), finish_reason={final.finish_reason}\n"
         f"draft_tokens={st.draft_tokens} accepted_tokens={st.accepted_tokens} "
         f"acceptance_rate={st.acceptance_rate:.3f} mean_accepted_length={st.mean_accepted_length:.2f} "

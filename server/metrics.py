@@ -252,7 +252,7 @@ class Metrics:
         self.kv_usage.labels(self.model).set(kv_cache_usage)
 
     def watch_memory(self, source: Callable[[], Mapping[str, int]]) -> None:
-        """Export `source()` (part -> bytes: the engine's `memory_usage`, server/engine/memory.py) as
+        """Export `source()` (part -> bytes: the engine's `memory.usage`, server/engine/memory.py) as
         `specula_memory_bytes{model, part}`, read at every scrape, beside the process's own
         `process_resident_memory_bytes`. Once per `Metrics`."""
         self.registry.register(_MemoryCollector(self.model, source))

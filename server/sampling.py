@@ -180,8 +180,8 @@ def probabilities(
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first maximal index along the vocabulary, [..., 1] (as `argmax`: both return the first of
-    tied maxima). `max(dim).indices` is about twice as fast as `argmax` on CPU: 4.2 against 9.1 ms for
-    8 rows x 17 positions x 49,152 (2 threads), a verify pass's post-processing."""
+    tied maxima). `max(dim).indices` is about twice as fast as `argmax` on CPU, and a verify pass's
+    post-processing takes it over every position (docs/bench.md, "Figures behind the code")."""
     return logits.max(dim=-1, keepdim=True).indices
 
 

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 # The worker hands a burst's freed buffers back to the OS (`release_idle_memory`) once it has had
 # nothing to run for this long. Not at every request's end: a client sending one request after another
-# leaves the batch empty between them, and a trim there cost 3.5 ms (up to 19) a request and made the next
-# request's steps fault their buffers in again (24-token answers 4% slower, 2-core machine).
+# leaves the batch empty between them, and a trim there costs each request its time and makes the next
+# request's steps fault their buffers in again (docs/bench.md, "Figures behind the code").
 IDLE_RELEASE_S = 1.0
 
 

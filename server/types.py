@@ -74,25 +74,41 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculationParams:
-    """Which proposer drafts for a sequence and how many tokens (K) per step.
+    """Which proposer drafts for a sequence and the most tokens it drafts per step (K).
 
-    `method` is the request's mode: "none", a proposer's name (server/speculation/registry.py), or
-    "auto", which lets the engine pick the proposer and K (up to `num_tokens`) every step from measured
-    acceptance and costs, down to plain decoding when speculation does not pay. Whether the server
-    can run it is `ServingLimits.check`'s question.
+    `method`: "none", a proposer's name (server/speculation/registry.py), or "auto", which lets the engine
+    pick the proposer and k <= K every step from measured acceptance and costs, down to plain decoding
+    when speculation does not pay. Whether the server can run it is `ServingLimits.check`'s question.
     """
 
     method: str = DEFAULT_METHOD
-    num_tokens: int = DEFAULT_NUM_TOKENS
+    num_tokens: int = DEFAULT_NUM_TOKENS  # K
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_tokens <= 32:
             raise ValueError("speculation.num_tokens must be in [1, 32]")
 
-    @property
-    def k(self) -> int:
-        """Most draft tokens per step (0 for plain decoding)."""
-        return 0 if self.method == "none" else self.num_tokens
+    @classmethod
+    def resolve(
+        cls,
+        method: str | None,
+        num_tokens: int | None,
+        *,
+        default_method: str,
+        num_speculative_tokens: int,
+        auto_max_speculative_tokens: int,
+    ) -> SpeculationParams:
+        """What a request asks for, with the server's defaults where it names nothing (the settings of the
+        same names): its method, else `default_method`; its K, else `auto`'s ceiling for `auto` and
+        `num_speculative_tokens` for any other method.
+
+        >>> SpeculationParams.resolve("auto", None, default_method="none", num_speculative_tokens=8,
+        ...                           auto_max_speculative_tokens=16)
+        SpeculationParams(method='auto', num_tokens=16)
+        """
+        method = method or default_method
+        default = auto_max_speculative_tokens if method == "auto" else num_speculative_tokens
+        return cls(method=method, num_tokens=num_tokens or default)
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class ProposerTally:
 class RequestStats:
     """Cumulative speculation figures for one request; feeds `usage.speculation`."""
 
-    method: str  # the request's mode ("auto", "ngram", ...)
+    method: str  # the request's method ("auto", "ngram", ...)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not computed)
     completion_tokens: int = 0
@@ -177,12 +193,35 @@ class RequestStats:
         return 1.0 + self.accepted_tokens / self.decode_steps if self.decode_steps else 0.0
 
 
+def total_stats(stats: list[RequestStats], method: str, prompt_tokens: int, completion_tokens: int) -> RequestStats:
+    """One API request's figures: its choices' `RequestStats` summed (draft, accepted, recovered and bonus
+    tokens, passes, per position and per proposer), its prompt counted once, and the prompt tokens every
+    choice found cached (the choices join together, so they find the same)."""
+    total = RequestStats(method=method, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         cached_tokens=min((s.cached_tokens for s in stats), default=0))
+    for s in stats:
+        total.draft_tokens += s.draft_tokens
+        total.accepted_tokens += s.accepted_tokens
+        total.recovered_tokens += s.recovered_tokens
+        total.bonus_tokens += s.bonus_tokens
+        total.decode_steps += s.decode_steps
+        for j, n in enumerate(s.accepted_per_position):
+            if j == len(total.accepted_per_position):
+                total.accepted_per_position.append(0)
+            total.accepted_per_position[j] += n
+        for name, tally in s.by_proposer.items():
+            mine = total.by_proposer.setdefault(name, ProposerTally())
+            mine.draft_tokens += tally.draft_tokens
+            mine.accepted_tokens += tally.accepted_tokens
+    return total
+
+
 @dataclass(frozen=True)
 class SeqStepStats:
     """What one verify pass did for one sequence (per-step input to the metrics)."""
 
     request_id: str
-    method: str  # the request's mode ("auto", "ngram", ...)
+    method: str  # the request's method ("auto", "ngram", ...)
     proposer: str  # who drafted in this step: a proposer's name, or "none" for a plain step
     draft_tokens: int
     accepted_tokens: int

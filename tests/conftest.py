@@ -41,15 +41,16 @@ def cycling_target(tokenizer) -> LoadedModel:
 
 @pytest.fixture
 def tiny_engine_factory(tiny_target, tiny_draft) -> Callable[..., object]:
-    """`factory(registry=..., cost=..., **settings_overrides) -> Engine` on the tiny models (draft
-    included unless draft=None; `registry`: the proposers, `cost`: an injected step-cost model)."""
+    """`factory(registry=..., cost=..., acceptance=..., policy=..., **settings_overrides) -> Engine` on the
+    tiny models (draft included unless draft=None; `registry`: the proposers; `auto`'s parts injected)."""
     from server.engine.engine import Engine
     from server.speculation.registry import BUILTIN
 
-    def make(registry=BUILTIN, cost=None, **overrides) -> Engine:
+    def make(registry=BUILTIN, cost=None, acceptance=None, policy=None, **overrides) -> Engine:
         with_draft = overrides.pop("draft", "target") is not None
         settings = Settings.load(**overrides)
-        return Engine(tiny_target, tiny_draft if with_draft else None, settings, registry=registry, cost=cost)
+        return Engine(tiny_target, tiny_draft if with_draft else None, settings, registry=registry, cost=cost,
+                      acceptance=acceptance, policy=policy)
 
     return make
 

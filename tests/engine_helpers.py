@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.speculation.adaptive import CostModel
+from server.speculation.cost import CostModel
 from server.types import GenerationRequest, RequestStats, SamplingParams, SpeculationParams
 
 PROMPTS = [
@@ -25,8 +25,8 @@ def request(rid: str, prompt: list[int], method: str = "none", k: int = 4, **sam
 
 def run_with_stats(engine, requests: list[GenerationRequest]) -> tuple[dict[str, list[int]], dict[str, RequestStats]]:
     """Run requests to completion: each request's tokens, and its final `RequestStats`."""
-    for r in requests:
-        engine.add_request(r)
+    for r in requests:  # one at a time: rows join as they would arrive
+        engine.add_requests([r])
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     done: dict[str, RequestStats] = {}
     while engine.has_unfinished():
@@ -72,25 +72,33 @@ def assert_same_draws(model, prompt: list[int], got: list[int], want: list[int],
 
 
 class FixedCosts(CostModel):
-    """A step-cost model with given costs that ignores the engine's timings, for tests of `auto`:
-    a pass over n tokens takes 1 + token_ratio * (n - 1) plain steps, one draft token of proposer
-    `name` takes `draft[name]` plain steps of one row, and one token of its backlog `backlog[name]`."""
+    """A step-cost model with given costs that ignores the engine's timings, for tests of `auto`: a pass
+    over n tokens takes 1 + token_ratio * (n - 1) plain one-row passes, whatever its rows; one draft token
+    of proposer `name` takes `draft[name]` of them, and one token of its backlog `backlog[name]`."""
 
     def __init__(
         self, token_ratio: float = 0.05, draft: dict[str, float] | None = None, backlog: dict[str, float] | None = None
     ) -> None:
         super().__init__()
-        for n in (1, 2, 4, 8, 1, 2, 4, 8):
-            super().observe_verify(n, 1.0 + token_ratio * (n - 1))
-        for name, ratio in (draft or {}).items():
-            super().observe_draft(name, 4, 4 * ratio)
-        for name, ratio in (backlog or {}).items():  # plain steps of one row per backlog token
-            super().observe_backlog(name, 1, ratio)
+        self.token_ratio, self.draft, self.backlog = token_ratio, draft or {}, backlog or {}
 
-    def observe_verify(self, tokens: int, seconds: float, prior: bool = False, rows: int | None = None) -> None:
+    def plain_time(self, rows: int) -> float:
+        return 1.0 + self.token_ratio * (rows - 1)
+
+    def ratios(self, rows: int) -> tuple[list[int], list[float]]:
+        """Linear in the tokens fed: two points say it all (the curve continues their line)."""
+        return [rows, rows + 1], [1.0, 1.0 + self.token_ratio / self.plain_time(rows)]
+
+    def draft_time(self, proposer: str, rows: int = 1) -> float | None:
+        return self.draft.get(proposer)
+
+    def backlog_time(self, proposer: str, tokens: int) -> float:
+        return self.backlog.get(proposer, 0.0) * tokens
+
+    def observe_verify(self, rows: int, tokens: int, seconds: float, prior: bool = False) -> None:
         """Ignored: the costs are fixed."""
 
-    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
+    def observe_draft(self, proposer: str, rows: int, forwards: int, seconds: float, prior: bool = False) -> None:
         """Ignored: the costs are fixed."""
 
     def observe_backlog(self, proposer: str, tokens: int, seconds: float) -> None:

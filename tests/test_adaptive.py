@@ -7,35 +7,52 @@ import random
 
 import pytest
 
-from server.speculation.adaptive import (
-    IDLE_PLANNING,
-    MAX_IDLE_GAP,
-    POINT_WINDOW,
-    PROBE_OVERHEAD,
-    STALE_AFTER,
-    AdaptivePolicy,
-    BatchRow,
-    CostModel,
-    Offer,
-    _Acceptance,
-    _key,
-    _SeqState,
-    best_k,
-    non_decreasing,
-    speedup,
-)
+from server.speculation.acceptance import AcceptanceModel, _Counts, best_k, expected_tokens_upto, speedup
+from server.speculation.cost import CostModel
 from server.speculation.draft_model import DraftModelProposer
 from server.speculation.ngram import NgramProposer, confidence_level
+from server.speculation.policy import PLAIN, AutoPolicy, BatchRow, Candidate, Choice, FixedPolicy, Offer, StepCosts
+from server.speculation.tuning import AutoTuning
 from tests.engine_helpers import FixedCosts, assert_same_draws, final_stats, request, run, run_with_stats
 
 TRAITS = {"ngram": NgramProposer.traits, "draft": DraftModelProposer.traits}
 
 
-def policy_with_costs(draft_forward_ratio: float = 0.75, token_ratio: float = 0.05) -> AdaptivePolicy:
-    return AdaptivePolicy(TRAITS, FixedCosts(token_ratio, {"draft": draft_forward_ratio}))
+def policy_with_costs(draft_forward_ratio: float = 0.75, token_ratio: float = 0.05) -> AutoPolicy:
+    return AutoPolicy(TRAITS, FixedCosts(token_ratio, {"draft": draft_forward_ratio}), AcceptanceModel())
 
 
-def feed(policy: AdaptivePolicy, rid: str, method: str, rate: float, steps: int = 20, k: int = 4) -> None:
+def choose(policy: AutoPolicy, rid: str, k_max: int, rows: int = 1, offers: dict[str, Offer] | None = None,
+           sampled: bool = False) -> Choice:
+    """The policy's choice for one row of a batch of `rows`, on its own (before the batch's decisions)."""
+    return policy.choose(Candidate(rid, k_max, sampled, offers or {}), StepCosts(policy, rows))
+
+
+def allot(policy: AutoPolicy, rows: list[BatchRow]) -> tuple[list[int], float]:
+    """The batch's drafts per row and the expected tokens per second they give."""
+    return policy.allot(rows, StepCosts(policy, len(rows)))
+
+
+def width(policy: AutoPolicy, rows: list[BatchRow]) -> int:
+    """A padded batch's width: the most drafts any row verifies."""
+    return max(allot(policy, rows)[0])
+
+
+def draft_history(k: int, accepted: int, sampled: bool = False, steps: int = 20) -> AcceptanceModel:
+    """An acceptance model that has seen earlier requests' draft-model drafts of k, `accepted` kept."""
+    acceptance = AcceptanceModel()
+    for _ in range(steps):
+        acceptance.observe("history", "draft", k, accepted, sampled=sampled)
+    return acceptance
+
+
+def same_policy(engine, cost, acceptance: AcceptanceModel) -> AutoPolicy:
+    """A policy over the engine's proposers and the given models: what the engine's own would choose."""
+    names = [m for m in engine.limits.methods if m not in ("none", "auto")]
+    return AutoPolicy({n: engine.proposer(n).traits for n in names}, cost, acceptance)
+
+
+def feed(policy: AutoPolicy, rid: str, method: str, rate: float, steps: int = 20, k: int = 4) -> None:
     for _ in range(steps):
         policy.observe(rid, method, k, round(rate * k))
 
@@ -61,7 +78,7 @@ def test_low_acceptance_turns_speculation_off():
     policy = policy_with_costs()
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.1)
-    choice = policy.choose("r", k_max=8, rows=1, offers=ngram())
+    choice = choose(policy, "r", k_max=8, rows=1, offers=ngram())
     assert choice.proposer is None and choice.k == 0
 
 
@@ -69,8 +86,8 @@ def test_high_acceptance_raises_k():
     policy = policy_with_costs()
     feed(policy, "lo", "ngram", 0.5)
     feed(policy, "hi", "ngram", 1.0)
-    lo = policy.choose("lo", k_max=8, offers=ngram())
-    hi = policy.choose("hi", k_max=8, offers=ngram())
+    lo = choose(policy, "lo", k_max=8, offers=ngram())
+    hi = choose(policy, "hi", k_max=8, offers=ngram())
     assert lo.proposer == hi.proposer == "ngram"
     assert hi.k > lo.k and hi.k == 8
 
@@ -79,11 +96,11 @@ def test_cheap_proposer_wins_at_equal_acceptance_and_no_match_falls_back():
     policy = policy_with_costs(draft_forward_ratio=0.75)
     feed(policy, "r", "ngram", 0.9)
     feed(policy, "r", "draft", 0.9)
-    assert policy.choose("r", 8, 1, offers=ngram()).proposer == "ngram"
-    assert policy.choose("r", 8, 1).proposer == "draft"  # nothing to look up: the model drafts
+    assert choose(policy, "r", 8, 1, offers=ngram()).proposer == "ngram"
+    assert choose(policy, "r", 8, 1).proposer == "draft"  # nothing to look up: the model drafts
     expensive = policy_with_costs(draft_forward_ratio=1.2)
     feed(expensive, "r", "draft", 0.9)
-    assert expensive.choose("r", 8, 1).proposer is None
+    assert choose(expensive, "r", 8, 1).proposer is None
 
 
 def test_k_shrinks_as_verification_stops_being_free():
@@ -92,8 +109,8 @@ def test_k_shrinks_as_verification_stops_being_free():
     for _ in range(60):  # independent per-token acceptance 0.7: leading successes out of 8
         accepted = next((j for j in range(8) if rng.random() >= 0.7), 8)
         policy.observe("r", "ngram", 8, accepted)
-    alone = policy.choose("r", k_max=8, rows=1, offers=ngram()).k
-    crowded = policy.choose("r", k_max=8, rows=8, offers=ngram()).k  # each verified token costs its share
+    alone = choose(policy, "r", k_max=8, rows=1, offers=ngram()).k
+    crowded = choose(policy, "r", k_max=8, rows=8, offers=ngram()).k  # each verified token costs its share
     assert 0 < crowded < alone
 
 
@@ -102,11 +119,13 @@ def test_unused_proposer_is_probed_now_and_then_within_a_cost_budget():
     feed(policy, "r", "ngram", 0.0)
     feed(policy, "r", "draft", 0.0)
     steps = 64
-    choices = [policy.choose("r", 8, 1, offers=ngram()) for _ in range(steps)]
+    choices = [choose(policy, "r", 8, 1, offers=ngram()) for _ in range(steps)]
     probes = [c for c in choices if c.proposer is not None]
     assert probes and all(c.k == 1 for c in probes)
-    spent = sum(policy.method_cost(c.proposer, 1) for c in probes)
-    assert spent <= 2 * PROBE_OVERHEAD * steps + max(policy.method_cost(m, 1) for m in ("ngram", "draft"))
+    costs = StepCosts(policy, 1)
+    spent = sum(costs.method_costs(c.proposer, 1)[0] for c in probes)
+    budget = AutoTuning().probe_budget
+    assert spent <= 2 * budget * steps + max(costs.method_costs(m, 1)[0] for m in ("ngram", "draft"))
     assert sum(c.proposer == "ngram" for c in probes) > sum(c.proposer == "draft" for c in probes)
 
 
@@ -146,12 +165,11 @@ def test_seeded_sampling_under_auto_reproduces_whatever_the_costs(tiny_engine_fa
     stream alone), a costly one is not, and the texts are the same (up to a draw within float noise of
     a token boundary: the verify widths differ, see test_engine's seeded-sampling test)."""
     def sample_once(draft_cost: float) -> tuple[dict[str, list[int]], int]:
-        engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": draft_cost}))
-        for _ in range(20):
-            engine.planner.policy.observe("history", "draft", 6, 6, sampled=True)  # the draft is usually right
+        engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": draft_cost}),
+                                     acceptance=draft_history(6, 6, sampled=True))  # the draft is usually right
         reqs = [request(f"r{i}", p, "auto", 6, temperature=1.0, seed=3 + i) for i, p in enumerate(prompt_ids)]
         out = run(engine, reqs)
-        return out, engine.planner.proposers["draft"].forwards
+        return out, engine.proposer("draft").forwards
 
     cheap, cheap_forwards = sample_once(0.01)
     costly, costly_forwards = sample_once(5.0)
@@ -170,9 +188,7 @@ def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, pr
     from server.engine.engine import Engine
 
     engine = Engine(tiny_target, tiny_target, Settings.load(ngram_min=16, ngram_max=16),
-                    cost=FixedCosts(draft={"draft": 0.01}))
-    for _ in range(20):
-        engine.planner.policy.observe("history", "draft", 4, 4, sampled=True)
+                    cost=FixedCosts(draft={"draft": 0.01}), acceptance=draft_history(4, 4, sampled=True))
     reqs = [request(f"r{i}", p, "auto", 4, temperature=1.0, seed=7 + i, max_tokens=24)
             for i, p in enumerate(prompt_ids)]
     got, stats = run_with_stats(engine, reqs)
@@ -191,9 +207,8 @@ def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):
     """The counterpart of the test above: without a seed, the costs do steer the choice."""
     used = {}
     for cost in (0.01, 5.0):
-        engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": cost}))
-        for _ in range(20):
-            engine.planner.policy.observe("history", "draft", 6, 6, sampled=True)  # the draft is usually right
+        engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": cost}),
+                                     acceptance=draft_history(6, 6, sampled=True))  # the draft is usually right
         stats = final_stats(engine, [request(f"r{i}", p, "auto", 6, temperature=1.0) for i, p in enumerate(prompt_ids)])
         used[cost] = sum(s.draft_tokens for s in stats.values())
     assert used[0.01] > 4 * max(used[5.0], 1)
@@ -202,14 +217,14 @@ def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):
 def test_a_proposer_that_cannot_pay_is_never_probed():
     policy = policy_with_costs(draft_forward_ratio=1.3)  # the bf16 copy on one CPU thread, measured
     feed(policy, "r", "draft", 0.1)
-    choices = [policy.choose("r", 8, 1) for _ in range(64)]
+    choices = [choose(policy, "r", 8, 1) for _ in range(64)]
     assert all(c.proposer is None for c in choices)
 
 
 def test_auto_sequences_never_using_the_draft_never_prefill_it(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory(ngram_min=16, ngram_max=16, cost=FixedCosts(draft={"draft": 5.0}))  # never pays
     run(engine, [request(f"r{i}", p, "auto", 4) for i, p in enumerate(prompt_ids)])
-    assert engine.planner.proposers["draft"].forwards == 0  # no draft forward ever ran, not even a prefill
+    assert engine.proposer("draft").forwards == 0  # no draft forward ever ran, not even a prefill
 
 
 def test_runs_of_copying_favour_long_drafts():
@@ -220,18 +235,18 @@ def test_runs_of_copying_favour_long_drafts():
         bursty.observe("r", "ngram", 8, 8 if step % 2 else 0)
         coins.observe("r", "ngram", 8, 1)  # first accepted, second rejected: 1 of 2 reached
         coins.observe("r", "ngram", 8, 0)
-    assert bursty.choose("r", 8, 1, offers=ngram()).k >= 6
-    assert coins.choose("r", 8, 1, offers=ngram()).k <= 2
+    assert choose(bursty, "r", 8, 1, offers=ngram()).k >= 6
+    assert choose(coins, "r", 8, 1, offers=ngram()).k <= 2
 
 
 def test_in_a_batch_rows_do_not_probe_alone():
     policy = policy_with_costs(draft_forward_ratio=1.5)  # a draft model slower than the target
     feed(policy, "r", "ngram", 0.0)
-    choices = [policy.choose("r", 8, rows=8, offers=ngram()) for _ in range(64)]
+    choices = [choose(policy, "r", 8, rows=8, offers=ngram()) for _ in range(64)]
     assert all(c.proposer is None for c in choices)  # alone it would probe; in a batch it waits
 
 
-def copying(policy: AdaptivePolicy, rid: str, match_len: int = 12) -> None:
+def copying(policy: AutoPolicy, rid: str, match_len: int = 12) -> None:
     for _ in range(20):
         policy.observe(rid, "ngram", 8, 8, level(match_len))
 
@@ -244,29 +259,30 @@ def test_batch_width_pays_for_padding_only_when_enough_rows_gain():
     for i in range(1, 8):
         policy.observe(f"c{i}", "ngram", 4, 0, level(1))
     rows = [BatchRow("c0", "ngram", level=level(12), flexible=8)] + [BatchRow(f"c{i}") for i in range(1, 8)]
-    assert policy.batch_width(rows)[0] == 0
+    assert width(policy, rows) == 0
     for i in range(8):
         copying(policy, f"c{i}")
-    assert policy.batch_width([BatchRow(f"c{i}", "ngram", level=level(12), flexible=8) for i in range(8)])[0] >= 4
+    assert width(policy, [BatchRow(f"c{i}", "ngram", level=level(12), flexible=8) for i in range(8)]) >= 4
 
 
 def test_packed_passes_give_drafts_to_the_rows_that_copy():
     """When a pass computes only real tokens (packed), one copying row among eight drafts long on its
     own, where padding would have kept the whole batch plain; rows whose drafts are rarely accepted
     draft nothing."""
-    padded, packed = policy_with_costs(token_ratio=0.1), AdaptivePolicy(TRAITS, FixedCosts(0.1, {}), packed=True)
+    padded = policy_with_costs(token_ratio=0.1)
+    packed = AutoPolicy(TRAITS, FixedCosts(0.1, {}), AcceptanceModel(), packed=True)
     for policy in (padded, packed):
         copying(policy, "c0")
         for i in range(1, 8):
             policy.observe(f"c{i}", "ngram", 4, 0, level(1))
     rows = [BatchRow("c0", "ngram", level=level(12), flexible=8)]
     rows += [BatchRow(f"c{i}", "ngram", level=level(1), flexible=8) for i in range(1, 8)]
-    assert padded.batch_drafts(rows)[0] == [0] * 8
-    ks, _ = packed.batch_drafts(rows)
+    assert allot(padded, rows)[0] == [0] * 8
+    ks, _ = allot(packed, rows)
     assert ks[0] >= 6 and ks[1:] == [0] * 7
     # rows with fixed drafts keep them; the batch's score counts them
     fixed = [BatchRow("f", "ngram", 3, level(3)), *rows[1:]]
-    assert packed.batch_drafts(fixed)[0] == [3] + [0] * 7
+    assert allot(packed, fixed)[0] == [3] + [0] * 7
 
 
 def test_rows_fill_a_pass_another_row_already_widened():
@@ -275,17 +291,21 @@ def test_rows_fill_a_pass_another_row_already_widened():
     policy = policy_with_costs(token_ratio=0.1)
     policy.observe("a", "ngram", 4, 0, level(1))
     rows = [BatchRow("fixed", "ngram", 6, level(3)), BatchRow("a", "ngram", level=level(1), flexible=3)]
-    assert policy.batch_width(rows)[0] >= 6
-    assert AdaptivePolicy({"ngram": NgramProposer.traits}).batch_width(rows) is None  # no timings: no opinion
+    assert allot(policy, rows)[0] == [6, 3]
 
 
-def planned_steps(policy: AdaptivePolicy, rid: str, steps: int, rows: int, accepted: int = 0) -> list[int]:
+def plan_once(policy: AutoPolicy, rid: str, rows: int) -> None:
+    """A step that plans `rid` among `rows` rows (the others not the policy's to plan)."""
+    policy.decide([Candidate(rid), *(Candidate(f"other{i}", fixed=PLAIN) for i in range(rows - 1))])
+
+
+def planned_steps(policy: AutoPolicy, rid: str, steps: int, rows: int, accepted: int = 0) -> list[int]:
     """Steps (of `steps`) at which `rid`, one of `rows` rows, is planned, its drafts gaining `accepted`."""
     planned = []
     for step in range(steps):
         if policy.due(rid):
             planned.append(step)
-            policy.planned(rid, rows)
+            plan_once(policy, rid, rows)
             policy.observe(rid, "ngram" if accepted else None, 4 if accepted else 0, accepted)
         else:
             policy.observe(rid, None, 0, 0)  # committed as a plain row
@@ -294,45 +314,45 @@ def planned_steps(policy: AdaptivePolicy, rid: str, steps: int, rows: int, accep
 
 def test_rows_whose_plans_gain_nothing_are_planned_within_a_budget_and_copying_rows_every_step():
     """In a full batch, planning a row costs a share of its step whatever the plan: a row whose drafts
-    stopped gaining is planned only every `idle_gap` steps (planning within IDLE_PLANNING of a step),
+    stopped gaining is planned only every `idle_gap` steps (planning within `idle_planning` of a step),
     a row whose drafts are accepted every step, and alone, where planning is cheap, every row is."""
-    policy = AdaptivePolicy(TRAITS, FixedCosts(0.05, {}), packed=True)  # a plain 8-row pass takes 1.35 s
+    tuning = AutoTuning()
+    policy = AutoPolicy(TRAITS, FixedCosts(0.05, {}), AcceptanceModel(), True)  # a plain 8-row pass: 1.35 s
     policy.observe_planning(0.08, 8)  # 10 ms a row: 8 rows' planning is ~6% of their step
     share = policy.planning_share(8)
     assert share == pytest.approx(0.08 / 1.35)
     gap = policy.idle_gap(8)
-    assert gap == min(MAX_IDLE_GAP, math.ceil(share / IDLE_PLANNING)) > 1
+    assert gap == min(tuning.max_idle_gap, math.ceil(share / tuning.idle_planning)) > 1
     for i in range(50):  # rows whose plans gained nothing: a new row starts from their gain
         planned_steps(policy, f"warm{i}", 10, rows=8)
     idle = planned_steps(policy, "chat", 80, rows=8)
     assert len(idle) <= 80 / gap + 2 and all(b - a <= gap for a, b in zip(idle, idle[1:], strict=False))
     assert planned_steps(policy, "copy", 80, rows=8, accepted=4) == list(range(80))
     # a row that starts copying is noticed within the gap and planned every step from then on
-    policy.planned("chat", 8)
+    plan_once(policy, "chat", 8)
     policy.observe("chat", "ngram", 4, 4)
     assert planned_steps(policy, "chat", 20, rows=8, accepted=4) == list(range(20))
-    alone = AdaptivePolicy(TRAITS, FixedCosts(0.05, {}), packed=True)
+    alone = AutoPolicy(TRAITS, FixedCosts(0.05, {}), AcceptanceModel(), True)
     alone.observe_planning(0.002, 1)  # 2 ms of a 1 s step: 0.2%
     assert alone.idle_gap(1) == 1
     assert planned_steps(alone, "r", 40, rows=1) == list(range(40))
 
 
 def test_idle_rows_are_not_looked_up_and_greedy_output_stays_identical(
-    tiny_engine_factory, prompt_ids, greedy_reference
+    tiny_engine_factory, prompt_ids, greedy_reference, monkeypatch
 ):
     """With planning costly (as in a full CPU batch), rows whose plans gained nothing sit out steps: the
     lookahead proposers are not asked for them, and the text is still plain greedy decoding's."""
+    timed = AutoPolicy.observe_planning  # planning a row: 20% of a step
+    monkeypatch.setattr(AutoPolicy, "observe_planning", lambda self, seconds, rows: timed(self, 0.2 * rows, rows))
     engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.5))  # verifying costs: drafts rarely pay
-    policy = engine.planner.policy
-    timed = policy.observe_planning
-    policy.observe_planning = lambda seconds, rows: timed(0.2 * rows, rows)  # planning a row: 20% of a step
     run(engine, [request(f"w{i}", p, "auto", 8, max_tokens=48) for i, p in enumerate(prompt_ids)])
     asked = []
-    ngram = engine.planner.proposers["ngram"]
+    ngram = engine.proposer("ngram")
     propose = ngram.propose
     ngram.propose = lambda seqs, ks: asked.append(len(seqs)) or propose(seqs, ks)
     for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "auto", 8))
+        engine.add_requests([request(f"r{i}", p, "auto", 8)])
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
     row_steps = 0
     while engine.has_unfinished():
@@ -347,7 +367,7 @@ def test_idle_rows_are_not_looked_up_and_greedy_output_stays_identical(
 def test_auto_in_a_batch_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
     engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.01))  # verifying is nearly free
     for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "auto", 8))
+        engine.add_requests([request(f"r{i}", p, "auto", 8)])
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
     widened = False
     while engine.has_unfinished():
@@ -366,10 +386,10 @@ def test_acceptance_is_tracked_per_confidence_level():
     for _ in range(20):
         policy.observe("r", "ngram", 8, 8, level(12))
         policy.observe("r", "ngram", 4, 0, level(1))
-    assert policy.choose("r", 8, 1, offers=ngram(12)).k == 8
-    assert policy.choose("r", 8, 1, offers=ngram(1)).proposer is None
+    assert choose(policy, "r", 8, 1, offers=ngram(12)).k == 8
+    assert choose(policy, "r", 8, 1, offers=ngram(1)).proposer is None
     # a new sequence starts from what the whole engine has seen at that confidence level
-    assert policy.choose("new", 8, 1, offers=ngram(9)).k >= 6
+    assert choose(policy, "new", 8, 1, offers=ngram(9)).k >= 6
 
 
 def test_acceptance_is_estimated_per_position_from_the_comparisons_made_there():
@@ -381,13 +401,13 @@ def test_acceptance_is_estimated_per_position_from_the_comparisons_made_there():
     policy = policy_with_costs(token_ratio=0.02)
     for i in range(30):
         policy.observe(f"old{i}", "ngram", 16, 3, level(3))
-    rates = policy.acceptance("new", "ngram", 16, level(3))
+    rates = policy.rates("new", "ngram", 16, level(3))
     assert min(rates[:3]) > 0.9 and rates[3] < 0.2
-    assert 3 <= policy.choose("new", 16, 1, offers=ngram(3, 16)).k <= 4
+    assert 3 <= choose(policy, "new", 16, 1, offers=ngram(3, 16)).k <= 4
     # a first guess that is right one time in five, then runs: the first position is not lifted by the runs
     for i in range(40):
         policy.observe(f"guess{i}", "ngram", 8, 8 if i % 5 == 0 else 0, level(1))
-    first, *later = policy.acceptance("next", "ngram", 8, level(1))
+    first, *later = policy.rates("next", "ngram", 8, level(1))
     assert first == pytest.approx(0.2, abs=0.05) and min(later) > 0.8
 
 
@@ -398,28 +418,29 @@ def test_positions_never_drafted_inherit_the_last_known_rate():
     policy = policy_with_costs(token_ratio=0.1)
     for step in range(40):
         policy.observe("r", "ngram", 2, 2 if step % 2 else 0)
-    assert policy.choose("r", 8, 1, offers=ngram()).k >= 6
+    assert choose(policy, "r", 8, 1, offers=ngram()).k >= 6
 
 
 def test_ngram_outcomes_are_recorded_by_confidence_level(tiny_engine_factory, prompt_ids, greedy_reference):
-    engine = tiny_engine_factory()
+    acceptance = AcceptanceModel()
+    engine = tiny_engine_factory(acceptance=acceptance)
     out = run(engine, [request(f"r{i}", p, "ngram", 4) for i, p in enumerate(prompt_ids)])
     assert out == greedy_reference
-    keys = set(engine.planner.policy.global_rate)
-    assert len(keys) > 1 and all(k.startswith("ngram@") for k in keys)  # several match lengths were seen
+    kinds = acceptance.seen()
+    assert len(kinds) > 1 and all(name == "ngram" for name, _, _ in kinds)  # several match lengths were seen
 
 
 def test_auto_rows_fill_the_width_a_fixed_row_pays_for(tiny_engine_factory, tokenizer):
     """Next to a request that asked for ngram K=6, an auto request that would not draft on its own
     (verifying is expensive and its history says n-gram drafts fail) still verifies its n-gram
     drafts: the pass is that wide anyway."""
-    engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.3))
-    policy = engine.planner.policy
+    cost, acceptance = FixedCosts(token_ratio=0.3), AcceptanceModel()
     for lv in range(4):
         for _ in range(10):
-            policy.observe("auto", "ngram", 4, 0, lv)
+            acceptance.observe("auto", "ngram", 4, 0, lv)
+    engine = tiny_engine_factory(cost=cost, acceptance=acceptance)
     prompt = tokenizer.encode("a b c a b c a b c a b c a b c a b")
-    assert policy.choose("auto", 6, rows=2, offers=ngram(3, 6)).proposer is None
+    assert choose(same_policy(engine, cost, acceptance), "auto", 6, rows=2, offers=ngram(3, 6)).proposer is None
     stats = final_stats(engine, [request("fixed", prompt, "ngram", 6), request("auto", prompt, "auto", 6)])
     assert stats["fixed"].draft_tokens > 0 and stats["auto"].draft_tokens > 0
 
@@ -429,27 +450,22 @@ def test_a_draft_model_chosen_row_by_row_is_dropped_when_the_batch_loses(tiny_en
     wider verify pass are paid by the whole batch: alone, a row the draft model predicts well uses it;
     in a batch of 4 where the other rows' drafts fail, it does not."""
 
-    def engine_with_costs():
-        engine = tiny_engine_factory(cost=FixedCosts(token_ratio=0.1, draft={"draft": 0.5}))
-        for _ in range(20):
-            engine.planner.policy.observe("history", "draft", 8, 8)  # the draft model is always right
-        return engine
-
-    alone = engine_with_costs()
+    cost = FixedCosts(token_ratio=0.1, draft={"draft": 0.5})
+    alone = tiny_engine_factory(cost=cost, acceptance=draft_history(8, 8))  # the draft model is always right
     run(alone, [request("a", prompt_ids[2], "auto", 8, max_tokens=8)])
-    assert alone.planner.proposers["draft"].forwards > 0  # the draft model ran
+    assert alone.proposer("draft").forwards > 0  # the draft model ran
 
-    batch = engine_with_costs()
-    policy = batch.planner.policy
-    assert policy.choose("probe", 8, rows=4).proposer == "draft"  # row by row: yes
-    policy.forget("probe")
-    for i in (1, 2, 3):  # these rows' own history: the draft model is always wrong for them
-        failing = _Acceptance()
+    acceptance = draft_history(8, 8)
+    batch = tiny_engine_factory(cost=cost, acceptance=acceptance)
+    assert choose(same_policy(batch, cost, acceptance), "probe", 8, rows=4).proposer == "draft"  # row by row: yes
+    acceptance.forget("probe")
+    for i in (1, 2, 3):  # these rows' own history (not the engine's): the draft model is always wrong for them
+        failing = _Counts()
         for _ in range(20):
             failing.update(8, 0, decay=0.9)
-        policy.seqs[f"r{i}"] = _SeqState(by_method={_key("draft", 0, False): failing})
+        acceptance._rows[f"r{i}"] = {("draft", 0, False): failing}
     run(batch, [request(f"r{i}", prompt_ids[2], "auto", 8, max_tokens=8) for i in range(4)])
-    assert batch.planner.proposers["draft"].forwards == 0  # the batch: no
+    assert batch.proposer("draft").forwards == 0  # the batch: no
 
 
 def test_a_batch_does_not_draft_with_a_model_whose_backlog_costs_more_than_its_drafts_gain(
@@ -460,11 +476,9 @@ def test_a_batch_does_not_draft_with_a_model_whose_backlog_costs_more_than_its_d
     step a token: four prompts to feed first), the batch decodes plainly."""
     for backlog, drafts in ((0.0, True), (0.5, False)):
         costs = FixedCosts(token_ratio=0.05, draft={"draft": 0.05}, backlog={"draft": backlog})
-        engine = tiny_engine_factory(cost=costs)
-        for _ in range(20):
-            engine.planner.policy.observe("history", "draft", 8, 8)  # the draft model is always right
+        engine = tiny_engine_factory(cost=costs, acceptance=draft_history(8, 8))  # the draft model is always right
         run(engine, [request(f"r{i}", prompt_ids[3], "auto", 8, max_tokens=8) for i in range(4)])  # 18 tokens
-        assert (engine.planner.proposers["draft"].forwards > 0) is drafts, backlog
+        assert (engine.proposer("draft").forwards > 0) is drafts, backlog
 
 
 def test_greedy_and_sampled_acceptance_are_kept_apart():
@@ -474,129 +488,24 @@ def test_greedy_and_sampled_acceptance_are_kept_apart():
     for _ in range(20):
         policy.observe("g", "ngram", 8, 8, level(12))
         policy.observe("s", "ngram", 4, 0, level(12), sampled=True)
-    assert policy.choose("new-greedy", 8, 1, offers=ngram(12)).k == 8
-    assert policy.choose("new-sampled", 8, 1, offers=ngram(12), sampled=True).proposer is None
-
-
-def test_a_batch_where_nobody_drafted_still_has_a_cost_model():
-    """Every pass of a batch where nobody drafts has the same width, so no slope can be fitted; the
-    prior slope through the measured mean stands in, and the batch-level choices keep working."""
-    cost = CostModel()
-    for _ in range(8):
-        cost.observe_verify(8, 0.08)  # batch of 8, one token each
-    assert cost.fitted
-    assert cost.verify_time(8) == pytest.approx(0.08)
-    assert cost.verify_time(16) > cost.verify_time(8)
-
-
-# A CPU's verify times by pass width (tokens fed), shaped like this project's 2-core machine in fp32:
-# a few rows cost far more per row than many (the matrix multiplies change regime), so no line fits.
-CPU_PASSES = {1: 0.060, 4: 0.095, 8: 0.130, 9: 0.155, 36: 0.204, 72: 0.475}
-
-
-def cpu_costs() -> CostModel:
-    cost = CostModel()
-    for _ in range(3):
-        for n, seconds in CPU_PASSES.items():
-            cost.observe_verify(n, seconds)
-    return cost
-
-
-def test_verify_time_is_the_measured_curve_not_a_line():
-    cost = cpu_costs()
-    for n, seconds in CPU_PASSES.items():
-        assert cost.verify_time(n) == pytest.approx(seconds)  # a measured width: as measured
-    assert cost.verify_time(6) == pytest.approx((0.095 + 0.130) / 2)  # between two: interpolated
-    assert cost.verify_time(100) > cost.verify_time(72)  # past the widest: still growing
-    # The marginal token of a 4-row batch costs what the 4- and 8-token passes measured; a line through
-    # every width would have put it at less than three quarters of that.
-    assert cost.token_cost(4) == pytest.approx((0.130 - 0.095) / 0.095)
-    fixed, slope = cost._least_squares()
-    assert 4 * slope / (fixed + 4 * slope) < 0.75 * cost.token_cost(4)
-
-
-def test_a_widths_time_is_robust_to_one_slow_pass_and_never_below_a_narrower_ones():
-    cost = cpu_costs()
-    cost.observe_verify(4, 1.0)  # one pass stalled (another process took the core)
-    assert cost.verify_time(4) == pytest.approx(0.095)
-    cost.observe_verify(12, 0.100)  # noise: wider, yet timed below the 9-token pass
-    assert cost.verify_time(12) >= cost.verify_time(9)
-
-
-def test_a_width_timed_once_slowly_does_not_lift_the_widths_timed_often():
-    """A 7-token pass timed once at twice its cost (a thread-count probe, a stall) sits below 8 and 16,
-    timed eight times each: the curve stays near what 8 and 16 measured instead of rising to the outlier
-    for every wider width (so `auto` does not stop drafting wide on one bad timing)."""
-    cost = CostModel()
-    for _ in range(8):
-        for n, seconds in ((1, 0.040), (4, 0.060), (8, 0.078), (16, 0.090)):
-            cost.observe_verify(n, seconds)
-    cost.observe_verify(7, 0.115)
-    assert cost.verify_time(8) < 0.083 and cost.verify_time(16) == pytest.approx(0.090)
-    assert cost.verify_time(7) <= cost.verify_time(8) <= cost.verify_time(16)
-    assert cost.verify_time(4) == pytest.approx(0.060)
-
-
-def test_non_decreasing_is_the_weighted_isotonic_fit():
-    assert non_decreasing([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
-    assert non_decreasing([1.0, 3.0, 2.0, 4.0], [1, 1, 3, 1]) == [1.0, 2.25, 2.25, 4.0]
-    assert non_decreasing([5.0, 1.0, 1.0], [1, 1, 2]) == pytest.approx([2.0, 2.0, 2.0])
+    assert choose(policy, "new-greedy", 8, 1, offers=ngram(12)).k == 8
+    assert choose(policy, "new-sampled", 8, 1, offers=ngram(12), sampled=True).proposer is None
 
 
 def test_a_batch_widens_only_when_the_measured_pass_pays():
-    """Four rows whose first draft is right with probability a: widening to one draft each costs
-    T(8) / T(4) = 1.37 steps here, so it pays at a = 0.5 and not at a = 0.3."""
+    """Four rows whose first draft is kept with probability a: widening to one draft each costs T(8) / T(4)
+    = 1.37 plain passes here, so it pays at a = 0.5 and not at a = 0.3."""
     for rate, widens in ((0.3, False), (0.5, True)):
-        policy = AdaptivePolicy({"ngram": NgramProposer.traits}, cpu_costs())
-        for i in range(400):  # earlier requests: one draft per step, right in `rate` of the steps
+        cost = CostModel()
+        for _ in range(3):
+            cost.observe_verify(4, 4, 0.095)
+            cost.observe_verify(4, 8, 0.130)
+        policy = AutoPolicy({"ngram": NgramProposer.traits}, cost, AcceptanceModel())
+        for i in range(400):  # earlier requests: one draft per step, kept in `rate` of the steps
             policy.observe(f"old{i}", "ngram", 1, int(i % 10 < 10 * rate), level(3))
         rows = [BatchRow(f"r{i}", "ngram", level=level(3), flexible=1) for i in range(4)]
-        assert policy.acceptance("r0", "ngram", 1, level(3))[0] == pytest.approx(rate, abs=0.03)
-        assert (policy.batch_width(rows)[0] > 0) is widens, rate
-
-
-def test_widths_not_timed_for_long_leave_the_curve():
-    """Calibration timed wide passes on an idle machine; once traffic has run long without them (and
-    the machine got slower), the curve rests on what was measured since."""
-    cost = cpu_costs()
-    for i in range(STALE_AFTER):
-        cost.observe_verify(1 + i % 2, 0.120 + 0.006 * (i % 2))  # one row, 0 or 1 draft: twice as slow
-    assert cost.verify_time(1) == pytest.approx(0.120)
-    # extended from the recent widths by their slope, not read from the stale 0.204 s point
-    assert cost.verify_time(36) == pytest.approx(0.126 + 34 * 0.006)
-
-
-def busy_calibration(slowdown: float) -> CostModel:
-    """A cost model fed start-up calibration (prior timings) taken `slowdown` times slower than the
-    machine runs now (another process held the cores), then plain one-row steps at today's speed."""
-    cost = CostModel()
-    for _ in range(2):
-        for n, seconds in CPU_PASSES.items():
-            cost.observe_verify(n, seconds * slowdown, prior=True)
-    cost.observe_draft("draft", 4, 4 * 0.050 * slowdown, prior=True)
-    for _ in range(20):
-        cost.observe_verify(1, CPU_PASSES[1])
-    return cost
-
-
-def test_a_model_proposers_draft_cost_is_read_per_number_of_rows_drafting():
-    """A draft head's forward for one row costs a fraction of its forward for eight (CPU): each batch size
-    reads its own timing, between timed sizes a linear mix, beyond them the nearest, and traffic's
-    timings replace calibration's for the sizes traffic drafted at."""
-    cost = CostModel()
-    for n, seconds in CPU_PASSES.items():
-        cost.observe_verify(n, seconds, prior=True)
-    cost.observe_draft("eagle", 4, 4 * 0.003, prior=True, rows=1)
-    cost.observe_draft("eagle", 4, 4 * 0.010, prior=True, rows=8)
-    assert cost.draft_forward_time("eagle", 1) == pytest.approx(0.003)
-    assert cost.draft_forward_time("eagle", 8) == pytest.approx(0.010)
-    assert cost.draft_forward_time("eagle", 4) == pytest.approx(0.003 + 3 / 7 * 0.007)
-    assert cost.draft_forward_time("eagle", 16) == pytest.approx(0.010)
-    assert cost.draft_cost("eagle", 1) < cost.draft_cost("eagle", 8) * cost.verify_time(8, 8) / cost.verify_time(1, 1)
-    cost.observe_draft("eagle", 2, 2 * 0.002, rows=1)  # traffic at one row: read instead of calibration's
-    assert cost.draft_forward_time("eagle", 1) == pytest.approx(0.002)
-    assert cost.draft_forward_time("eagle", 8) == pytest.approx(0.010)
-    assert cost.draft_forward_time("other") is None
+        assert policy.rates("r0", "ngram", 1, level(3))[0] == pytest.approx(rate, abs=0.03)
+        assert (width(policy, rows) > 0) is widens, rate
 
 
 class _DraftTimings(CostModel):
@@ -606,19 +515,19 @@ class _DraftTimings(CostModel):
         super().__init__()
         self.drafts: list[tuple[str, int, int]] = []
 
-    def observe_draft(self, proposer: str, forwards: int, seconds: float, prior: bool = False, rows: int = 1) -> None:
+    def observe_draft(self, proposer: str, rows: int, forwards: int, seconds: float, prior: bool = False) -> None:
         if not prior:
             self.drafts.append((proposer, forwards, rows))
-        super().observe_draft(proposer, forwards, seconds, prior, rows)
+        super().observe_draft(proposer, rows, forwards, seconds, prior)
 
 
 def test_a_model_proposer_is_timed_drafting_not_taking_in_a_backlog(tiny_engine_factory, prompt_ids):
     """A model proposer's cost per draft token comes from calls that only draft. The call in which a row
-    enters its cache (a prefill of the whole context) is not timed: on the default model one such call
-    priced the draft head at 2-4x its cost per draft token, and `auto` never drafted with it again."""
+    enters its cache (a prefill of the whole context) is not timed as drafting: it would price the model
+    at several times its cost per draft token, and `auto` would never draft with it again."""
     cost = _DraftTimings()
     engine = tiny_engine_factory(cost=cost)
-    draft = engine.planner.proposers["draft"]
+    draft = engine.proposer("draft")
     calls = []
     propose = draft.propose
 
@@ -637,8 +546,8 @@ def test_a_row_back_from_steps_it_did_not_draft_has_a_backlog(tiny_engine_factor
     """Each step's commit leaves a row's emitted tokens pending; a row that drafted at its last step takes
     them in with its first draft forward (no backlog), one that did not has them all to catch up on."""
     engine = tiny_engine_factory()
-    draft = engine.planner.proposers["draft"]
-    engine.add_request(request("r", prompt_ids[3], "draft", 4, max_tokens=32))
+    draft = engine.proposer("draft")
+    engine.add_requests([request("r", prompt_ids[3], "draft", 4, max_tokens=32)])
     engine.step()
     assert draft.backlog(["r"]) == 0
     seq = engine.running["r"]
@@ -648,129 +557,66 @@ def test_a_row_back_from_steps_it_did_not_draft_has_a_backlog(tiny_engine_factor
     assert draft.backlog(["unknown"]) == 0
 
 
-def test_a_calibration_taken_on_a_busy_machine_is_scaled_to_the_speed_steps_run_at():
-    """Several servers starting at once time every pass ~20x too slow. Scaled by what plain steps
-    measure now, the curve keeps calibration's shape (widths traffic has not timed) at today's speed:
-    a wide pass costs what it costs, so `auto` still drafts, and draft forwards are scaled alike."""
-    cost = busy_calibration(20.0)
-    assert cost.scale() == pytest.approx(1 / 20)
-    for n, seconds in CPU_PASSES.items():
-        assert cost.verify_time(n) == pytest.approx(seconds)
-    assert cost.draft_forward_time("draft") == pytest.approx(0.050)
-    assert cost.token_cost(1, 8) == pytest.approx((0.155 - 0.060) / (8 * 0.060))
-    policy = AdaptivePolicy({"ngram": NgramProposer.traits}, cost)
-    assert policy.choose("r", 8, offers={"ngram": Offer(8, level(3))}).k > 0
-
-
-def test_widths_traffic_timed_replace_calibrations_and_set_its_scale():
-    cost = busy_calibration(1.0)
-    for _ in range(8):
-        cost.observe_verify(9, 0.310)  # the machine got twice as slow for nine-token passes
-    assert cost.scale() == pytest.approx((1.0 + 2.0) / 2)  # median over widths 1 (x1) and 9 (x2)
-    assert cost.verify_time(72) == pytest.approx(0.475 * 1.5)  # untimed: calibration's, scaled
-    # 36's calibration, scaled, is 0.306 (timed twice): below 9's 0.310 (timed 8 times). A wider pass never
-    # takes less, so the two share their weighted mean, close to what was measured most.
-    pooled = (8 * 0.310 + 2 * 0.204 * 1.5) / 10
-    assert cost.verify_time(9) == pytest.approx(pooled)
-    assert cost.verify_time(36) == pytest.approx(pooled)
-
-
-def test_cost_lists_follow_every_new_timing():
-    """`auto` reads each proposer's cost per K once per timing (every row of a step asks for the same
-    list); a new verify pass or draft timing must reach the next choice."""
-    policy = AdaptivePolicy(TRAITS, cpu_costs(), packed=True)
-    policy.cost.observe_draft("draft", 4, 4 * 0.02)
-    before = policy.method_costs("draft", 4, 3)
-    assert policy.method_costs("draft", 4, 3) is before  # asked again within a step: the same list
-    for _ in range(POINT_WINDOW):
-        policy.cost.observe_verify(5, 0.2)  # the marginal token of a 4-row batch turns out dear
-    dearer = policy.method_costs("draft", 4, 3)
-    assert dearer[0] > before[0]
-    assert dearer[0] == pytest.approx(policy.cost.token_cost(4, 1, packed=True) + policy.own_cost("draft", 4))
-    for _ in range(128):
-        policy.cost.observe_draft("draft", 4, 4 * 0.5)  # and the draft model slower
-    assert policy.method_costs("draft", 4, 3)[0] > dearer[0]
-    assert policy.method_cost("draft", 4, 2) == policy.method_costs("draft", 4, 2)[1]
-
-
-def test_a_wider_pass_is_priced_against_the_plain_passes_of_its_moment():
-    """A 4-row batch: plain passes 30 ms and, now and then, a pass with two drafts at 36 ms (x1.2). The
-    machine then runs slower for a while (plain passes 45 ms) and no draft is timed meanwhile: a draft
-    still costs what it did against a plain pass, 1.2x the plain passes of now, not the 36 ms of earlier
-    (which would make drafting look nearly free exactly when plain passes run slow)."""
+def test_a_busy_calibration_scaled_to_todays_speed_still_lets_auto_draft():
+    """A calibration timed 20x too slow (several servers starting at once), scaled by today's plain passes:
+    a long confident n-gram draft is still worth drafting."""
     cost = CostModel()
-    for _ in range(8):
-        for _ in range(3):
-            cost.observe_verify(4, 0.030, rows=4)
-        cost.observe_verify(6, 0.036, rows=4)
-    before = cost.token_cost(4, 2, packed=True)
-    for _ in range(8):
-        cost.observe_verify(4, 0.045, rows=4)
-    assert cost.verify_time(4, rows=4) == pytest.approx(0.045)
-    assert cost.verify_time(6, rows=4) == pytest.approx(0.054)
-    assert cost.token_cost(4, 2, packed=True) == pytest.approx(before)
-
-
-def test_one_slow_pass_does_not_reprice_a_width_calibration_measured():
-    """Start-up calibration timed 12 tokens of a 4-row batch at 1.27x its plain pass, three times. Traffic
-    times that width once, at 1.85x (a burst of the host, or noise): the width stays at about what
-    calibration measured. Timed slow again and again, the evidence wins."""
-    cost = CostModel()
-    for _ in range(3):
-        cost.observe_verify(4, 0.030, prior=True, rows=4)
-        cost.observe_verify(12, 0.030 * 1.27, prior=True, rows=4)
-    for _ in range(8):
-        cost.observe_verify(4, 0.030, rows=4)
-    cost.observe_verify(12, 0.030 * 1.85, rows=4)
-    assert cost.verify_time(12, rows=4) == pytest.approx(0.030 * 1.27)
-    for _ in range(6):
-        cost.observe_verify(4, 0.030, rows=4)
-        cost.observe_verify(12, 0.030 * 1.85, rows=4)
-    assert cost.verify_time(12, rows=4) == pytest.approx(0.030 * 1.85)
-
-
-def test_each_batch_size_reads_its_own_curve():
-    """8 tokens cost less as one row drafting 7 than as 8 plain rows, and one draft token in a batch of 8
-    costs what its packed pass measured; a batch size with a single width timed borrows another's."""
-    cost = CostModel()
-    for _ in range(3):
-        cost.observe_verify(1, 0.045, rows=1)
-        cost.observe_verify(8, 0.070, rows=1)  # one row, 7 drafts
-        cost.observe_verify(8, 0.086, rows=8)  # eight rows, nobody drafting
-        cost.observe_verify(9, 0.105, rows=8)  # eight rows, one drafting one token
-    assert cost.verify_time(8, rows=1) == pytest.approx(0.070)
-    assert cost.verify_time(8, rows=8) == pytest.approx(0.086)
-    assert cost.verify_time(8) == pytest.approx(0.078)  # pooled: both shapes' timings
-    assert cost.token_cost(8, 1, packed=True) == pytest.approx(8 * 0.019 / 0.086)
-    assert cost.verify_time(20, rows=8) > cost.verify_time(9, rows=8)  # past its widths: the pooled slope
-    # A batch size timed at one width (plain) adds what the same drafts added at the next larger batch
-    # size with a curve (a closed loop's 7 rows between two requests read the 8-row costs).
-    cost.observe_verify(4, 0.060, rows=4)
-    assert cost.verify_time(5, rows=4) == pytest.approx(0.060 + 0.019)
-    assert cost.token_cost(4, 1, packed=True) == pytest.approx(4 * 0.019 / 0.060)
-    assert cost.verify_time(10, rows=9) > cost.verify_time(9, rows=9)  # above every curve: the largest below
+    for _ in range(2):
+        for n, seconds in {1: 0.060, 4: 0.095, 9: 0.155, 36: 0.204}.items():
+            cost.observe_verify(1, n, 20 * seconds, prior=True)
+    for _ in range(20):
+        cost.observe_verify(1, 1, 0.060)
+    policy = AutoPolicy({"ngram": NgramProposer.traits}, cost, AcceptanceModel())
+    assert choose(policy, "r", 8, offers={"ngram": Offer(8, level(3))}).k > 0
 
 
 def test_a_model_rows_backlog_is_priced_once_it_has_been_timed():
-    """A row that starts drafting with a model proposer (or comes back to it after steps it did not)
-    first feeds it every pair it missed, its prompt's included: on this CPU about 0.1 ms a pair for the
-    draft head, 4-9 ms for a chat row's first draft at four rows, which decided whether head drafts at
-    four chat rows paid. The batch's choice prices it at its measured time per token; before any
-    timing, at nothing (no first draft is refused for a cost nobody has measured)."""
-    cost = cpu_costs()
-    cost.observe_draft("draft", 1, 0.004, rows=4)
-    policy = AdaptivePolicy({"draft": DraftModelProposer.traits}, cost, packed=True)
+    """A row that starts drafting with a model proposer (or comes back to it after steps it did not) first
+    feeds it every pair it missed, its prompt's included; that decided whether head drafts paid at four
+    chat rows on a CPU (docs/bench.md). The batch's choice prices it at its measured time per token; before
+    any timing, at nothing (no first draft is refused for a cost nobody has measured)."""
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_verify(4, 4, 0.095)
+        cost.observe_verify(4, 8, 0.130)
+    cost.observe_draft("draft", 4, 1, 0.004)
+    policy = AutoPolicy({"draft": DraftModelProposer.traits}, cost, AcceptanceModel(), packed=True)
     for i in range(100):
         policy.observe(f"old{i}", "draft", 1, 1)  # its drafts are kept
     caught_up = [BatchRow(f"r{i}", "draft", 1) for i in range(4)]
     behind = [BatchRow(f"r{i}", "draft", 1, backlog=60) for i in range(4)]
-    tokens = policy._fixed(caught_up)[0]
-    rate = policy.batch_drafts(caught_up)[1]
-    assert policy.batch_drafts(behind)[1] == pytest.approx(rate)  # nothing timed yet
+    tokens = sum(expected_tokens_upto(policy.rates(r.request_id, "draft", 1), 1)[-1] for r in caught_up)
+    rate = allot(policy, caught_up)[1]
+    assert allot(policy, behind)[1] == pytest.approx(rate)  # nothing timed yet
 
     cost.observe_backlog("draft", 100, 0.012)  # 0.12 ms a token, then 0.1 and 0.08: the median
     cost.observe_backlog("draft", 50, 0.005)
     cost.observe_backlog("draft", 10, 0.0008)
     assert cost.backlog_time("draft", 240) == pytest.approx(0.024)
-    assert tokens / policy.batch_drafts(behind)[1] - tokens / rate == pytest.approx(0.024)
-    assert policy.batch_drafts(caught_up)[1] == pytest.approx(rate)  # rows with nothing to take in pay nothing
+    assert tokens / allot(policy, behind)[1] - tokens / rate == pytest.approx(0.024)
+    assert allot(policy, caught_up)[1] == pytest.approx(rate)  # rows with nothing to take in pay nothing
+
+
+def test_the_trivial_policy_drafts_a_fixed_k_or_nothing(tiny_engine_factory, prompt_ids, greedy_reference):
+    """`FixedPolicy` answers the same protocol: `auto` rows draft K with one proposer, or decode as `none`;
+    greedy text is the same either way."""
+    plain = tiny_engine_factory(policy=FixedPolicy())
+    tokens, stats = run_with_stats(plain, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
+    assert tokens == greedy_reference and all(s.draft_tokens == 0 for s in stats.values())
+    ngram = tiny_engine_factory(policy=FixedPolicy("ngram", 3))
+    tokens, stats = run_with_stats(ngram, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
+    assert tokens == greedy_reference and sum(s.draft_tokens for s in stats.values()) > 0
+    assert all(set(s.by_proposer) <= {"ngram"} for s in stats.values())
+    rows = [Candidate("a", 8, offers={"ngram": Offer(2)}), Candidate("b", 8), Candidate("c", 8, fixed=PLAIN)]
+    assert FixedPolicy("ngram", 3).decide(rows) == [Choice("ngram", 2), PLAIN, PLAIN]
+
+
+def test_tuning_constants_are_overridden_by_the_setting_and_unknown_names_refused(tiny_engine_factory, monkeypatch):
+    from server.config import Settings
+
+    monkeypatch.setenv("SPECULA_AUTO_TUNING", '{"min_gain": 1.5, "max_idle_gap": 4}')
+    assert Settings.load().auto_tuning == {"min_gain": 1.5, "max_idle_gap": 4}
+    engine = tiny_engine_factory(auto_tuning={"min_gain": 1.5, "max_idle_gap": 4})
+    assert engine.cost.tuning == AutoTuning(min_gain=1.5, max_idle_gap=4)
+    with pytest.raises(ValueError, match="auto_tuning: unknown constant"):
+        tiny_engine_factory(auto_tuning={"min_gian": 1.5})

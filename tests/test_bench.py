@@ -540,9 +540,10 @@ def test_head_cost_is_measured_through_its_own_runner(tiny_target, prompt_ids, t
 
     rows = [prompt_ids[0], prompt_ids[1]]
     step = HeadStep(loaded, tiny_target, rows)
-    assert step.runner.kv.positions == [len(r) - 1 for r in rows]  # the prompt's pairs
+    held = lambda: [step.runner.cached(rid) for rid in step.runner.rows]  # noqa: E731
+    assert held() == [len(r) - 1 for r in rows]  # the prompt's pairs
     step()
-    assert step.runner.kv.positions == [len(r) - 1 for r in rows]  # a timed step is rolled back
+    assert held() == [len(r) - 1 for r in rows]  # a timed step is rolled back
     before = tiny_target.model.config._attn_implementation
     with engine_attention(tiny_target.model, loaded.decoder):
         costs = measure_costs(tiny_target, None, rows, [1, 2], k=4, repeats=1, head=loaded)

@@ -14,12 +14,24 @@ import torch
 from server.config import Settings
 from server.engine import calibration
 from server.engine import engine as engine_module
-from server.engine.calibration import batch_shapes, batch_sizes, cache_path, calibrate, calibration_key, widths
+from server.engine.calibration import Subject, batch_shapes, batch_sizes, cache_path, widths
 from server.model.lean_forward import packs_linears
 from server.model.runner import ModelRunner
+from server.speculation.acceptance import AcceptanceModel
+from server.speculation.policy import AutoPolicy, StepCosts
 from tests.engine_helpers import request, run
 
 UNBOUNDED = 1e9  # seconds: every point is measured, whatever the machine's speed
+
+
+def calibrate(engine, budget_s: float = UNBOUNDED) -> calibration.Calibration:
+    """Calibrate the engine's cost model as `build_engine` does."""
+    return calibration.calibrate(engine.target, engine.runner, engine.planner.proposers, engine.cost,
+                                 engine.settings, budget_s)
+
+
+def calibration_key(engine) -> dict[str, object]:
+    return Subject(engine.target, engine.runner, engine.planner.proposers, engine.settings).key()
 
 
 def test_widths_and_batch_sizes_cover_what_auto_may_choose():
@@ -34,8 +46,8 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     engine = tiny_engine_factory(
         cache_dir=tmp_path, num_speculative_tokens=2, auto_max_speculative_tokens=3, max_batch_size=2
     )
-    cost = engine.planner.policy.cost
-    assert not cost.fitted and cost.draft_forward_time("draft") is None
+    cost = engine.cost
+    assert not cost.timed and cost.draft_time("draft") is None
     result = calibrate(engine, budget_s=UNBOUNDED)
     # one row at widths 1, 2, K+1; two rows plain (2 tokens), one of them drafting one (3), both drafting
     # one (4) and two (6), both at K+1 (8)
@@ -45,7 +57,7 @@ def test_calibration_times_every_width_and_batch_and_feeds_the_cost_model(tiny_e
     # two timed drafts of K at batch 1, two at batch 2
     assert [(r, k) for r, k, _ in result.draft["draft"]] == [(1, 2), (1, 2), (2, 2), (2, 2)]
     assert set(result.draft) == {n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None}
-    assert cost.fitted and cost.draft_forward_time("draft") is not None
+    assert cost.timed and cost.draft_time("draft") is not None
 
     assert not result.loaded
     stored = json.loads(cache_path(tmp_path, result.key).read_text())
@@ -79,12 +91,13 @@ def test_the_cost_model_reads_each_batch_sizes_own_timings(tiny_engine_factory, 
     to the cost model, each batch size's question gets its own answer."""
     engine = tiny_engine_factory(cache_dir=tmp_path)
     timed = [(1, 1, 0.10), (1, 3, 0.12), (1, 9, 0.20), (2, 2, 0.15), (2, 3, 0.24), (2, 18, 0.40)]
-    calibration.Calibration({}, timed).feed(engine)
-    cost = engine.planner.policy.cost
-    assert cost.verify_time(3, rows=1) == pytest.approx(0.12)
-    assert cost.verify_time(3, rows=2) == pytest.approx(0.24)
+    calibration.Calibration({}, timed).feed(engine.cost)
+    cost = engine.cost
+    assert cost.verify_time(1, 3) == pytest.approx(0.12)
+    assert cost.verify_time(2, 3) == pytest.approx(0.24)
     # one draft token in a 2-row packed pass: 0.09 s more than the plain pass, 60% of it
-    assert cost.token_cost(2, 1, packed=True) == pytest.approx(2 * 0.09 / 0.15)
+    step = StepCosts(AutoPolicy({}, cost, AcceptanceModel(), packed=True), 2)
+    assert step.token_cost(1) == pytest.approx(2 * 0.09 / 0.15)
 
 
 def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engine_factory, tmp_path, monkeypatch):
@@ -97,7 +110,7 @@ def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engin
     engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     again = calibrate(engine, budget_s=UNBOUNDED)
     assert again.loaded and again.verify == first.verify and again.draft == first.draft
-    assert engine.planner.policy.cost.fitted
+    assert engine.cost.timed
 
 
 def test_a_calibration_cut_short_by_its_budget_is_measured_again(tiny_engine_factory, tmp_path):
@@ -123,7 +136,7 @@ def test_calibration_leaves_the_engine_as_it_found_it(tiny_engine_factory, tmp_p
     engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     calibrate(engine, budget_s=UNBOUNDED)
     assert engine.runner.rows == [] and not engine.running
-    draft = engine.planner.proposers["draft"]
+    draft = engine.proposer("draft")
     assert draft.runner.rows == [] and not draft.pending
     methods = ["draft", "auto", "ngram", "none", "auto"]
     reqs = [request(f"r{i}", p, m, 4) for i, (p, m) in enumerate(zip(prompt_ids, methods, strict=True))]
@@ -134,7 +147,7 @@ def test_a_zero_budget_measures_and_stores_nothing(tiny_engine_factory, tmp_path
     engine = tiny_engine_factory(cache_dir=tmp_path)
     result = calibrate(engine, budget_s=0.0)
     assert result.verify == [] and result.draft == {}
-    assert not cache_path(tmp_path, result.key).exists() and not engine.planner.policy.cost.fitted
+    assert not cache_path(tmp_path, result.key).exists() and not engine.cost.timed
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -143,9 +156,10 @@ def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_dra
     monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: copy.deepcopy(tiny_target))
     monkeypatch.setattr(engine_module, "load_draft_like", lambda *a, **k: copy.deepcopy(tiny_draft))
     calls = []
-    monkeypatch.setattr(engine_module, "calibrate", lambda engine: calls.append(engine))
+    monkeypatch.setattr(engine_module, "calibrate", lambda target, runner, proposers, cost, settings:
+                        calls.append((runner, cost)))
     built = engine_module.build_engine(Settings.load(cache_dir=tmp_path, calibrate=enabled))
-    assert calls == ([built] if enabled else [])
+    assert calls == ([(built.runner, built.cost)] if enabled else [])
 
 
 @pytest.mark.skipif(not packs_linears(torch.nn.Linear(2, 2)), reason="no oneDNN: nothing is packed")
@@ -164,8 +178,8 @@ def test_build_engine_drops_the_dense_weights_unless_asked_to_keep_them(tiny_tar
         return sum(p.weight.numel() for mlp in mlps for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
     kept, dropped = built(keep_dense=True), built()
-    assert dense(kept.target.model) > 0 and dense(kept.planner.proposers["draft"].draft.model) > 0
-    assert dense(dropped.target.model) == 0 and dense(dropped.planner.proposers["draft"].draft.model) == 0
+    assert dense(kept.target.model) > 0 and dense(kept.proposer("draft").draft.model) > 0
+    assert dense(dropped.target.model) == 0 and dense(dropped.proposer("draft").draft.model) == 0
     requests = [request(f"r{i}", p, "draft", 4) for i, p in enumerate(prompt_ids)]
     assert run(dropped, requests) == run(kept, requests)
 
@@ -183,7 +197,7 @@ def test_a_proposer_reading_hidden_states_is_timed_and_left_clean(tiny_target, t
     engine = Engine(tiny_target, tiny_draft, settings)
     result = calibrate(engine, budget_s=UNBOUNDED)
     assert set(result.draft) == {"draft", "eagle"} and len(result.draft["eagle"]) == 4
-    eagle = engine.planner.proposers["eagle"]
+    eagle = engine.proposer("eagle")
     assert eagle.runner.rows == [] and not eagle.pending
     reqs = [request(f"r{i}", p, "eagle", 4) for i, p in enumerate(prompt_ids)]
     assert run(engine, reqs) == greedy_reference

@@ -23,7 +23,7 @@ from server.api.structured import JSON_STYLE
 from server.config import Settings
 from server.engine.engine import Engine
 from server.grammar import Grammars
-from server.speculation.planner import FORCED, RowPlan
+from server.speculation.plan import FORCED, RowPlan, Rule
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import request
 from tests.test_distribution import P_VALUE, PROMPT, VOCAB, first_two_token_counts, pair  # noqa: F401
@@ -138,11 +138,8 @@ class Grammar:
 
 
 class Seq:
-    def __init__(self, grammar: Grammar, mode: str = "auto") -> None:
-        self.grammar, self.mode = grammar, mode
-
-    def num_drafts(self) -> int:
-        return 4
+    def __init__(self, grammar: Grammar, method: str = "auto") -> None:
+        self.grammar, self.method, self.k_max = grammar, method, 4
 
 
 def constrain(row: RowPlan, seq: Seq, lookahead: bool = True) -> RowPlan:
@@ -151,11 +148,11 @@ def constrain(row: RowPlan, seq: Seq, lookahead: bool = True) -> RowPlan:
     return planner._constrain(seq, row)
 
 
-def test_a_deterministic_draft_is_cut_before_the_forbidden_token_and_a_sampled_one_after_it():
+def test_a_compared_draft_is_cut_before_the_forbidden_token_and_a_ratio_one_after_it():
     q = torch.full((4, 8), 1 / 8)
     cut = constrain(RowPlan("p", [1, 2, 3, 4]), Seq(Grammar(2)))
     assert cut.drafts == [1, 2] and cut.own_drafts == [1, 2, 3, 4]
-    kept = constrain(RowPlan("p", [1, 2, 3, 4], q), Seq(Grammar(2)), lookahead=False)
+    kept = constrain(RowPlan("p", [1, 2, 3, 4], Rule.RATIO, q), Seq(Grammar(2)), lookahead=False)
     assert kept.drafts == [1, 2, 3] and kept.q.shape[0] == 3 and kept.own_drafts == [1, 2, 3, 4]
 
 
@@ -163,9 +160,10 @@ def test_forced_tokens_replace_shorter_lookahead_drafts_but_never_a_model_propos
     assert constrain(RowPlan(None, []), Seq(Grammar(0, [7, 8]))) == RowPlan(FORCED, [7, 8])
     assert constrain(RowPlan("p", [5]), Seq(Grammar(1, [7, 8]))).drafts == [7, 8]
     assert constrain(RowPlan("p", [5, 6, 9]), Seq(Grammar(3, [7, 8]))).drafts == [5, 6, 9]
-    model_row = constrain(RowPlan("p", [5], torch.ones(1, 8) / 8), Seq(Grammar(1, [7, 8])), lookahead=False)
+    model_row = constrain(RowPlan("p", [5], Rule.RATIO, torch.ones(1, 8) / 8), Seq(Grammar(1, [7, 8])),
+                          lookahead=False)
     assert model_row.drafts == [5]
-    assert constrain(RowPlan(None, []), Seq(Grammar(0, [7, 8]), mode="none")).drafts == []
+    assert constrain(RowPlan(None, []), Seq(Grammar(0, [7, 8]), method="none")).drafts == []
 
 
 # ---- the constrained distribution -------------------------------------------------------------------
@@ -217,15 +215,13 @@ def test_constrained_sampling_matches_the_constrained_target_distribution(pair, 
 
 
 def test_cutting_a_sampled_draft_before_its_forbidden_token_is_caught(pair, monkeypatch):  # noqa: F811
-    """Negative control: treat the draft model's drafts like deterministic ones (cut before the first
+    """Negative control: cut the draft model's ratio-rule drafts like compared ones (before the first
     forbidden token, so that position is drawn from p instead of the residual): the test sees it."""
     original = planner_module.Planner._constrain
 
     def wrong(self, seq, row):
-        if row.q is not None:
-            valid = seq.grammar.valid_prefix(row.drafts)
-            row = RowPlan(row.proposer, row.drafts[:valid], row.q[:valid] if valid else None, row.level,
-                          proposed=row.own_drafts)
+        if row.rule is Rule.RATIO:
+            row = row.cut(seq.grammar.valid_prefix(row.drafts))
         return original(self, seq, row)
 
     monkeypatch.setattr(planner_module.Planner, "_constrain", wrong)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import server.engine.engine as engine_module
+import server.engine.verify as verify_module
 from server.config import Settings
 from server.draft_head.model import EagleHead
 from server.engine.engine import Engine
@@ -122,17 +122,16 @@ def test_speculative_sampling_matches_target_distribution(pair, method):
 def test_always_accept_rule_is_detected(pair, monkeypatch, method):
     """Accepting every draft token returns the draft's distribution: the same check must fail. The
     head drafts from the second token on (the first step computes the prompt, whose target features it
-    reads: engine.py `_join`), so its check fails there; the draft model's already at the first."""
+    reads: admission.py `_join`), so its check fails there; the draft model's already at the first."""
 
-    def always_accept(drafts, target_probs, draft_probs, generators, greedy=None):
-        tokens, at = [], 0
-        for b, gen in enumerate(generators):
-            at += len(drafts[b]) + 1  # p holds each row's positions in turn: its bonus position is the last
-            bonus = int(torch.multinomial(target_probs[at - 1], 1, generator=gen))
-            tokens.append([*drafts[b], bonus])
-        return Verdict(accepted=[len(d) for d in drafts], tokens=tokens)
+    def always_accept(rows, target_probs, generators, greedy=None):
+        tokens = []
+        for row, gen in zip(rows, generators, strict=True):  # its bonus position is its last
+            bonus = int(torch.multinomial(target_probs[row.positions[-1]], 1, generator=gen))
+            tokens.append([*row.drafts, bonus])
+        return Verdict(accepted=[row.k for row in rows], tokens=tokens)
 
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr(verify_module, "rejection_sample", always_accept)
     first, second = exact_two_token_marginals(pair[0].model)
     got_first, got_second = empirical(pair, method)
     if method == "eagle":

@@ -37,7 +37,7 @@ def eagle_engine(tiny_target, tiny_draft, head_dir):
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_eagle_equals_target_greedy(eagle_engine, prompt_ids, greedy_reference, k):
     engine = eagle_engine()
-    assert "eagle" in engine.methods
+    assert "eagle" in engine.limits.methods
     stats = final_stats(engine, [request(f"r{i}", p, "eagle", k) for i, p in enumerate(prompt_ids)])
     assert all(s.by_proposer["eagle"].draft_tokens > 0 for s in stats.values())
     engine = eagle_engine()
@@ -55,10 +55,10 @@ def test_after_rejections_the_head_cache_holds_real_features(eagle_engine, tiny_
     next draft equals what a fresh head computes from a clean forward over the committed tokens."""
     engine = eagle_engine()
     for i, p in enumerate(prompt_ids[:3]):
-        engine.add_request(request(f"r{i}", p, "eagle", 4, max_tokens=40))
+        engine.add_requests([request(f"r{i}", p, "eagle", 4, max_tokens=40)])
     for _ in range(6):
         engine.step()
-    proposer = engine.planner.proposers["eagle"]
+    proposer = engine.proposer("eagle")
     head = proposer.head
     seqs = [engine.running[rid] for rid in engine.runner.rows]
     assert sum(s.stats.draft_tokens - s.stats.accepted_tokens for s in seqs) > 0  # rejections happened
@@ -78,10 +78,10 @@ def test_sampled_drafts_never_leave_the_heads_vocabulary(eagle_engine, prompt_id
     rejection sampler's residual covers the rest: lossless)."""
     engine = eagle_engine()
     for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "eagle", 4, temperature=1.5, max_tokens=30))
+        engine.add_requests([request(f"r{i}", p, "eagle", 4, temperature=1.5, max_tokens=30)])
     for _ in range(3):
         engine.step()
-    proposer = engine.planner.proposers["eagle"]
+    proposer = engine.proposer("eagle")
     allowed = proposer.head.vocab_ids.tolist()
     seqs = [engine.running[rid] for rid in engine.runner.rows]
     proposal = proposer.propose(seqs, [4] * len(seqs))
@@ -97,9 +97,9 @@ def test_greedy_rows_draft_the_heads_argmax_without_q(eagle_engine, prompt_ids):
     the same), sampled rows of a fixed method keep theirs, in one batch."""
     engine = eagle_engine()
     for i, p in enumerate(prompt_ids[:4]):
-        engine.add_request(request(f"r{i}", p, "eagle", 3, temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=30))
+        engine.add_requests([request(f"r{i}", p, "eagle", 3, temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=30)])
     engine.step()
-    proposer = engine.planner.proposers["eagle"]
+    proposer = engine.proposer("eagle")
     seqs = [engine.running[rid] for rid in engine.runner.rows]
     proposal = proposer.propose(seqs, [3] * len(seqs))
     for seq, drafts, q in zip(seqs, proposal.drafts, proposal.q, strict=True):
@@ -111,14 +111,15 @@ def test_greedy_rows_draft_the_heads_argmax_without_q(eagle_engine, prompt_ids):
 
 
 def test_a_named_head_must_fit_the_target_but_auto_steps_aside(tiny_target, tiny_draft):
-    assert "eagle" not in Engine(tiny_target, tiny_draft, Settings.load(draft_head="auto")).methods  # SmolLM2's head
+    engine = Engine(tiny_target, tiny_draft, Settings.load(draft_head="auto"))
+    assert "eagle" not in engine.limits.methods  # SmolLM2's head does not fit the tiny target
     with pytest.raises(ValueError, match="does not fit this target"):
         Engine(tiny_target, tiny_draft, Settings.load(draft_head=str(BUILTIN_HEAD)))
 
 
 def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
     engine = Engine(tiny_target, tiny_draft, Settings.load(draft_head="none"))
-    assert "eagle" not in engine.methods
+    assert "eagle" not in engine.limits.methods
     with pytest.raises(ValueError, match="cannot run on this server"):  # configured, not silently replaced
         Engine(tiny_target, tiny_draft, Settings.load(draft_head="none", speculation="eagle"))
     assert resolve_head("auto", "some/other-model") is None  # the shipped head fits the built-in target only
@@ -134,7 +135,7 @@ def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine
     first = final_stats(engine, [request("a", prompt, "eagle", 4, max_tokens=24)])["a"]
     want = run(eagle_engine(prefix_cache_memory="none"), [request("a", prompt, "eagle", 4, max_tokens=24)])["a"]
     again = request("b", prompt, "eagle", 4, max_tokens=24)
-    engine.add_request(again)
+    engine.add_requests([again])
     seq = engine.running["b"]
     got: list[int] = []
     while engine.has_unfinished():
@@ -154,17 +155,17 @@ def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_en
     engine = eagle_engine()
     answer = run(engine, [request("a", first, "eagle", 4, max_tokens=40)])["a"]
     turn = first + answer + prompt_ids[2]
-    engine.add_request(request("b", turn, "eagle", 4, max_tokens=8))
+    engine.add_requests([request("b", turn, "eagle", 4, max_tokens=8)])
     fresh = eagle_engine(prefix_cache_memory="none")
-    fresh.add_request(request("b", turn, "eagle", 4, max_tokens=8))
+    fresh.add_requests([request("b", turn, "eagle", 4, max_tokens=8)])
     assert engine.running["b"].stats.cached_tokens > len(first)  # part of the answer came from the cache too
     assert engine.running["b"].prefill  # the uncached tail rides with the first step, which cannot draft
     nxt = [[t for o in e.step().outputs for t in o.token_ids] for e in (engine, fresh)]
     assert nxt[0] == nxt[1] and len(nxt[0]) == 1
-    got, want = (e.planner.proposers["eagle"].pending["b"] for e in (engine, fresh))
+    got, want = (e.proposer("eagle").pending["b"] for e in (engine, fresh))
     # a pair (x_t's feature, x_t+1) per prompt token but the last, then (last's feature, the first output),
     # but for those whose keys and values the head computed for the first turn (kept in the prefix cache)
-    loaded = sum(s[0].shape[2] for s in engine.planner.proposers["eagle"]._loaded["b"])
+    loaded = sum(s[0].shape[2] for s in engine.proposer("eagle")._loaded["b"])
     assert want.tokens == [*turn[1:], *nxt[0]] and got.tokens == want.tokens[loaded:]
     torch.testing.assert_close(torch.cat(got.features), torch.cat(want.features)[loaded:], atol=1e-4, rtol=1e-4)
 
@@ -175,8 +176,8 @@ def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagl
     once it drafts every step, only the pairs of the step before, which the first draft forward takes in
     anyway; after a step without the head, those pairs are a backlog again."""
     engine = eagle_engine()
-    proposer = engine.planner.proposers["eagle"]
-    engine.add_request(request("r", prompt_ids[3], "eagle", 4, max_tokens=40))
+    proposer = engine.proposer("eagle")
+    engine.add_requests([request("r", prompt_ids[3], "eagle", 4, max_tokens=40)])
     assert engine.running["r"].prefill and proposer.backlog(["r"]) == 0  # its prompt rides with the first step
     engine.step()  # no draft yet: the target had no features of the prompt
     assert engine.running["r"].stats.by_proposer.get("eagle") is None
@@ -203,8 +204,8 @@ def test_the_heads_keys_and_values_of_a_cached_prompt_come_back_from_the_prefix_
     fresh = eagle_engine(prefix_cache_memory="none")
     got, want = [], []
     for e in (engine, fresh):
-        e.add_request(request("b", turn, "eagle", 4, max_tokens=24))
-    heads = [e.planner.proposers["eagle"] for e in (engine, fresh)]
+        e.add_requests([request("b", turn, "eagle", 4, max_tokens=24)])
+    heads = [e.proposer("eagle") for e in (engine, fresh)]
     blocks = len(shared) // 16
     loaded = sum(s[0].shape[2] for s in heads[0]._loaded["b"])
     assert blocks >= 2 and loaded == 16 * blocks - 1  # the pairs those blocks' tokens determine
@@ -213,7 +214,7 @@ def test_the_heads_keys_and_values_of_a_cached_prompt_come_back_from_the_prefix_
     assert heads[0].backlog(["b"]) == heads[1].backlog(["b"]) - loaded
     for e, out in ((engine, got), (fresh, want)):
         out += [t for o in e.step().outputs for t in o.token_ids]  # the head's first draft
-    rows = [h.runner.kv.live(h.runner.kv.index("b")) for h in heads]
+    rows = [h.runner.live("b") for h in heads]
     for cached, computed in zip(rows[0](0, len(turn) - 1), rows[1](0, len(turn) - 1), strict=True):
         torch.testing.assert_close(cached, computed, atol=1e-4, rtol=1e-4)
     for e, out in ((engine, got), (fresh, want)):

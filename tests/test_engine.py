@@ -29,7 +29,7 @@ def test_draft_that_equals_target_accepts_everything(tiny_target, tokenizer, pro
 
     engine = Engine(tiny_target, tiny_target, Settings.load())
     for i, p in enumerate(prompt_ids):
-        engine.add_request(request(f"r{i}", p, "draft", 4, max_tokens=21))
+        engine.add_requests([request(f"r{i}", p, "draft", 4, max_tokens=21)])
     final = {}
     while engine.has_unfinished():
         final.update({o.request_id: o.stats for o in engine.step().outputs if o.finished})
@@ -43,7 +43,7 @@ def test_draft_that_equals_target_accepts_everything(tiny_target, tokenizer, pro
 def test_cache_after_uneven_acceptance_matches_fresh_forward(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory()
     for i, p in enumerate(prompt_ids[:4]):
-        engine.add_request(request(f"r{i}", p, ["draft", "ngram", "draft", "none"][i], 3 + i, max_tokens=40))
+        engine.add_requests([request(f"r{i}", p, ["draft", "ngram", "draft", "none"][i], 3 + i, max_tokens=40)])
     for _ in range(5):
         engine.step()
     seqs = [engine.running[rid] for rid in engine.runner.rows]
@@ -57,15 +57,15 @@ def test_cache_after_uneven_acceptance_matches_fresh_forward(tiny_engine_factory
 
 def test_joining_a_running_batch_gives_the_same_output_as_alone(tiny_engine_factory, prompt_ids, greedy_reference):
     engine = tiny_engine_factory()
-    engine.add_request(request("r0", prompt_ids[0], "draft", 3))
-    engine.add_request(request("r1", prompt_ids[1], "ngram", 5))
+    engine.add_requests([request("r0", prompt_ids[0], "draft", 3)])
+    engine.add_requests([request("r1", prompt_ids[1], "ngram", 5)])
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(5)}
     for step in range(40):
         if step == 3:
-            engine.add_request(request("r2", prompt_ids[2], "draft", 2))
+            engine.add_requests([request("r2", prompt_ids[2], "draft", 2)])
         if step == 6:
-            engine.add_request(request("r3", prompt_ids[3], "none"))
-            engine.add_request(request("r4", prompt_ids[4], "ngram", 8))
+            engine.add_requests([request("r3", prompt_ids[3], "none")])
+            engine.add_requests([request("r4", prompt_ids[4], "ngram", 8)])
         for out in engine.step().outputs:
             got[out.request_id] += out.token_ids
         if step > 6 and not engine.has_unfinished():
@@ -79,7 +79,7 @@ def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prom
     per request, the same tokens, also for a row joining a running batch. A tail longer than
     `RIDE_TOKENS`, or any tail under a KV budget (whose reservations count one step's columns), is
     prefilled at join as before."""
-    from server.engine import engine as engine_module
+    from server.engine import admission as admission_module
     from server.model.runner import ModelRunner
 
     passes: list[int] = []  # tokens fed by each target pass
@@ -93,13 +93,13 @@ def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prom
     monkeypatch.setattr(ModelRunner, "forward", counted)
     engine = tiny_engine_factory()
     target_model = engine.target.model
-    engine.add_request(request("r3", prompt_ids[3], "ngram", 4))
+    engine.add_requests([request("r3", prompt_ids[3], "ngram", 4)])
     assert passes == [] and engine.running["r3"].prefill == prompt_ids[3][:-1]
     got: dict[str, list[int]] = {"r3": [], "r4": []}
     steps = 0
     while engine.has_unfinished():
         if steps == 2:
-            engine.add_request(request("r4", prompt_ids[4], "ngram", 4))  # joins the running batch: rides too
+            engine.add_requests([request("r4", prompt_ids[4], "ngram", 4)])  # joins the running batch: rides too
             assert engine.running["r4"].prefill == prompt_ids[4][:-1]
         for out in engine.step().outputs:
             got[out.request_id] += out.token_ids
@@ -109,12 +109,12 @@ def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prom
     assert got == {rid: greedy_reference[rid] for rid in got}
 
     short = len(prompt_ids[3]) - 2  # the tail is one token longer
-    cases = (({"prefix_cache_memory": "none"}, short), ({"kv_cache_memory": "64MiB"}, engine_module.RIDE_TOKENS))
+    cases = (({"prefix_cache_memory": "none"}, short), ({"kv_cache_memory": "64MiB"}, admission_module.RIDE_TOKENS))
     for settings, ride in cases:
-        monkeypatch.setattr(engine_module, "RIDE_TOKENS", ride)
+        monkeypatch.setattr(admission_module, "RIDE_TOKENS", ride)
         other = tiny_engine_factory(**settings)
         passes.clear()
-        other.add_request(request("r3", prompt_ids[3], "ngram", 4))
+        other.add_requests([request("r3", prompt_ids[3], "ngram", 4)])
         assert passes == [len(prompt_ids[3]) - 1] and not other.running["r3"].prefill  # prefilled at join
         tokens = []
         while other.has_unfinished():
@@ -124,11 +124,11 @@ def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prom
 
 def test_abort_frees_the_slot_at_once(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory()
-    engine.add_request(request("a", prompt_ids[0], "draft", 3, max_tokens=50))
-    engine.add_request(request("b", prompt_ids[1], "ngram", 3, max_tokens=50))
+    engine.add_requests([request("a", prompt_ids[0], "draft", 3, max_tokens=50)])
+    engine.add_requests([request("b", prompt_ids[1], "ngram", 3, max_tokens=50)])
     engine.step()
     engine.abort_request("a")
-    assert engine.runner.rows == ["b"] and engine.planner.proposers["draft"].runner.rows == []
+    assert engine.runner.rows == ["b"] and engine.proposer("draft").runner.rows == []
     assert {o.request_id for o in engine.step().outputs} == {"b"}
 
 
@@ -137,8 +137,8 @@ def test_max_tokens_and_stop_strings(tiny_engine_factory, tokenizer, prompt_ids,
     text = tokenizer.decode(greedy_reference["r3"])
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     outs = {}
-    engine.add_request(request("len", prompt_ids[3], "draft", 8, max_tokens=5))
-    engine.add_request(request("stop", prompt_ids[3], "ngram", 8, stop=(stop,)))
+    engine.add_requests([request("len", prompt_ids[3], "draft", 8, max_tokens=5)])
+    engine.add_requests([request("stop", prompt_ids[3], "ngram", 8, stop=(stop,))])
     texts = {"len": "", "stop": ""}
     while engine.has_unfinished():
         for o in engine.step().outputs:
@@ -151,15 +151,16 @@ def test_max_tokens_and_stop_strings(tiny_engine_factory, tokenizer, prompt_ids,
     assert stop not in texts["stop"]
 
 
-def test_eos_stops_and_later_accepted_tokens_are_dropped(tiny_target, tokenizer):
+def test_eos_stops_and_later_accepted_tokens_are_dropped(tiny_target, tokenizer, monkeypatch):
     from server.config import Settings
+    from server.engine import engine as engine_module
     from server.engine.engine import Engine
 
-    # Find where greedy output of a prompt lands, then declare its 3rd token an EOS id.
-    engine = Engine(tiny_target, tiny_target, Settings.load())
+    # Find where greedy output of a prompt lands, then build an engine whose model's EOS id is its 3rd token.
     prompt = tokenizer.encode("count: 1 2 3")
-    ref = run(engine, [request("r", prompt, max_tokens=10)])["r"]
-    engine.eos_ids = {ref[2]}
+    ref = run(Engine(tiny_target, tiny_target, Settings.load()), [request("r", prompt, max_tokens=10)])["r"]
+    monkeypatch.setattr(engine_module, "_eos_ids", lambda model: {ref[2]})
+    engine = Engine(tiny_target, tiny_target, Settings.load())
     out = run(engine, [request("s", prompt, "draft", 8, max_tokens=10, ignore_eos=False)])["s"]
     assert out == ref[: ref.index(ref[2]) + 1]
 
@@ -236,7 +237,7 @@ def test_a_lookahead_draft_ends_at_a_token_that_would_end_the_request(tiny_engin
     prompt = [*text, *text[:4]]  # ends like the text before its end-of-turn
     plans = {}
     for rid, sampling in (("eos", {"ignore_eos": False}), ("ignore", {}), ("stop", {"stop_token_ids": [202]})):
-        engine.add_request(request(rid, prompt, method, 8, max_tokens=16, **sampling))
+        engine.add_requests([request(rid, prompt, method, 8, max_tokens=16, **sampling)])
     for seq, row in zip(engine.running.values(), engine.planner.plan(list(engine.running.values())).rows,
                         strict=True):
         plans[seq.request_id] = row.drafts

@@ -17,17 +17,20 @@ import torch
 from server.config import Settings
 from server.draft_head.model import EagleHead
 from server.engine import engine as engine_module
-from server.engine.engine import Engine, EngineFault
+from server.engine.engine import Engine
+from server.engine.isolation import EngineFault
 from server.engine.threads import ThreadGovernor
 from server.failsafe import SWITCH_OFF_AFTER, OptionalParts
 from server.grammar import GrammarState
 from server.model.prefix_cache import PrefixCache
 from server.model.runner import ModelRunner
-from server.speculation.adaptive import AdaptivePolicy, CostModel
+from server.speculation.acceptance import AcceptanceModel
+from server.speculation.cost import CostModel
 from server.speculation.draft_model import DraftModelProposer
 from server.speculation.eagle import EagleProposer
 from server.speculation.ngram import NgramProposer
 from server.speculation.planner import Planner
+from server.speculation.policy import AutoPolicy
 from server.speculation.suffix import SuffixProposer
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import request
@@ -37,8 +40,8 @@ from tests.test_constrained import SCHEMA, json_grammar
 TARGETS: dict[str, list[tuple[type, str]]] = {
     "threads": [(ThreadGovernor, "before_step"), (ThreadGovernor, "observe")],
     "cost_model": [(CostModel, "verify_time"), (CostModel, "observe_verify"), (CostModel, "observe_draft")],
-    "acceptance": [(AdaptivePolicy, "observe"), (AdaptivePolicy, "forget")],
-    "planner": [(AdaptivePolicy, "choose"), (AdaptivePolicy, "due"), (Planner, "_widen")],
+    "acceptance": [(AcceptanceModel, "observe"), (AcceptanceModel, "forget")],
+    "planner": [(AutoPolicy, "choose"), (AutoPolicy, "due"), (AutoPolicy, "allot")],
     "proposer:ngram": [(NgramProposer, "propose"), (NgramProposer, "commit")],
     "proposer:suffix": [(SuffixProposer, "propose"), (SuffixProposer, "commit"), (SuffixProposer, "leave")],
     "proposer:draft": [(DraftModelProposer, "propose"), (DraftModelProposer, "commit"), (DraftModelProposer, "join")],
@@ -156,7 +159,7 @@ def test_an_optional_part_that_raises_at_random_costs_no_answer(make_engine, pro
     assert tokens == clean_run  # greedy, seeded and constrained texts exactly those of the clean run
     assert engine.parts.failures.get(part, 0) >= 1
     assert set(degraded) == set(engine.parts.failures) and len(degraded) == sum(engine.parts.failures.values())
-    for proposer in engine.planner.proposers.values():  # nothing left behind in any proposer
+    for proposer in map(engine.proposer, engine.planner.members):  # nothing left behind in any proposer
         runner = getattr(proposer, "runner", None)
         assert runner is None or not runner.rows
 

@@ -14,7 +14,8 @@ import torch
 
 from server.config import Settings
 from server.draft_head.model import EagleHead
-from server.engine.engine import FAULTY_STEPS, Engine, EngineFault
+from server.engine.engine import Engine
+from server.engine.isolation import FAULTY_STEPS, EngineFault
 from server.model.runner import ModelRunner
 from server.types import GenerationRequest
 from tests.engine_helpers import request
@@ -70,7 +71,7 @@ def drive(engine: Engine, first: list[GenerationRequest], later: dict[int, list[
 
 def assert_no_trace(engine: Engine, rid: str) -> None:
     assert rid not in engine.running and rid not in engine.runner.rows
-    for proposer in engine.planner.proposers.values():
+    for proposer in map(engine.proposer, engine.planner.members):
         runner = getattr(proposer, "runner", None)
         assert runner is None or rid not in runner.rows
         assert rid not in getattr(proposer, "pending", {})

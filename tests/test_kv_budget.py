@@ -40,8 +40,7 @@ def test_the_budget_sizes_the_caches_once_and_bounds_the_context(tiny_target, ti
     engine = Engine(tiny_target, tiny_draft, Settings.load(kv_cache_memory=budget(tiny_target, tiny_draft)))
     assert engine.kv_slots == SLOTS
     assert engine.limits.max_context == SLOTS - ROW_SLACK  # one row alone, with a step's columns to spare
-    layer = engine.runner.kv.cache.layers[0]
-    assert layer.is_initialized and layer.slots == SLOTS  # allocated up front
+    assert engine.runner.allocated_slots == SLOTS  # allocated up front
     assert Engine(tiny_target, tiny_draft, Settings.load()).kv_slots is None
 
 
@@ -72,7 +71,7 @@ def test_admission_waits_for_room_and_usage_is_the_budget_held(tiny_target, tiny
     real_step = engine.step
 
     def step():
-        batches.append(engine.num_running)
+        batches.append(len(engine.running))
         return real_step()
 
     engine.step = step

@@ -18,8 +18,8 @@ def clean_logits(model, tokens: list[int]) -> torch.Tensor:
 def test_ragged_steps_with_rollback_match_clean_forward(tiny_target):
     model = tiny_target.model
     prompts = [[5, 17, 99, 4, 8], [7], [300, 301, 302, 303, 304, 305, 306, 307, 308], [11, 12]]
-    runner = ModelRunner(model)
-    runner.join(["a", "b", "c", "d"], [p[:-1] for p in prompts])  # row b prefills nothing
+    target = ModelRunner(model)
+    target.join(["a", "b", "c", "d"], [p[:-1] for p in prompts])  # row b prefills nothing
     # Row "b" had a one-token prompt: nothing prefilled. Feed the last prompt token plus "drafts".
     history = [list(p[:-1]) for p in prompts]
     pending = [p[-1] for p in prompts]
@@ -28,30 +28,30 @@ def test_ragged_steps_with_rollback_match_clean_forward(tiny_target):
         drafts = [torch.randint(3, 1000, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
                   for _ in prompts]
         fed = [[pending[b]] + drafts[b] for b in range(len(prompts))]
-        logits = runner.forward(fed).logits
+        logits = target.forward(fed).logits
         for b in range(len(prompts)):
             accepted = int(torch.randint(0, len(drafts[b]) + 1, (1,), generator=gen))
             # The logits after each fed token equal a clean forward over the history so far.
             expect = clean_logits(model, history[b] + fed[b][: accepted + 1])
             torch.testing.assert_close(logits[b, accepted], expect, atol=1e-4, rtol=1e-4)
-            runner.rollback(b, len(drafts[b]) - accepted)
+            target.rollback(b, len(drafts[b]) - accepted)
             history[b] += fed[b][: accepted + 1]
             pending[b] = 1000 + b + _step
-        runner.kv.maybe_compact()
-    assert runner.kv.positions == [len(h) for h in history]
+        target.kv.maybe_compact()
+    assert target.kv.positions == [len(h) for h in history]
 
 
 def test_join_leave_and_compact_keep_rows_exact(tiny_target):
     model = tiny_target.model
-    runner = ModelRunner(model)
-    runner.join(["x", "y"], [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10]])
-    runner.forward([[11, 12, 13], [14]])
-    runner.rollback(0, 2)  # x keeps 11; y keeps 14
-    runner.join(["z"], [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]])
-    runner.leave({"y"})
-    assert runner.rows == ["x", "z"]
-    runner.kv.compact()
-    logits = runner.forward([[40], [41, 42]]).logits
+    target = ModelRunner(model)
+    target.join(["x", "y"], [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10]])
+    target.forward([[11, 12, 13], [14]])
+    target.rollback(0, 2)  # x keeps 11; y keeps 14
+    target.join(["z"], [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]])
+    target.leave({"y"})
+    assert target.rows == ["x", "z"]
+    target.kv.compact()
+    logits = target.forward([[40], [41, 42]]).logits
     expect_x = clean_logits(model, [1, 2, 3, 4, 5, 6, 7, 8, 11, 40])
     torch.testing.assert_close(logits[0, 0], expect_x, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
@@ -61,38 +61,38 @@ def test_join_leave_and_compact_keep_rows_exact(tiny_target):
 
 def test_steps_write_in_place_without_copying_the_cache(tiny_target):
     """A step writes only its new columns: the buffers are not reallocated (no per-step full copy)."""
-    runner = ModelRunner(tiny_target.model)
-    runner.join(["a", "b"], [list(range(10, 40)), list(range(50, 60))])
-    runner.kv._resize(256)  # room for the steps below, so growth (amortised doubling) doesn't kick in
-    buffers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in runner.kv.cache.layers]
+    target = ModelRunner(tiny_target.model)
+    target.join(["a", "b"], [list(range(10, 40)), list(range(50, 60))])
+    target.kv._resize(256)  # room for the steps below, so growth (amortised doubling) doesn't kick in
+    buffers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in target.kv.cache.layers]
     for step in range(10):
-        runner.forward([[100 + step, 7, 8, 9], [200 + step]])
-        runner.rollback(0, 2)
-    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in runner.kv.cache.layers] == buffers
+        target.forward([[100 + step, 7, 8, 9], [200 + step]])
+        target.rollback(0, 2)
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in target.kv.cache.layers] == buffers
 
 
 def test_rows_joining_one_at_a_time_regrow_the_cache_a_logarithmic_number_of_times(tiny_target):
     """Without a budget the cache grows as rows join; a server joins requests one at a time, and a new
     buffer copies every row already there, so buffers grow at least twofold (32 joins: a few copies, not
     32), and the rows stay exact."""
-    runner = ModelRunner(tiny_target.model)
-    layer = runner.kv.cache.layers[0]
+    target = ModelRunner(tiny_target.model)
+    layer = target.kv.cache.layers[0]
     buffers, last = 0, None
     for i in range(32):
-        runner.join([f"r{i}"], [[3 + i, 5, 7, 11]])
+        target.join([f"r{i}"], [[3 + i, 5, 7, 11]])
         buffers += layer.key_store.data_ptr() != last  # the old buffer is alive while copied: a new one differs
         last = layer.key_store.data_ptr()
     assert buffers <= 7  # 1, 2, 4, ... 32 rows' worth
-    logits = runner.forward([[13]] * 32).logits
+    logits = target.forward([[13]] * 32).logits
     torch.testing.assert_close(logits[31, 0], clean_logits(tiny_target.model, [34, 5, 7, 11, 13]), atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_equals_one_forward(tiny_target):
     model = tiny_target.model
     prompts = [list(range(100, 140)), list(range(300, 307)), []]
-    runner = ModelRunner(model)
-    runner.join(["a", "b", "c"], prompts, chunk=16)
-    logits = runner.forward([[5], [6], [7]]).logits
+    target = ModelRunner(model)
+    target.join(["a", "b", "c"], prompts, chunk=16)
+    logits = target.forward([[5], [6], [7]]).logits
     for b, (p, last) in enumerate(zip(prompts, [5, 6, 7], strict=True)):
         torch.testing.assert_close(logits[b, 0], clean_logits(model, p + [last]), atol=1e-4, rtol=1e-4)
 
@@ -100,31 +100,31 @@ def test_chunked_prefill_equals_one_forward(tiny_target):
 def test_holes_from_rollbacks_stay_bounded(tiny_target):
     """Every step rolls back most of what it fed (as a draft cache does): compaction keeps the
     column space within about twice the live tokens instead of growing with the steps."""
-    runner = ModelRunner(tiny_target.model)
-    runner.join(["a"], [list(range(10, 20))])
+    target = ModelRunner(tiny_target.model)
+    target.join(["a"], [list(range(10, 20))])
     for step in range(200):
-        runner.forward([[100 + step % 50, 1, 2, 3, 4, 5, 6, 7]])
-        runner.rollback(0, 7)
-    assert runner.kv.positions == [210]
-    assert runner.kv.length <= 2 * 210 + 64 + 8
+        target.forward([[100 + step % 50, 1, 2, 3, 4, 5, 6, 7]])
+        target.rollback(0, 7)
+    assert target.kv.positions == [210]
+    assert target.kv.length <= 2 * 210 + 64 + 8
 
 
 def test_hidden_states_of_fed_tokens_match_a_clean_forward(tiny_target):
     """The runner hands out, per fed position, the base model's output after the final norm (what the
     LM head reads), for prefills and for ragged steps with rollback alike."""
     model = tiny_target.model
-    runner = ModelRunner(model)
+    target = ModelRunner(model)
     prompts = [[5, 17, 99, 4, 8], [7, 9]]
-    joined = runner.join(["a", "b"], prompts, hidden=True)
+    joined = target.join(["a", "b"], prompts, hidden=True)
     for b, p in enumerate(prompts):
         torch.testing.assert_close(joined[b], clean_hidden(model, p), atol=1e-4, rtol=1e-4)
-    out = runner.forward([[11, 12, 13], [14]], hidden=True)
-    runner.rollback(0, 1)  # row a keeps 11, 12
+    out = target.forward([[11, 12, 13], [14]], hidden=True)
+    target.rollback(0, 1)  # row a keeps 11, 12
     expect = clean_hidden(model, prompts[0] + [11, 12])[-2:]
     torch.testing.assert_close(out.hidden[0, :2], expect, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.hidden[1, :1], clean_hidden(model, prompts[1] + [14])[-1:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(model.lm_head(out.hidden), out.logits, atol=1e-4, rtol=1e-4)
-    after = runner.forward([[20], [21]], hidden=True)
+    after = target.forward([[20], [21]], hidden=True)
     expect = clean_hidden(model, prompts[0] + [11, 12, 20])[-1]
     torch.testing.assert_close(after.hidden[0, 0], expect, atol=1e-4, rtol=1e-4)
 
@@ -138,29 +138,29 @@ def clean_hidden(model, tokens: list[int]) -> torch.Tensor:
 def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_growth_and_compaction(tiny_target):
     """What a failed engine step did to a cache is undone exactly, even when the step compacted it."""
     model = tiny_target.model
-    runner = ModelRunner(model)
-    runner.join(["a", "b"], [[5, 17, 99, 4], [300, 301]])
-    runner.forward([[8, 9, 10], [302]])
-    runner.rollback(0, 2)
-    before = runner.forward([[11], [12]]).logits
-    runner.rollback(0, 1)
-    runner.rollback(1, 1)  # back to where `before` was computed from
-    kv = runner.kv
+    target = ModelRunner(model)
+    target.join(["a", "b"], [[5, 17, 99, 4], [300, 301]])
+    target.forward([[8, 9, 10], [302]])
+    target.rollback(0, 2)
+    before = target.forward([[11], [12]]).logits
+    target.rollback(0, 1)
+    target.rollback(1, 1)  # back to where `before` was computed from
+    kv = target.kv
     ckpt = kv.checkpoint()
     capacity = kv.capacity
     for _ in range(40):  # enough holes that compaction runs, and the buffers grow
-        runner.forward([[7] * 4, [6] * 3])
-        runner.rollback(0, 4)
-        runner.rollback(1, 3)
-    runner.join(["c"], [[1, 2, 3]])
+        target.forward([[7] * 4, [6] * 3])
+        target.rollback(0, 4)
+        target.rollback(1, 3)
+    target.join(["c"], [[1, 2, 3]])
     assert kv.capacity > capacity and len(kv) == 3 and kv._compactions > ckpt.compactions
     kv.restore(ckpt)
     assert kv.rows == ["a", "b"] and kv.positions == ckpt.positions
-    torch.testing.assert_close(runner.forward([[11], [12]]).logits, before)
-    runner.rollback(0, 1)
-    runner.rollback(1, 1)
+    torch.testing.assert_close(target.forward([[11], [12]]).logits, before)
+    target.rollback(0, 1)
+    target.rollback(1, 1)
     kv.restore(ckpt)  # again, without a compaction in between
-    torch.testing.assert_close(runner.forward([[11], [12]]).logits, before)
+    torch.testing.assert_close(target.forward([[11], [12]]).logits, before)
 
 
 def test_a_budgeted_cache_is_allocated_once_and_stays_exact_through_joins_leaves_and_compaction(tiny_target):
@@ -169,30 +169,30 @@ def test_a_budgeted_cache_is_allocated_once_and_stays_exact_through_joins_leaves
     from server.model.kv_cache import KVBudgetExceeded
 
     model = tiny_target.model
-    runner = ModelRunner(model, kv_slots=600)
-    stores = [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in runner.kv.cache.layers]
+    target = ModelRunner(model, kv_slots=600)
+    stores = [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in target.kv.cache.layers]
     history = {"a": [5, 17, 99, 4], "b": [300, 301]}
-    runner.join(["a", "b"], [history["a"], history["b"]])
+    target.join(["a", "b"], [history["a"], history["b"]])
     gen = torch.Generator().manual_seed(1)
     for step in range(30):
         if step == 5:
             history["c"] = list(range(20, 60))
-            runner.join(["c"], [history["c"]])
+            target.join(["c"], [history["c"]])
         if step == 12:
-            runner.leave({"a"})
+            target.leave({"a"})
             del history["a"]
         if step == 18:
             history["d"] = list(range(400, 470))
-            runner.join(["d"], [history["d"]])
-        rows = runner.rows
+            target.join(["d"], [history["d"]])
+        rows = target.rows
         fed = [[1000 + step + b] + [7, 8, 9][: int(torch.randint(0, 4, (1,), generator=gen))] for b in range(len(rows))]
-        logits = runner.forward(fed).logits
+        logits = target.forward(fed).logits
         for b, rid in enumerate(rows):
             expect = clean_logits(model, history[rid] + fed[b][:1])
             torch.testing.assert_close(logits[b, 0], expect, atol=1e-4, rtol=1e-4)
-            runner.rollback(b, len(fed[b]) - 1)
+            target.rollback(b, len(fed[b]) - 1)
             history[rid] += fed[b][:1]
-    assert len(runner.rows) * runner.kv.capacity <= 600
-    assert [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in runner.kv.cache.layers] == stores
+    assert len(target.rows) * target.kv.capacity <= 600
+    assert [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in target.kv.cache.layers] == stores
     with pytest.raises(KVBudgetExceeded):
-        runner.join(["e", "f"], [list(range(200)), list(range(200))])  # 5 rows x 200 columns > 600 slots
+        target.join(["e", "f"], [list(range(200)), list(range(200))])  # 5 rows x 200 columns > 600 slots

@@ -57,7 +57,7 @@ def storages(tensors) -> int:
 
 def every_part_measured(engine: Engine) -> dict[str, int]:
     """The parts, each checked against the tensors it is made of."""
-    parts = engine.memory_usage()
+    parts = engine.memory.usage()
     assert tuple(parts) == PARTS
     seen: set = set()
     target = engine.runner
@@ -65,17 +65,17 @@ def every_part_measured(engine: Engine) -> dict[str, int]:
     assert parts["weights"] == tensor_bytes(weights, seen)
     assert parts["kv_cache"] == sum(s.numel() * s.element_size() for s in target.kv.storage())
     seen.update((str(s.device), s.untyped_storage().data_ptr()) for s in target.kv.storage())
-    blocks = list(engine.prefixes._blocks.values())
-    assert parts["prefix_cache"] == engine.prefixes.used_bytes == sum(b.nbytes for b in blocks)
+    blocks = list(engine.admission.prefixes._blocks.values())
+    assert parts["prefix_cache"] == engine.admission.prefixes.used_bytes == sum(b.nbytes for b in blocks)
     proposer_tensors = [t for p in engine.planner.proposers.values() for t in p.weight_tensors()]
-    for runner in engine.planner.model_runners():
-        proposer_tensors += runner.kv.storage()
-    eagle = engine.planner.proposers["eagle"]
+    for model in engine.planner.model_runners():  # the proposers' own caches
+        proposer_tensors += model.kv.storage()
+    eagle = engine.proposer("eagle")
     proposer_tensors += [f for p in eagle.pending.values() for f in p.features]
     proposer_tensors += [f for s in engine.running.values() for f in (s.features or ())]
-    suffix = engine.planner.proposers["suffix"].cache_bytes(set())
+    suffix = engine.proposer("suffix").cache_bytes(set())
     assert parts["proposers"] == tensor_bytes(proposer_tensors, seen) + suffix
-    assert parts["activations"] == engine.step_memory.peak > 0
+    assert parts["activations"] == engine.memory.step.peak > 0
     assert parts["runtime"] > 0
     return parts
 
@@ -88,9 +88,9 @@ def test_the_gauges_are_the_tensors_bytes_and_hold_every_tensor_the_engine_keeps
                              prefix_cache_memory="4MiB", max_batch_size=4)
     engine = Engine(tiny_target, tiny_draft, settings)
     assert isinstance(engine.runner.call, LeanForward)
-    engine.measure_memory()
-    engine.settle_memory()
-    assert engine.step_memory.per_token > 0 and engine.step_memory.per_position > 0
+    engine.memory.measure(tiny_target.model, engine.vocab_size, engine.planner.needs_hidden, 4, 17)
+    engine.memory.settle()
+    assert engine.memory.step.per_token > 0 and engine.memory.step.per_position > 0
     # at start: the process's RSS is the sum of the parts but the steps' working memory (none runs)
     parts = every_part_measured(engine)
     resident = sum(v for k, v in parts.items() if k != "activations")
@@ -100,18 +100,18 @@ def test_the_gauges_are_the_tensors_bytes_and_hold_every_tensor_the_engine_keeps
     run(engine, finished)  # into the prefix cache and suffix's global index
     methods = ["eagle", "draft", "ngram", "suffix"]
     for i, method in enumerate(methods):  # rows in flight: every cache holds something
-        engine.add_request(request(f"run-{i}", prompt_ids[i % len(prompt_ids)] * 4, method, k=4, max_tokens=40))
+        engine.add_requests([request(f"run-{i}", prompt_ids[i % len(prompt_ids)] * 4, method, k=4, max_tokens=40)])
     for _ in range(3):
         engine.step()
     assert len(engine.running) == len(methods)
     parts = every_part_measured(engine)
     assert parts["prefix_cache"] > 0 and parts["proposers"] > 0
-    assert engine.planner.proposers["suffix"].cache_bytes(set()) > 0
+    assert engine.proposer("suffix").cache_bytes(set()) > 0
 
     # Nothing tensor-shaped is held outside the parts (bookkeeping aside): a forgotten cache fails here.
     held = storages(reachable_tensors(engine))
     counted = parts["weights"] + parts["kv_cache"] + parts["prefix_cache"] + parts["proposers"]
-    counted -= engine.planner.proposers["suffix"].cache_bytes(set())  # numpy arrays, not tensors
+    counted -= engine.proposer("suffix").cache_bytes(set())  # numpy arrays, not tensors
     assert counted <= held <= counted + SLACK_BYTES, (held, counted)
 
 
@@ -119,34 +119,34 @@ def test_an_idle_cache_without_a_budget_frees_its_buffers(tiny_target, tiny_draf
     """Every row gone: the cache's storage goes, and so do the views of it that would keep it alive."""
     engine = Engine(tiny_target, tiny_draft, Settings.load(prefix_cache_memory=None))
     run(engine, [request(f"r{i}", p * 4, "ngram", max_tokens=8) for i, p in enumerate(prompt_ids)])
-    assert engine.memory_usage()["kv_cache"] == 0
+    assert engine.memory.usage()["kv_cache"] == 0
     held = storages(reachable_tensors(engine))
-    assert held <= engine.memory_usage()["weights"] + engine.memory_usage()["proposers"] + SLACK_BYTES
+    assert held <= engine.memory.usage()["weights"] + engine.memory.usage()["proposers"] + SLACK_BYTES
 
 
 def test_the_heap_is_trimmed_when_the_cache_moves_into_a_bigger_buffer_not_when_it_frees(tiny_target, prompt_ids):
     engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
     trims: list[int] = []
-    engine._trim_heap = lambda: trims.append(engine.runner.kv.nbytes)
-    engine.add_request(request("a", prompt_ids[0], "none", max_tokens=4))
+    engine.memory._trim_heap = lambda: trims.append(engine.memory.usage()["kv_cache"])
+    engine.add_requests([request("a", prompt_ids[0], "none", max_tokens=4)])
     engine.step()  # its short prompt rides with its first step
     assert len(trims) == 1  # the cache's first storage
-    engine.add_request(request("b", (prompt_ids[3] * 30)[:300], "none", max_tokens=4))
+    engine.add_requests([request("b", (prompt_ids[3] * 30)[:300], "none", max_tokens=4)])
     assert len(trims) == 2 and trims[-1] > trims[0]  # a longer row: a bigger buffer
     while engine.has_unfinished():
         engine.step()
-    assert engine.runner.kv.nbytes == 0 and len(trims) == 2  # the batch emptied: no trim (idle does it)
+    assert engine.memory.usage()["kv_cache"] == 0 and len(trims) == 2  # the batch emptied: no trim (idle does it)
 
 
 def test_a_joins_scratch_cache_counts_as_working_memory_and_is_sized_to_the_prompt(tiny_target, prompt_ids):
     engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
     prompt = (prompt_ids[3] * 40)[:700]
-    engine.add_request(request("long", prompt, "none", max_tokens=4))
+    engine.add_requests([request("long", prompt, "none", max_tokens=4)])
     per_token = ModelRunner.kv_shape(tiny_target.model).bytes_per_token
     # exactly the prompt's columns (less the last token, which the first step feeds): not doubled to 1024
     assert engine.runner.join_bytes == (len(prompt) - 1) * per_token
-    assert engine.step_memory.high_water >= engine.runner.join_bytes
-    assert engine.memory_usage()["activations"] >= engine.runner.join_bytes
+    assert engine.memory.step.high_water >= engine.runner.join_bytes
+    assert engine.memory.usage()["activations"] >= engine.runner.join_bytes
 
 
 def test_step_memory_is_per_token_and_per_position():

@@ -38,7 +38,7 @@ def _check_step_shapes(sources: list[TokenSource], k: int, proposer: str) -> Non
 
 
 def _run_engine(engine, req) -> list[RequestOutput]:
-    engine.add_request(req)
+    engine.add_requests([req])
     outs = []
     while engine.has_unfinished():
         outs.extend(o for o in engine.step().outputs if o.request_id == req.request_id)

@@ -15,8 +15,7 @@ from tests.test_kv_cache import clean_logits
 
 
 def _store(cache: PrefixCache, runner: ModelRunner, rid: str, tokens: list[int], salt: str | None = None) -> None:
-    row = runner.kv.index(rid)
-    cache.store(tokens[: runner.kv.positions[row]], salt, runner.kv.live(row))
+    cache.store(tokens[: runner.cached(rid)], salt, runner.live(rid))
 
 
 def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(tiny_target):
@@ -38,7 +37,7 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(tiny_target):
     assert len(blocks) == 3  # the shared system prompt; the fourth block differs
     hidden = runner.join(["b"], [second], hidden=True, prefixes=[concat(blocks)])
     assert hidden[0].shape[0] == len(second) - 3 * BLOCK  # only the computed tokens have hidden states
-    assert runner.kv.positions == [len(second)]
+    assert [runner.cached(rid) for rid in runner.rows] == [len(second)]
     logits = runner.forward([[44, 45]]).logits
     torch.testing.assert_close(logits[0, 1], clean_logits(model, second + [44, 45]), atol=1e-4, rtol=1e-4)
 
@@ -95,16 +94,15 @@ def test_features_stored_with_a_prefix_come_back_with_it_and_a_block_without_the
     cache = PrefixCache(64 << 20)
     tokens = list(range(40, 40 + 3 * BLOCK + 3))
     hidden = runner.join(["a"], [tokens], hidden=True)[0]
-    row = runner.kv.index("a")
-    cache.store(tokens[: 2 * BLOCK], None, runner.kv.live(row))  # two blocks stored without features
+    cache.store(tokens[: 2 * BLOCK], None, runner.live("a"))  # two blocks stored without features
     before = cache.used_bytes
     assert len(cache.match(tokens, None)) == 2 and cache.match(tokens, None, features=True) == []
-    cache.store(tokens, None, runner.kv.live(row), hidden[: 2 * BLOCK + 5])  # features cover two blocks of three
+    cache.store(tokens, None, runner.live("a"), hidden[: 2 * BLOCK + 5])  # features cover two blocks of three
     assert len(cache) == 3 and cache.used_bytes > before * 3 // 2  # the two gained features, the third was added
     with_features = cache.match(tokens, None, features=True)
     assert len(with_features) == 2 and len(cache.match(tokens, None)) == 3
     torch.testing.assert_close(concat_features(with_features), hidden[: 2 * BLOCK])
-    cache.store(tokens, None, runner.kv.live(row), hidden)  # now the third block gets its features
+    cache.store(tokens, None, runner.live("a"), hidden)  # now the third block gets its features
     torch.testing.assert_close(concat_features(cache.match(tokens, None, features=True)), hidden[: 3 * BLOCK])
 
 
@@ -116,8 +114,7 @@ def test_a_proposers_state_is_kept_per_block_and_added_to_blocks_stored_without_
     cache = PrefixCache(64 << 20)
     tokens = list(range(40, 40 + 3 * BLOCK + 3))
     runner.join(["a"], [tokens])
-    row = runner.kv.index("a")
-    cache.store(tokens, None, runner.kv.live(row))  # the prompt, before the proposer computed anything
+    cache.store(tokens, None, runner.live("a"))  # the prompt, before the proposer computed anything
     assert all(not b.states for b in cache.match(tokens, None))
     before = cache.used_bytes
     calls = []
@@ -126,12 +123,12 @@ def test_a_proposers_state_is_kept_per_block_and_added_to_blocks_stored_without_
         calls.append(n)
         return [(torch.full((1, 2, BLOCK), float(i)),) for i in range(min(n, 2))]
 
-    assert cache.store(tokens, None, runner.kv.live(row), states={"head": head}) == 0  # no block added
+    assert cache.store(tokens, None, runner.live("a"), states={"head": head}) == 0  # no block added
     assert calls == [3] and cache.used_bytes == before + 2 * 2 * BLOCK * 4
     blocks = cache.match(tokens, None)
     assert len(blocks) == 3 and [s[0][0, 0, 0].item() for s in leading_states(blocks, "head")] == [0.0, 1.0]
     assert leading_states(blocks, "draft") == []
-    cache.store(tokens[: 2 * BLOCK], None, runner.kv.live(row), states={"head": head})
+    cache.store(tokens[: 2 * BLOCK], None, runner.live("a"), states={"head": head})
     assert calls == [3]  # both blocks hold it: not read again
 
 
@@ -145,15 +142,15 @@ def test_a_draft_model_starts_from_the_keys_and_values_it_computed_for_an_earlie
     fresh = Engine(tiny_target, tiny_draft, Settings.load(prefix_cache_memory="none"))
     turn = shared + prompt_ids[2]
     for e in (engine, fresh):
-        e.add_request(request("b", turn, "draft", 4, max_tokens=24))
-    drafts = [e.planner.proposers["draft"] for e in (engine, fresh)]
+        e.add_requests([request("b", turn, "draft", 4, max_tokens=24)])
+    drafts = [e.proposer("draft") for e in (engine, fresh)]
     assert sum(s[0].shape[2] for s in drafts[0]._loaded["b"]) == len(shared) // BLOCK * BLOCK
     out: list[list[int]] = [[], []]
     for e, got in zip((engine, fresh), out, strict=True):
         got += [t for o in e.step().outputs for t in o.token_ids]
-        d = e.planner.proposers["draft"]
-        assert d.runner.kv.positions[d.runner.kv.index("b")] >= len(turn) - 1
-    rows = [d.runner.kv.live(d.runner.kv.index("b")) for d in drafts]
+        d = e.proposer("draft")
+        assert d.runner.cached("b") >= len(turn) - 1
+    rows = [d.runner.live("b") for d in drafts]
     for cached, computed in zip(rows[0](0, len(turn) - 1), rows[1](0, len(turn) - 1), strict=True):
         torch.testing.assert_close(cached, computed, atol=1e-4, rtol=1e-4)
     for e, got in zip((engine, fresh), out, strict=True):
@@ -176,7 +173,7 @@ def test_engine_outputs_are_unchanged_and_usage_counts_the_cached_tokens(tiny_ta
     reqs = [request(f"q{i}", system + q, method="ngram", k=4, max_tokens=12) for i, q in enumerate(questions)]
 
     plain = _engine(tiny_target, prefix_cache_memory="none")
-    assert plain.prefixes is None
+    assert plain.admission.prefixes is None
     want = {rid: toks for r in reqs for rid, toks in run(plain, [r]).items()}
 
     cached = _engine(tiny_target)
@@ -221,9 +218,9 @@ def test_a_request_arriving_while_another_runs_shares_its_prompt(tiny_target):
     same system prompt at once (continuous batching) reuse it while the first request still decodes."""
     engine = _engine(tiny_target)
     system = list(range(2000, 2000 + 3 * BLOCK + 4))
-    engine.add_request(request("first", system + [5, 6, 7], max_tokens=8))
+    engine.add_requests([request("first", system + [5, 6, 7], max_tokens=8)])
     engine.step()
-    engine.add_request(request("second", system + [9, 9], max_tokens=8))
+    engine.add_requests([request("second", system + [9, 9], max_tokens=8)])
     assert engine.running["first"].stats.cached_tokens == 0
     assert engine.running["second"].stats.cached_tokens == 3 * BLOCK
     while engine.has_unfinished():
@@ -235,15 +232,15 @@ def test_an_aborted_request_leaves_what_it_computed(tiny_target):
     sends the partial answer back (as chat clients do on "continue") reuses them."""
     engine = _engine(tiny_target)
     prompt = list(range(3000, 3000 + BLOCK + 3))
-    engine.add_request(request("gone", prompt, max_tokens=64))
+    engine.add_requests([request("gone", prompt, max_tokens=64)])
     for _ in range(2 * BLOCK):
         engine.step()
     seq = engine.running["gone"]
-    computed = seq.tokens[: engine.runner.kv.positions[engine.runner.kv.index("gone")]]
+    computed = seq.tokens[: engine.runner.cached("gone")]
     engine.abort_request("gone")
     assert not engine.has_unfinished()
     retry = request("retry", computed + [7], max_tokens=2)
-    engine.add_request(retry)
+    engine.add_requests([retry])
     assert engine.running["retry"].stats.cached_tokens == len(computed) // BLOCK * BLOCK >= 2 * BLOCK
 
 

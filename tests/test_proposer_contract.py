@@ -13,7 +13,7 @@ from tests.engine_helpers import final_stats, request, run
 class RepeatLast(Proposer):
     """Test-only: drafts the last token k times (right on runs like "a a a a", wrong elsewhere)."""
 
-    traits = Traits(deterministic=True, lookahead=True, draft_token_cost=0.001)
+    traits = Traits(lookahead=True, draft_token_cost=0.001)
 
     @classmethod
     def build(cls, ctx: BuildContext) -> RepeatLast:
@@ -45,7 +45,7 @@ def test_auto_weighs_a_new_proposer_from_its_traits_alone(tiny_engine_factory, t
     engine = tiny_engine_factory(registry=WITH_REPEAT, ngram_min=16, ngram_max=16)  # n-gram never matches
     prompt = tokenizer.encode("7 7 7 7 7 7 7 7 7 7 7 7")
     outputs = []
-    engine.add_request(request("r", prompt, "auto", 8, max_tokens=40))
+    engine.add_requests([request("r", prompt, "auto", 8, max_tokens=40)])
     steps = []
     while engine.has_unfinished():
         result = engine.step()
@@ -61,7 +61,7 @@ def test_auto_weighs_a_new_proposer_from_its_traits_alone(tiny_engine_factory, t
 class HiddenRecorder(Proposer):
     """Test-only: drafts nothing useful, records the hidden states it is handed."""
 
-    traits = Traits(deterministic=True, lookahead=True, needs_hidden=True, draft_token_cost=0.001)
+    traits = Traits(lookahead=True, needs_hidden=True, draft_token_cost=0.001)
 
     def __init__(self) -> None:
         self.received: dict[str, list[torch.Tensor]] = {}
@@ -89,7 +89,7 @@ def test_proposers_receive_the_hidden_states_of_exactly_the_committed_tokens(tin
     committed (the first step's, those of a prompt tail it computed too); together, in order, they are a
     clean forward's final-norm states of every committed token but the newest (which no pass has fed yet)."""
     engine = tiny_engine_factory(registry=BUILTIN.with_entry(Entry("hidden", HiddenRecorder)))
-    recorder = engine.planner.proposers["hidden"]
+    recorder = engine.proposer("hidden")
     out = run(engine, [request(f"r{i}", p, "hidden", 3, max_tokens=12) for i, p in enumerate(prompt_ids)])
     for i, prompt in enumerate(prompt_ids):
         tokens = prompt + out[f"r{i}"]

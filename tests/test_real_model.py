@@ -46,8 +46,8 @@ def reference(engine, chat_prompts) -> dict[str, list[int]]:
 
 def test_default_model_loads_from_the_gguf_package_with_its_shipped_head(engine):
     assert engine.model_name == "SmolLM2-135M-Instruct"
-    assert "draft" in engine.methods and engine.draft_name.endswith("bfloat16")
-    assert "eagle" in engine.methods
+    assert "draft" in engine.limits.methods and engine.draft_name.endswith("bfloat16")
+    assert "eagle" in engine.limits.methods
     defaults = Settings.load()  # the defaults speculate with the shipped head; the bf16 self-draft is opt-in
     assert defaults.draft is None and defaults.resolved_draft_head() is not None
 

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from server.sampling import BatchSampling, probabilities
+from server.speculation.plan import RowPlan, Rule, place
 from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
 
@@ -17,12 +18,18 @@ def verdict(drafts, p, qs, generators, greedy=None):
     """The sampler on p given per row [rows, W, V] (tests write it so): each row's k + 1 positions,
     row after row, are what it reads."""
     flat = torch.cat([p[b, : len(d) + 1] for b, d in enumerate(drafts)])
-    return rejection_sample(drafts, flat, qs, generators, greedy)
+    return rejection_sample(rows(drafts, qs), flat, generators, greedy)
+
+
+def rows(drafts, qs) -> list[RowPlan]:
+    """Placed rows: the ratio rule where a q is given, else compare."""
+    return place([RowPlan("x", d, Rule.RATIO if q is not None else Rule.COMPARE, q)
+                  for d, q in zip(drafts, qs, strict=True)])
 
 
 def test_p_must_hold_each_rows_positions():
     with pytest.raises(ValueError, match="positions"):
-        rejection_sample([[1, 2]], one_hot(1, 2), [None], gens(1))
+        rejection_sample(rows([[1, 2]], [None]), one_hot(1, 2), gens(1))
 
 
 def one_hot(*idx: int) -> torch.Tensor:
@@ -144,8 +151,8 @@ def test_output_converges_to_target_distribution_and_a_wrong_rule_is_caught():
     assert chisquare(bad, expected).pvalue < 1e-6
 
 
-def test_deterministic_drafts_do_not_change_what_a_seed_samples():
-    """For n-gram drafts (one-hot q) the sampler draws every token as plain decoding would: the
+def test_compared_drafts_do_not_change_what_a_seed_samples():
+    """For compared drafts (n-gram: one-hot q) the sampler draws every token as plain decoding would: the
     emitted text from a seed is the same whatever was drafted, and only how many tokens one pass
     yields changes."""
     torch.manual_seed(0)

@@ -213,7 +213,7 @@ def test_leaving_without_output_adds_nothing_and_unknown_ids_are_ignored():
 # ---- in the engine ---------------------------------------------------------------------------------
 def test_suffix_registered_once_and_lookahead():
     assert BUILTIN.proposers.count("suffix") == 1
-    assert SuffixProposer.traits.lookahead and SuffixProposer.traits.deterministic
+    assert SuffixProposer.traits.lookahead
     assert len(SuffixProposer.traits.confidence_priors) == 8
 
 
@@ -231,13 +231,13 @@ def test_a_repeated_request_drafts_from_the_global_tree_from_its_first_token(tin
     only = Registry(tuple(e for e in BUILTIN.entries if e.name == "suffix"))
     engine = tiny_engine_factory(registry=only, draft=None)
     prompt = prompt_ids[0]  # "Hello world, this is": nothing in it repeats, so its own tree offers nothing
-    engine.add_request(request("first", prompt, "suffix", 8, max_tokens=24))
+    engine.add_requests([request("first", prompt, "suffix", 8, max_tokens=24)])
     outs = []
     while engine.has_unfinished():
         outs += engine.step().outputs
     assert outs[0].sources[0].origin == "plain"  # the first request's first step had nothing to draft
     answer = [t for o in outs for t in o.token_ids]
-    engine.add_request(request("second", prompt, "suffix", 8, max_tokens=24))
+    engine.add_requests([request("second", prompt, "suffix", 8, max_tokens=24)])
     step = engine.step().outputs[0]
     assert [s.origin for s in step.sources] == ["accepted"] * 8 + ["bonus"]  # drafted from its first token
     assert step.token_ids == answer[:9]

@@ -196,11 +196,11 @@ def test_probe_steps_do_not_teach_the_cost_model(tiny_engine_factory, monkeypatc
             return forward(self, *args, **kwargs)
 
         monkeypatch.setattr(ModelRunner, "forward", slow_at_one_thread)
-        cost = engine.planner.policy.cost
+        cost = engine.cost
         learned: list[float] = []
         observe = cost.observe_verify
         monkeypatch.setattr(cost, "observe_verify",
-                            lambda n, s, prior=False, rows=None: (learned.append(s), observe(n, s, prior, rows)))
+                            lambda rows, n, s, prior=False: (learned.append(s), observe(rows, n, s, prior)))
         _generate(engine, request)
     finally:
         torch.set_num_threads(before)
@@ -209,7 +209,7 @@ def test_probe_steps_do_not_teach_the_cost_model(tiny_engine_factory, monkeypatc
 
 
 def _generate(engine, request) -> list[int]:
-    engine.add_request(request)
+    engine.add_requests([request])
     ids: list[int] = []
     while engine.has_unfinished():
         if engine.threads is not None:

@@ -98,8 +98,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
             "methods": info.methods,
             "default_method": info.default_method,
-            "default_num_tokens": info.default_num_tokens,
-            "auto_max_num_tokens": info.auto_max_num_tokens,
+            "default_num_tokens": info.num_speculative_tokens,  # the API's names for the two K defaults
+            "auto_max_num_tokens": info.auto_max_speculative_tokens,
         },
     }
 

@@ -28,9 +28,9 @@ class ModelInfo:
     tokenizer: Any  # a Hugging Face tokenizer
     limits: ServingLimits  # context length, vocabulary bounds and methods: the engine's own
     default_method: str
-    default_num_tokens: int  # K of a fixed method when the request names none
+    num_speculative_tokens: int  # K of a fixed method when the request names none (the setting)
     default_max_tokens: int
-    auto_max_num_tokens: int  # `auto`'s K ceiling when the request names none
+    auto_max_speculative_tokens: int  # `auto`'s K when the request names none (the setting)
 
     @property
     def methods(self) -> list[str]:
@@ -134,14 +134,16 @@ def _too_long(info: ModelInfo, prompt_len: int, max_tokens: int, param: str) -> 
 
 def speculation_params(info: ModelInfo, body: _GenerationBody) -> SpeculationParams:
     opts = body.speculation
-    method = (opts.method if opts else None) or info.default_method
-    default = info.auto_max_num_tokens if method == "auto" else info.default_num_tokens
-    num_tokens = (opts.num_tokens if opts else None) or default
+    spec = SpeculationParams.resolve(
+        opts.method if opts else None, opts.num_tokens if opts else None, default_method=info.default_method,
+        num_speculative_tokens=info.num_speculative_tokens,
+        auto_max_speculative_tokens=info.auto_max_speculative_tokens,
+    )
     try:
-        info.limits.check_method(method)
+        info.limits.check_method(spec.method)
     except ValueError as exc:
         raise bad_request(str(exc), "speculation.method") from exc
-    return SpeculationParams(method=method, num_tokens=num_tokens)
+    return spec
 
 
 def check_token_ids(info: ModelInfo, body: _GenerationBody) -> None:

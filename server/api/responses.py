@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.tool_calls import ToolCall, parse_whole
-from server.types import RequestOutput, RequestStats, TokenLogprob
+from server.types import RequestOutput, RequestStats, TokenLogprob, total_stats
 
 
 @dataclass
@@ -54,30 +54,24 @@ class Choice:
 
 
 def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, Any]:
-    """OpenAI usage plus `speculation`: figures summed over the choices."""
+    """OpenAI usage plus `speculation`: figures summed over the choices (`total_stats`)."""
     completion = sum(len(c.token_ids) for c in choices)
-    stats = [c.stats for c in choices if c.stats is not None]
-    draft = sum(s.draft_tokens for s in stats)
-    accepted = sum(s.accepted_tokens for s in stats)
-    by_proposer: dict[str, dict[str, int]] = {}
-    for s in stats:
-        for name, tally in s.by_proposer.items():
-            row = by_proposer.setdefault(name, {"draft_tokens": 0, "accepted_tokens": 0})
-            row["draft_tokens"] += tally.draft_tokens
-            row["accepted_tokens"] += tally.accepted_tokens
+    total = total_stats([c.stats for c in choices if c.stats is not None], method, prompt_tokens, completion)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        # the prompt is counted once: what every choice found cached (they join together, so alike)
-        "prompt_tokens_details": {"cached_tokens": min((s.cached_tokens for s in stats), default=0)},
+        "prompt_tokens_details": {"cached_tokens": total.cached_tokens},
         "speculation": {
             "method": method,
-            "draft_tokens": draft,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / draft if draft else 0.0,
-            "decode_steps": sum(s.decode_steps for s in stats),
-            "by_proposer": by_proposer,  # who drafted what (`auto` mixes proposers)
+            "draft_tokens": total.draft_tokens,
+            "accepted_tokens": total.accepted_tokens,
+            "acceptance_rate": total.acceptance_rate,
+            "decode_steps": total.decode_steps,
+            "by_proposer": {  # who drafted what (`auto` mixes proposers)
+                name: {"draft_tokens": t.draft_tokens, "accepted_tokens": t.accepted_tokens}
+                for name, t in total.by_proposer.items()
+            },
         },
     }
 

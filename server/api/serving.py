@@ -47,7 +47,7 @@ from server.scheduler import (
     ShuttingDown,
 )
 from server.traffic import TrafficRecorder
-from server.types import GenerationRequest, RequestOutput, RequestStats
+from server.types import GenerationRequest, RequestOutput, total_stats
 
 T = TypeVar("T")
 
@@ -226,15 +226,8 @@ class OpenAIServing:
     ) -> None:
         """One request-log line for the whole API request (its choices summed, every prompt counted),
         with its `user`; `finish_reason` overrides the first choice's (an abort before any output)."""
-        stats = [c.stats for c in choices if c.stats is not None]
-        total = RequestStats(
-            method=method,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=sum(len(c.token_ids) for c in choices),
-            draft_tokens=sum(s.draft_tokens for s in stats),
-            accepted_tokens=sum(s.accepted_tokens for s in stats),
-            decode_steps=sum(s.decode_steps for s in stats),
-        )
+        total = total_stats([c.stats for c in choices if c.stats is not None], method, prompt_tokens,
+                            sum(len(c.token_ids) for c in choices))
         reason = finish_reason or choices[0].finish_reason
         log_request(response_id, self.info.name, total, reason, ttft, time.monotonic() - started, user)
 

@@ -95,8 +95,8 @@ class ServerState:
             k=s.num_speculative_tokens,
             methods=engine.limits.methods,
         )
-        if hasattr(engine, "memory_usage"):  # specula_memory_bytes{part} (server/engine/memory.py)
-            self.metrics.watch_memory(engine.memory_usage)
+        if hasattr(engine, "memory"):  # specula_memory_bytes{part} (server/engine/memory.py)
+            self.metrics.watch_memory(engine.memory.usage)
         self.scheduler = Scheduler(
             engine,
             max_batch_size=s.max_batch_size,
@@ -111,8 +111,8 @@ class ServerState:
             tokenizer=engine.tokenizer,
             limits=engine.limits,
             default_method=method,
-            default_num_tokens=s.num_speculative_tokens,
-            auto_max_num_tokens=s.auto_max_speculative_tokens,
+            num_speculative_tokens=s.num_speculative_tokens,
+            auto_max_speculative_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None

@@ -1,7 +1,7 @@
 """Step costs measured before the first request, so `auto` plans with this machine's costs from the start.
 
 `auto` weighs drafting against what verifying more tokens and running a model proposer cost
-(server/speculation/adaptive.py `CostModel`). Online, those costs are learnt from the engine's own
+(server/speculation/cost.py `CostModel`). Online, those costs are learnt from the engine's own
 steps; a fresh server would otherwise plan its first steps from a prior slope, and a lone request
 verifying one width at a time never shows the slope at all. At start-up (while `/health` says
 loading) `calibrate` therefore times:
@@ -14,14 +14,13 @@ loading) `calibrate` therefore times:
   first in a batch: it costs far more than a row's share of the tokens, as the pass is packed), every
   row drafting one and two, and every row at K + 1 (`batch_shapes`); `REPEATS` passes each, each
   timed between two plain passes of its batch and kept as its ratio to them (`sandwiched`: a shared
-  host's speed drifts between passes, and the curve's shape is what `auto` reads), with its batch size
-  (the cost model keeps a curve per batch size);
+  host's speed drifts between passes, and the ratios are what the cost model reads), with its batch size;
 * each model proposer's drafting (proposers without a declared cost per draft token), through the
   proposer contract itself: join, one warm-up draft and commit, then K drafts per row, twice, at
   batch 1 (right after the one-row passes) and at `max_batch_size` (last), then leave.
 
-The timings are fed to the planner's cost model as its prior (the shape of the step-cost curve, scaled
-to how fast the machine runs now; timings of real steps replace them width by width) and stored as
+The timings are fed to the cost model as its prior (its ratios of wider passes to plain ones, and plain
+passes scaled to how fast the machine runs now; timings of real steps join them) and stored as
 JSON in `settings.cache_dir/calibration/`, keyed by the target, its dtype, the device, torch's thread
 count and what else changes the costs (draft model, draft head, K, batch size), so a restart with the
 same key reads them back instead of timing again.
@@ -42,25 +41,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from server.config import Settings
+from server.model.loading import LoadedModel
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities
-from server.speculation.planner import elapsed_since
+from server.speculation.cost import CostModel, elapsed_since
+from server.speculation.plan import RowPlan, Rule, place
+from server.speculation.proposer import Proposer
 from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
-
-if TYPE_CHECKING:
-    from server.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 VERSION = 8  # bump when what is measured changes, or what it times gets cheaper: older files are then ignored
 CONTEXT = 64  # tokens each scratch row holds before a timed pass (a short chat prompt)
-REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes by 50%)
-BUDGET_S = 30.0  # stop timing after this long (2 CPU cores time everything in about 12 s)
+REPEATS = 3  # timings per (batch, width): their median is kept (a shared host slows single passes a lot)
+BUDGET_S = 30.0  # stop timing after this long (docs/bench.md says how long it takes on a CPU)
 
 
 @dataclass
@@ -74,36 +73,55 @@ class Calibration:
     loaded: bool = False  # read from the cache directory rather than measured now
     complete: bool = False  # every planned timing was taken (the budget did not cut it short)
 
-    def feed(self, engine: Engine) -> None:
-        """Give the timings to the engine's step-cost model."""
-        cost = engine.planner.policy.cost
+    def feed(self, cost: CostModel) -> None:
+        """Give the timings to a step-cost model, as its prior."""
         for rows, tokens, seconds in self.verify:
-            cost.observe_verify(tokens, seconds, prior=True, rows=rows)
+            cost.observe_verify(rows, tokens, seconds, prior=True)
         for name, points in self.draft.items():
             for rows, forwards, seconds in points:
-                cost.observe_draft(name, forwards, seconds, prior=True, rows=rows)
+                cost.observe_draft(name, rows, forwards, seconds, prior=True)
 
     def to_json(self) -> dict[str, object]:
         return {"version": VERSION, "key": self.key, "verify": self.verify, "draft": self.draft,
                 "complete": self.complete}
 
 
-def calibration_key(engine: Engine) -> dict[str, object]:
-    """What the step costs depend on: model, dtype, device, threads, and the settings that change them."""
-    s = engine.settings
-    return {
-        "target": engine.target.name,
-        "dtype": str(engine.target.model.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "threads": torch.get_num_threads(),
-        "forward": engine.runner.forward_kind,
-        "draft": [s.draft, s.draft_dtype] if engine.draft_name else None,
-        "draft_head": s.draft_head if "eagle" in engine.planner.proposers else None,
-        "k": s.num_speculative_tokens,
-        "auto_k": s.auto_max_speculative_tokens,
-        "max_batch_size": s.max_batch_size,
-        "model_proposers": sorted(_model_proposers(engine)),
-    }
+@dataclass(frozen=True)
+class Subject:
+    """What calibration times: the target (its scratch runners are built on the same model), the runner the
+    engine verifies with (its forward's kind), the proposers, and the settings that change the costs."""
+
+    target: LoadedModel
+    runner: ModelRunner
+    proposers: dict[str, Proposer]
+    settings: Settings
+
+    @property
+    def timed(self) -> list[str]:
+        """Proposers whose cost per draft token the planner times (no declared cost)."""
+        return [n for n, p in self.proposers.items() if p.traits.draft_token_cost is None]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most draft tokens a request gets by default, whatever its method: `auto`'s K or a fixed one's."""
+        return max(self.settings.num_speculative_tokens, self.settings.auto_max_speculative_tokens)
+
+    def key(self) -> dict[str, object]:
+        """What the step costs depend on: model, dtype, device, threads, and the settings that change them."""
+        s = self.settings
+        return {
+            "target": self.target.name,
+            "dtype": str(self.target.model.dtype).removeprefix("torch."),
+            "device": str(self.target.device),
+            "threads": torch.get_num_threads(),
+            "forward": self.runner.forward_kind,
+            "draft": [s.draft, s.draft_dtype] if s.draft is not None else None,
+            "draft_head": s.draft_head if "eagle" in self.proposers else None,
+            "k": s.num_speculative_tokens,
+            "auto_k": s.auto_max_speculative_tokens,
+            "max_batch_size": s.max_batch_size,
+            "model_proposers": sorted(self.timed),
+        }
 
 
 def cache_path(cache_dir: Path, key: dict[str, object]) -> Path:
@@ -131,15 +149,20 @@ def load(path: Path, key: dict[str, object]) -> Calibration | None:
     return Calibration(key, verify, draft, loaded=True, complete=True)
 
 
-def calibrate(engine: Engine, budget_s: float = BUDGET_S) -> Calibration:
-    """Calibrate the engine's cost model: from the cache directory when this key was measured before,
-    else by timing now (then stored). Must run before the engine serves (it uses the target)."""
-    key = calibration_key(engine)
-    path = cache_path(engine.settings.cache_dir, key)
+def calibrate(
+    target: LoadedModel, runner: ModelRunner, proposers: dict[str, Proposer], cost: CostModel, settings: Settings,
+    budget_s: float = BUDGET_S,
+) -> Calibration:
+    """Calibrate `cost` for `target` (verified by `runner`) and the `proposers`: from the cache directory
+    when this key was measured before, else by timing now (then stored). Must run before the engine serves
+    (it uses the target)."""
+    subject = Subject(target, runner, proposers, settings)
+    key = subject.key()
+    path = cache_path(settings.cache_dir, key)
     found = load(path, key)
     if found is None:
         started = time.perf_counter()
-        found = measure(engine, key, budget_s)
+        found = measure(subject, key, budget_s)
         log.info("calibrated step costs in %.1f s: %d verify timings, %s", time.perf_counter() - started,
                  len(found.verify), {n: len(p) for n, p in found.draft.items()})
         try:
@@ -153,7 +176,7 @@ def calibrate(engine: Engine, budget_s: float = BUDGET_S) -> Calibration:
             log.warning("could not store the calibration in %s: %s", path, err)
     else:
         log.info("step costs read from %s", path)
-    found.feed(engine)
+    found.feed(cost)
     return found
 
 
@@ -184,39 +207,32 @@ def _doubling(top: int) -> list[int]:
     return [*out, top]
 
 
-def measure(engine: Engine, key: dict[str, object], budget_s: float = BUDGET_S) -> Calibration:
+def measure(subject: Subject, key: dict[str, object], budget_s: float = BUDGET_S) -> Calibration:
     """Time the target's verify passes and the model proposers' drafting now, most needed first (one
     row: every width, then each model proposer; then larger batches), until `budget_s` is spent."""
     deadline = time.perf_counter() + budget_s
     result = Calibration(key)
-    s = engine.settings
-    widest, top = s.widest_drafts, s.max_batch_size
-    proposers = _model_proposers(engine)
+    widest, top = subject.max_num_tokens, subject.settings.max_batch_size
     # (what, rows, per pass the tokens each row feeds)
     tasks: list[tuple[str, int, list[list[int]]]] = [("verify", 1, [[w] for w in widths(widest)])]
-    tasks += [(name, 1, []) for name in proposers]
+    tasks += [(name, 1, []) for name in subject.timed]
     tasks += [("verify", rows, batch_shapes(rows, widest)) for rows in batch_sizes(top)[1:]]
-    tasks += [(name, top, []) for name in proposers if top > 1]
+    tasks += [(name, top, []) for name in subject.timed if top > 1]
     with torch.no_grad():
         for what, rows, shapes in tasks:
             if time.perf_counter() > deadline:
                 return result
             if what == "verify":
-                result.verify += _time_verify(engine, rows, shapes)
+                result.verify += _time_verify(subject, rows, shapes)
             else:
-                result.draft.setdefault(what, []).extend(_time_drafting(engine, what, rows))
+                result.draft.setdefault(what, []).extend(_time_drafting(subject, what, rows))
     result.complete = True
     return result
 
 
-def _model_proposers(engine: Engine) -> list[str]:
-    """Proposers whose cost per draft token the planner times (no declared cost)."""
-    return [n for n, p in engine.planner.proposers.items() if p.traits.draft_token_cost is None]
-
-
-def _scratch_tokens(engine: Engine, rows: int, length: int) -> list[list[int]]:
+def _scratch_tokens(target: LoadedModel, rows: int, length: int) -> list[list[int]]:
     """Deterministic token ids below the tokenizer's size (any ids cost the same to compute)."""
-    vocab = min(len(engine.tokenizer), engine.vocab_size)
+    vocab = min(len(target.tokenizer), int(target.model.config.vocab_size))
     return [[(17 + 31 * (r * length + i)) % vocab for i in range(length)] for r in range(rows)]
 
 
@@ -226,10 +242,9 @@ def sandwiched(
     """(shape, seconds), `repeats` per shape, where `shapes[0]` is the batch's plain pass and every other
     pass is timed between two plain ones: its seconds are its time over the mean of those two, times the
     median plain pass. What `auto` weighs is what a wider pass costs relative to a plain one; on a shared
-    host the machine's speed moves between passes (consecutive plain passes of one batch timed 78 and
-    126 ms), and timed alone two passes a second apart compared speeds, not widths (a calibration read a
-    9-token pass of 8 rows as costing what 8 tokens do, and `auto` drafted as if it were free). A drift
-    linear over three passes cancels exactly; a burst moves one ratio, which the median over repeats drops.
+    host the machine's speed moves between passes, and timed alone two passes a second apart compare
+    speeds, not widths (docs/bench.md, "Calibration"). A drift linear over three passes cancels exactly; a
+    burst moves one ratio, which the median over repeats drops.
     Each plain pass is given as measured."""
     plain, others = shapes[0], shapes[1:]
     plains: list[float] = []
@@ -249,16 +264,17 @@ def sandwiched(
     return out
 
 
-def _time_verify(engine: Engine, rows: int, shapes: list[list[int]]) -> list[tuple[int, int, float]]:
+def _time_verify(subject: Subject, rows: int, shapes: list[list[int]]) -> list[tuple[int, int, float]]:
     """(rows, tokens fed, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
     tokens each (the engine's own rows are untouched), row b feeding `shape[b]` tokens in each pass
     (packed where rows feed unequal numbers, as the engine's passes are); every pass is rolled back."""
-    runner = ModelRunner(engine.target.model)
+    target, device = subject.target, subject.target.device
+    runner = ModelRunner(target.model)
     ids = [f"calibration-{r}" for r in range(rows)]
-    runner.join(ids, _scratch_tokens(engine, rows, CONTEXT))
-    fed_rows = _scratch_tokens(engine, rows, max(n for shape in shapes for n in shape))
-    sampling = BatchSampling.from_params([SamplingParams()] * rows, engine.device)  # a request that sets nothing
-    gens = [torch.Generator(device=engine.device).manual_seed(r) for r in range(rows)]
+    runner.join(ids, _scratch_tokens(target, rows, CONTEXT))
+    fed_rows = _scratch_tokens(target, rows, max(n for shape in shapes for n in shape))
+    sampling = BatchSampling.from_params([SamplingParams()] * rows, device)  # a request that sets nothing
+    gens = [torch.Generator(device=device).manual_seed(r) for r in range(rows)]
 
     def time_shape(shape: list[int]) -> float:
         started = time.perf_counter()
@@ -266,8 +282,9 @@ def _time_verify(engine: Engine, rows: int, shapes: list[list[int]]) -> list[tup
         # what a step does next, per verify position: p [positions, vocab] and the verdict
         logits, _ = out.of_rows(range(rows))
         p = probabilities(logits[:, None], sampling.at_positions(shape))[:, 0]
-        rejection_sample([r[1:n] for r, n in zip(fed_rows, shape, strict=True)], p, [None] * rows, gens)
-        seconds = elapsed_since(started, engine.device)
+        plan = place([RowPlan("calibration", r[1:n]) for r, n in zip(fed_rows, shape, strict=True)])
+        rejection_sample(plan, p, gens)
+        seconds = elapsed_since(started, device)
         for b, n in enumerate(shape):
             runner.rollback(b, n)
         return seconds
@@ -290,24 +307,24 @@ class _ScratchSequence:
     tokens: list[int]
     generator: torch.Generator
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64, temperature=0.0))
-    one_hot_drafts: bool = False  # greedy scratch rows draft their argmax anyway
+    rule: Rule = Rule.COMPARE  # greedy scratch rows: a model drafts its argmax
+    cache_salt: str | None = None
 
 
-def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, int, float]]:
+def _time_drafting(subject: Subject, name: str, rows: int) -> list[tuple[int, int, float]]:
     """(rows, K, seconds) of `name` drafting K tokens for `rows` scratch sequences, after a warm-up draft
     (which prefills the proposer's own cache) and its commit, as the planner would time it."""
-    proposer = engine.planner.proposers[name]
-    k = engine.settings.num_speculative_tokens
-    prompts = _scratch_tokens(engine, rows, CONTEXT)
-    seqs = [
-        _ScratchSequence(f"calibration-{name}-{r}", p, torch.Generator(device=engine.device).manual_seed(r))
-        for r, p in enumerate(prompts)
-    ]
-    hidden_size = int(engine.target.model.config.hidden_size)
+    target, device = subject.target, subject.target.device
+    proposer = subject.proposers[name]
+    k = subject.settings.num_speculative_tokens
+    prompts = _scratch_tokens(target, rows, CONTEXT)
+    seqs = [_ScratchSequence(f"calibration-{name}-{r}", p, torch.Generator(device=device).manual_seed(r))
+            for r, p in enumerate(prompts)]
+    hidden_size = int(target.model.config.hidden_size)
     needs = proposer.traits.needs_hidden
 
     def hidden(n: int) -> torch.Tensor | None:
-        return torch.zeros(n, hidden_size, device=engine.device, dtype=engine.target.model.dtype) if needs else None
+        return torch.zeros(n, hidden_size, device=device, dtype=target.model.dtype) if needs else None
 
     points: list[tuple[int, int, float]] = []
     proposer.join(seqs, [hidden(len(p) - 1) for p in prompts] if needs else None)
@@ -315,7 +332,7 @@ def _time_drafting(engine: Engine, name: str, rows: int) -> list[tuple[int, int,
         for timed in (False, True, True):
             started = time.perf_counter()
             proposal = proposer.propose(seqs, [k if timed else 1] * rows)
-            seconds = elapsed_since(started, engine.device)
+            seconds = elapsed_since(started, device)
             if timed:
                 points.append((rows, k, seconds))
             for seq, drafts in zip(seqs, proposal.drafts, strict=True):

@@ -1,6 +1,7 @@
 """What a server's memory is made of, measured from its objects (docs/api.md "Memory").
 
-`Engine.memory_usage()` gives these parts in bytes; `/metrics` exports them as `specula_memory_bytes{part}`:
+`MemoryParts.usage()` (the engine's `memory`) gives these parts in bytes; `/metrics` exports them as
+`specula_memory_bytes{part}`:
 
 * `weights`: the target's parameters and buffers, and the reordered copies its packed kernels multiply
   (server/model/lean_forward.py `PackedLinear`; the dense copies they replace are dropped: `release_dense`).
@@ -16,21 +17,27 @@
   (`measure_step_memory`), and the largest step so far; the part is never below the widest verify pass
   the settings allow (`max_batch_size` rows x the widest drafts + 1).
 * `runtime`: Python, torch and the other libraries, the tokenizer, and whatever else was resident once the
-  server had loaded, measured once (`Engine.settle_memory`): the process's RSS then less the parts above.
+  server had loaded, measured once (`MemoryParts.settle`): the process's RSS then less the parts above.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from server.model.memory import PeakTensorBytes
+from server.model.memory import HeapTrimmer, PeakTensorBytes, rss_bytes, settle, tensor_bytes
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities
+from server.speculation.plan import RowPlan, place
 from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.admission import Admission
+    from server.speculation.planner import Planner
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +119,79 @@ def _measure(model: torch.nn.Module, vocab_size: int, hidden: bool, device: torc
             counts = torch.zeros(positions, vocab_size, device=device)
             at = sampling.at_positions([PROBE_WIDTH] * PROBE_ROWS)
             p = probabilities(logits[:, None], at, counts[:, None])[:, 0]
-            rejection_sample(drafts, p, [None] * PROBE_ROWS, gens, [False] * PROBE_ROWS)
+            rejection_sample(place([RowPlan("probe", d) for d in drafts]), p, gens, [False] * PROBE_ROWS)
         per_position = max(0, peak.peak - per_token * positions) // positions
     return StepMemory(per_token=per_token, per_position=per_position)
+
+
+class MemoryParts:
+    """The engine's memory, part by part, measured from the objects that hold it (the module docstring):
+    `usage()` from any thread; `measure()` and `settle()` once loaded; `observe_*` and `after_change()`
+    from the engine's steps and joins."""
+
+    def __init__(self, runner: ModelRunner, planner: Planner, admission: Admission, trim_heap: HeapTrimmer) -> None:
+        self._runner, self._planner, self._admission, self._trim_heap = runner, planner, admission, trim_heap
+        self.step = StepMemory()
+        self._runtime: int | None = None  # what the process held besides the measured parts (`settle`)
+        self._kv_bytes = runner.kv.nbytes  # the target cache's storage after the last step or join
+
+    def measure(self, model: torch.nn.Module, vocab_size: int, hidden: bool, rows: int, positions: int) -> None:
+        """Measure the steps' working memory per computed token and per scored position (about a second on
+        2 CPU cores), and plan the widest verify pass: `rows` rows x `positions` positions. Optional: when
+        it fails the `activations` part counts the steps and joins seen only."""
+        try:
+            measured = measure_step_memory(model, vocab_size, hidden)
+        except Exception as exc:  # noqa: BLE001 - a gauge must never stop a server from starting
+            log.warning("could not measure the steps' working memory: %s: %s", type(exc).__name__, exc)
+            return
+        measured.high_water = self.step.high_water
+        measured.plan(rows, positions)
+        self.step = measured
+        log.info("step working memory: %d bytes per computed token, %d per scored position; the widest verify "
+                 "pass (%d rows x %d positions) %.0f MiB", measured.per_token, measured.per_position, rows,
+                 positions, measured.planned / 2**20)
+
+    def settle(self) -> None:
+        """Once loaded: free what loading left unreachable, give the heap back, and take the process's RSS
+        less the measured parts as the `runtime` part (Python, torch, libraries, the tokenizer)."""
+        settle(self._trim_heap)
+        parts = self.usage()
+        held = sum(v for k, v in parts.items() if k not in ("runtime", "activations"))
+        self._runtime = max(0, rss_bytes() - held)
+
+    def usage(self) -> dict[str, int]:
+        """Bytes of each part, measured from the objects now; callable from any thread."""
+        seen: set[tuple[str, int]] = set()  # storages counted: the proposers' share of the target's weights
+        prefixes = self._admission.prefixes
+        running = list(self._admission.running.values())
+        parts = {
+            "weights": tensor_bytes(self._runner.weight_tensors(), seen),
+            "kv_cache": tensor_bytes(self._runner.kv.storage(), seen),
+            "prefix_cache": prefixes.used_bytes if prefixes is not None else 0,
+            # their weights and caches, and the target's features the rows keep for a draft head
+            "proposers": tensor_bytes(self._planner.weight_tensors(), seen) + self._planner.cache_bytes(seen)
+            + tensor_bytes((t for s in running for t in list(s.features or ())), seen),
+            "activations": self.step.peak,
+        }
+        if self._runtime is None:  # measured once, lazily for an engine built without `build_engine`
+            self._runtime = max(0, rss_bytes() - sum(v for k, v in parts.items() if k != "activations"))
+        parts["runtime"] = self._runtime
+        return parts
+
+    def observe_join(self) -> None:
+        """Rows joined: their prefill's tokens and its scratch cache (the runner's last join)."""
+        self.step.observe(self._runner.join_tokens, 0, self._runner.join_bytes)
+
+    def observe_verify(self, computed: int, positions: int) -> None:
+        """A verify pass computed `computed` tokens and scored `positions` positions."""
+        self.step.observe(computed, positions)
+
+    def after_change(self) -> None:
+        """After a step or a join: when the target's cache moved into a bigger buffer (no KV budget), give
+        the free pages the old buffer left back at once. glibc keeps freed blocks below its mmap threshold
+        (which rises to the largest block freed so far) in its heap, where what later blocks do not reuse
+        stays resident until the next idle second. Growth is rare (doubling)."""
+        size = self._runner.kv.nbytes
+        if size > self._kv_bytes:
+            self._trim_heap()
+        self._kv_bytes = size

@@ -1,14 +1,28 @@
-"""The engine's state for one sequence in flight."""
+"""The engine's state for one sequence in flight, and what committing one step does to it."""
 
 from __future__ import annotations
 
+import copy
+import random
 from dataclasses import dataclass, field
 
 import torch
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.grammar import GrammarState
-from server.types import FinishReason, GenerationRequest, RequestStats, SamplingParams
+from server.grammar import Grammars, GrammarState
+from server.speculation.plan import RowPlan, Rule
+from server.speculation.registry import AUTO, PLAIN
+from server.types import (
+    FinishReason,
+    GenerationRequest,
+    ProposerTally,
+    RequestOutput,
+    RequestStats,
+    SamplingParams,
+    SeqStepStats,
+    TokenLogprob,
+    TokenSource,
+)
 
 
 @dataclass
@@ -21,22 +35,40 @@ class Sequence:
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # the request's grammar, after its committed output (constrained only)
     # The target's final-norm features of the fed tokens, in pieces, kept for the prefix cache when a
-    # proposer reads them (engine.py `_remember`); None otherwise.
+    # proposer reads them (admission.py `remember`); None otherwise.
     features: list[torch.Tensor] | None = None
     # Prompt tokens the target has not computed yet (between the cached or prefilled ones and the last): a
     # short prompt tail rides with the row's first step, fed before `last_token` in its verify pass
-    # (engine.py `_join`), and is cleared when that step commits.
+    # (admission.py), and is cleared when that step commits.
     prefill: list[int] = field(default_factory=list)
     # Token ids that end the request when it emits one: its `stop_token_ids`, and the model's EOS ids
-    # unless `ignore_eos` (engine.py `_sequence`).
+    # unless `ignore_eos`.
     stop_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def start(
+        cls, request: GenerationRequest, tokenizer: object, grammars: Grammars, eos_ids: set[int],
+        device: torch.device, seeds: random.Random,
+    ) -> Sequence:
+        """A joining request's sequence: its random stream (its seed, else one from `seeds`), detokenizer,
+        grammar and the token ids that end it."""
+        sampling = request.sampling
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sampling.seed if sampling.seed is not None else seeds.randrange(2**63))
+        k = 0 if request.speculation.method == PLAIN else request.speculation.num_tokens
+        stats = RequestStats(method=request.speculation.method, prompt_tokens=len(request.prompt_token_ids),
+                             accepted_per_position=[0] * k)
+        detok = IncrementalDetokenizer.for_request(tokenizer, list(request.prompt_token_ids), sampling)
+        grammar = grammars.state(request.grammar) if request.grammar is not None else None
+        stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_ids))
+        return cls(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar, stop_ids=stops)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
-    def mode(self) -> str:
+    def method(self) -> str:
         """The request's speculation method: "none", a proposer's name, or "auto"."""
         return self.request.speculation.method
 
@@ -77,20 +109,104 @@ class Sequence:
         return not self.request.sampling.greedy
 
     @property
-    def reproducible(self) -> bool:
-        """Seeded sampling: the same seed must draw the same text."""
-        return self.sampled and self.request.sampling.seed is not None
+    def k_max(self) -> int:
+        """The most drafts this step may carry: the request's K, never drafting past max_tokens."""
+        if self.method == PLAIN:
+            return 0
+        return max(0, min(self.request.speculation.num_tokens, self.remaining - 1))
 
     @property
-    def one_hot_drafts(self) -> bool:
-        """Seeded sampling under `auto`: a model proposer hands the sampler no q and takes nothing from the
-        request's random stream (it drafts with a copy of it: model_proposer.py `_coupled`), so the
-        sampler draws every token as plain decoding would and only compares
-        (server/speculation/rejection.py). The text then cannot depend on which proposer `auto` picked,
-        which follows measured timings. A fixed method keeps sampled drafts: its seeded text reproduces
-        for the same method and K."""
-        return self.reproducible and self.mode == "auto"
+    def rule(self) -> Rule:
+        """How the sampler judges a model's drafts for this row (server/speculation/plan.py). Compared for
+        greedy rows (p is one-hot: the argmax is the one draft that can be kept, and comparing spares the
+        ratio rule's work over q) and for seeded sampling under `auto`: its text must not depend on which
+        proposer `auto` picked, which follows measured timings, so a model drafts with the uniforms the
+        sampler will use and hands it no q. A fixed method keeps sampled drafts and the ratio rule: its
+        seeded text reproduces for the same method and K."""
+        seeded = self.sampled and self.request.sampling.seed is not None
+        return Rule.COMPARE if not self.sampled or (seeded and self.method == AUTO) else Rule.RATIO
 
-    def num_drafts(self) -> int:
-        """The most drafts this step may carry: the request's K, but never drafting past max_tokens."""
-        return max(0, min(self.request.speculation.k, self.remaining - 1))
+    # ---- committing one step ------------------------------------------------------------------------
+    def commit(
+        self, row: RowPlan, emitted: list[int], logprobs: list[TokenLogprob] | None
+    ) -> tuple[RequestOutput, SeqStepStats]:
+        """What the row's verified step emitted (accepted drafts, then the recovered or bonus token): its
+        stats, the grammar followed, the tokens appended until a stop, and the step's output."""
+        accepted = len(emitted) - 1
+        sources = self._sources(row, accepted)
+        self._record(row, accepted)
+        step = SeqStepStats(self.request_id, self.method, row.proposer or "none", row.k, accepted, len(emitted),
+                            row.k > 0 and accepted == row.k)
+        if self.grammar is not None:
+            emitted = self._follow_grammar(emitted)
+        kept = self._append(emitted)
+        self.prefill = []  # a riding prompt tail is in the cache now
+        logprobs = logprobs[:kept] if logprobs is not None else None
+        return self._output(emitted[:kept], logprobs, sources[:kept]), step
+
+    def _sources(self, row: RowPlan, accepted: int) -> list[TokenSource]:
+        """Where each of a step's accepted + 1 emitted tokens came from."""
+        step = self.stats.decode_steps
+        if not row.drafts:
+            return [TokenSource("plain", None, step)]
+        last = "bonus" if accepted == row.k else "recovered"
+        return [TokenSource("accepted", row.proposer, step)] * accepted + [TokenSource(last, row.proposer, step)]
+
+    def _record(self, row: RowPlan, accepted: int) -> None:
+        st = self.stats
+        st.decode_steps += 1
+        st.draft_tokens += row.k
+        st.accepted_tokens += accepted
+        for j in range(accepted):
+            st.accepted_per_position[j] += 1
+        if row.k:
+            tally = st.by_proposer.setdefault(row.proposer, ProposerTally())
+            tally.draft_tokens += row.k
+            tally.accepted_tokens += accepted
+            if accepted == row.k:
+                st.bonus_tokens += 1
+            else:
+                st.recovered_tokens += 1
+
+    def _follow_grammar(self, emitted: list[int]) -> list[int]:
+        """Advance the grammar through the step's tokens. The output ends at the token that completes the
+        grammar (finish "stop"); what the step drew after it is dropped, so the output is the one plain
+        constrained decoding gives."""
+        assert self.grammar is not None
+        for i, token in enumerate(emitted):
+            if not self.grammar.advance([token]):  # p was 0 outside the grammar: a limit hit, never a wrong draw
+                raise self.grammar.failure()
+            if self.grammar.done:
+                if token not in self.stop_ids:  # complete: nothing but EOS could follow
+                    self.finish_reason = "stop"
+                return emitted[: i + 1]
+        return emitted
+
+    def _append(self, emitted: list[int]) -> int:
+        """Commit tokens in order until a stop; how many reached the output (the rest are dropped)."""
+        sp = self.request.sampling
+        for i, token in enumerate(emitted):
+            self.output_ids.append(token)
+            if token in self.stop_ids:
+                if sp.include_stop_str_in_output:
+                    self.detokenizer.add(token)  # the stop token's text (none if skip_special_tokens)
+                self.finish_reason = "stop"
+                return i + 1
+            self.detokenizer.add(token)
+            if self.detokenizer.stopped:
+                self.finish_reason = "stop"
+                return i + 1
+            if self.remaining <= 0:
+                self.finish_reason = "length"
+                return i + 1
+        return len(emitted)
+
+    def _output(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                sources: list[TokenSource]) -> RequestOutput:
+        self.stats.completion_tokens = len(self.output_ids)
+        stats = copy.copy(self.stats)
+        stats.accepted_per_position = list(self.stats.accepted_per_position)
+        stats.by_proposer = {name: copy.copy(t) for name, t in self.stats.by_proposer.items()}
+        return RequestOutput(request_id=self.request_id, token_ids=tokens,
+                             text=self.detokenizer.take(final=self.finished), logprobs=logprobs,
+                             finished=self.finished, finish_reason=self.finish_reason, stats=stats, sources=sources)

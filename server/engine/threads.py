@@ -2,12 +2,11 @@
 
 torch's CPU kernels run their parallel regions on an OpenMP team (libgomp in the PyPI wheels). Between
 regions libgomp's workers spin for a while before they sleep (its default). A decode step of a small
-model is a few hundred short regions, so on an idle machine spinning matters a great deal: measured on
-the 2-core development machine, SmolLM2-135M, 128 greedy tokens, processes interleaved, median of 5 runs,
-49.9 ms/token with the default spin against 65.9 with `OMP_WAIT_POLICY=PASSIVE` (a sleeping worker has to
-be woken for every region). But when another process keeps one of the cores busy, a spinning worker
-waits for a master that is not running: a step with 2 threads then took 650-780 ms/token, ~10x what one
-thread takes (passive waiting suffered less, 76-100 ms, but pays its cost on every idle step).
+model is a few hundred short regions, so on an idle machine spinning makes steps markedly faster (a
+sleeping worker has to be woken for every region). But when another process keeps one of the cores busy, a
+spinning worker waits for a master that is not running, and a step with 2 threads takes several times
+what one thread takes (passive waiting suffers less, but pays its cost on every idle step). The figures:
+docs/bench.md, "Figures behind the code".
 
 No constant is right for a machine whose load comes and goes, so the engine measures. Each verify pass is
 timed and divided by what the planner's step-cost model predicts for its width (so steps of different
@@ -25,6 +24,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from server.failsafe import OptionalParts
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +124,16 @@ class ThreadGovernor:
         self.switches += 1
         self._gap = FIRST_PROBE_S
         self._next_probe = self._clock() + self._gap
+
+
+def governed(threads: ThreadGovernor, parts: OptionalParts, call: Callable[..., object], *args: object) -> None:
+    """A call of the thread governor (an optional part: server/failsafe.py); when it raises, or once it is
+    switched off, the steps run at the thread count it chose last."""
+    if parts.on("threads"):
+        try:
+            call(*args)
+            return
+        except Exception as exc:
+            parts.failed("threads", exc)
+    if torch.get_num_threads() != threads.current:
+        torch.set_num_threads(threads.current)

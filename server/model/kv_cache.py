@@ -17,12 +17,11 @@ proportional to the context is copied per step. Joins, leaves and capacity chang
 columns inside the buffer (`relayout`). Without a budget the buffer grows (doubling, in columns and in
 rows: requests join one at a time) as needed. With
 a budget (`slots`: token slots, from `kv_cache_memory`) it is allocated and zeroed once, up front, and
-never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/engine.py).
+never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/admission.py).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from server.model.attention import Packing
+from server.model.kv_shape import KVShape
 
 _RECENT = 64  # columns remembered per row for rollback (more than any step ever rolls back)
 
@@ -41,33 +41,8 @@ class KVBudgetExceeded(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KVShape:
-    """What one token of one model's cache holds per layer: keys [kv_heads, head_dim] and values
-    [kv_heads, value_dim] in `dtype`."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    value_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.kv_heads * (self.head_dim + self.value_dim) * size
-
-    @classmethod
-    def of(cls, config: object, dtype: torch.dtype) -> KVShape:
-        """From a Hugging Face (Llama-like) config."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, head_dim, dtype)
-
-
-@dataclass(frozen=True)
 class KVCheckpoint:
-    """A `BatchKV`'s bookkeeping at one moment (server/engine/engine.py undoes a failed step with it).
+    """A `BatchKV`'s bookkeeping at one moment (server/engine/isolation.py undoes a failed step with it).
 
     Buffers are not copied: nothing after the checkpoint loses the data of the live columns then.
     Forwards write only new columns; growth and membership changes move columns without reordering
@@ -391,7 +366,7 @@ class BatchKV:
 
         return read
 
-    # ---- checkpoints: a failed step is undone exactly (server/engine/engine.py) ------------------
+    # ---- checkpoints: a failed step is undone exactly (server/engine/isolation.py) ---------------
     def checkpoint(self) -> KVCheckpoint:
         """The cache's bookkeeping now (see `KVCheckpoint`); cheap: the keep mask and per-row lists."""
         return KVCheckpoint(
@@ -493,9 +468,3 @@ def _columns(keep: torch.Tensor, cap: int) -> torch.Tensor:
     cols = min(cap, keep.shape[1])
     out[:, :cols] = keep[:, :cols]
     return out
-
-
-def slots_for(budget_bytes: int, shapes: list[KVShape]) -> int:
-    """Token slots a budget buys when every cache in `shapes` holds the same number of tokens."""
-    per_token = sum(s.bytes_per_token for s in shapes)
-    return max(0, math.floor(budget_bytes / per_token)) if per_token else 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,7 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from server.model.attention import Packing, packs
-from server.model.kv_cache import BatchKV, KVShape
+from server.model.kv_cache import BatchKV
+from server.model.kv_shape import KVShape
 from server.model.lean_forward import LeanForward
 from server.model.memory import tensor_bytes
 
@@ -306,6 +307,21 @@ class ModelRunner:
     def rollback(self, row: int, num_tokens: int) -> None:
         """Forget row `row`'s last `num_tokens` tokens (see `BatchKV.rollback`)."""
         self.kv.rollback(row, num_tokens)
+
+    # ---- what the cache holds (read-only) ---------------------------------------------------------
+    def cached(self, request_id: str) -> int:
+        """How many positions the row holds in the cache (its tokens fed and kept)."""
+        return self.kv.positions[self.kv.index(request_id)]
+
+    def live(self, request_id: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """A reader of the row's keys and values between two of its positions (`BatchKV.live`)."""
+        return self.kv.live(self.kv.index(request_id))
+
+    @property
+    def allocated_slots(self) -> int:
+        """Token slots (rows x columns) the cache's storage holds now; 0 before it is allocated."""
+        layer = self.kv.cache.layers[0]
+        return layer.slots if layer.is_initialized else 0
 
 
 def _take(flat: torch.Tensor | None, order: list[int]) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from server.speculation.proposer import BuildContext, Proposal, SequenceView, Tr
 
 class DraftModelProposer(ModelProposer):
     # Its cost is timed (a model forward per draft token); a bf16 copy of the target accepts ~0.6+.
-    traits = Traits(deterministic=False, confidence_priors=(0.6,))
+    traits = Traits(confidence_priors=(0.6,))
 
     @classmethod
     def build(cls, ctx: BuildContext) -> DraftModelProposer | None:

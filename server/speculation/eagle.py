@@ -58,7 +58,7 @@ def measured_prior(head: EagleHead) -> float | None:
 class EagleProposer(ModelProposer):
     # Its cost is timed (one head forward per draft token); first-draft acceptance before evidence:
     # the head's own held-out figure when its training recorded one (`measured_prior`), else this.
-    traits = Traits(deterministic=False, needs_hidden=True, confidence_priors=(0.6,))
+    traits = Traits(needs_hidden=True, confidence_priors=(0.6,))
 
     @classmethod
     def build(cls, ctx: BuildContext) -> EagleProposer | None:

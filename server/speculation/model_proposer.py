@@ -14,6 +14,7 @@ from server.model.memory import tensor_bytes
 from server.model.prefix_cache import State
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities, sample
+from server.speculation.plan import Rule
 from server.speculation.proposer import Proposal, Proposer, SequenceView
 from server.types import SamplingParams
 
@@ -28,8 +29,8 @@ class DraftRows:
     seqs: list[SequenceView]
     ks: list[int]
     sampling: BatchSampling  # the requests' sampling, penalties off (q need only be a distribution)
-    argmax: list[bool]  # hand the sampler no q (`_argmax_drafts`): draft the argmax, or from `coupled`
-    coupled: list[torch.Generator | None]  # a copy of a seeded sampled row's random stream (`_coupled`)
+    rules: list[Rule]  # per row, how the sampler will judge its drafts (`SequenceView.rule`)
+    coupled: list[torch.Generator | None]  # a copy of a compared sampled row's random stream (`_coupled`)
 
 
 class ModelProposer(Proposer):
@@ -71,11 +72,10 @@ class ModelProposer(Proposer):
         block b's positions are those its tokens and the earlier blocks' determine (`reads_ahead`)."""
         if request_id not in self.runner.rows:
             return []
-        row = self.runner.kv.index(request_id)
-        n = min(blocks, (self.runner.kv.positions[row] + self.reads_ahead) // block)
+        n = min(blocks, (self.runner.cached(request_id) + self.reads_ahead) // block)
         if n == 0:
             return []
-        keys, values = self.runner.kv.live(row)(0, n * block - self.reads_ahead)
+        keys, values = self.runner.live(request_id)(0, n * block - self.reads_ahead)
         cuts = [0, *(b * block - self.reads_ahead for b in range(1, n + 1))]
         return [(keys[:, :, a:z].clone(), values[:, :, a:z].clone()) for a, z in itertools.pairwise(cuts)]
 
@@ -135,7 +135,7 @@ class ModelProposer(Proposer):
             self._start(starting)
         rows = [by_id[rid][0] for rid in self.runner.rows]
         # Rows that draft nothing this step are sampled with neutral params: their q is never used, and a
-        # row held back after a failed step (engine.py) must not make its neighbours' drafting fail.
+        # row held back after a failed step (engine/isolation.py) must not make its neighbours' drafting fail.
         params = [
             dataclasses.replace(s.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
             if by_id[s.request_id][1] > 0 else _IDLE
@@ -145,7 +145,7 @@ class ModelProposer(Proposer):
             seqs=rows,
             ks=[by_id[s.request_id][1] for s in rows],
             sampling=BatchSampling.from_params(params, self.runner.device),
-            argmax=[_argmax_drafts(s) for s in rows],
+            rules=[s.rule for s in rows],
             coupled=[_coupled(s) if by_id[s.request_id][1] > 0 else None for s in rows],
         )
 
@@ -153,8 +153,9 @@ class ModelProposer(Proposer):
         self, logits: torch.Tensor, rows: DraftRows, drafting: list[bool]
     ) -> tuple[torch.Tensor, list[int | None]]:
         """q [rows, vocab] from the model's next-token logits [rows, model_vocab], and a draft token for
-        each row that is `drafting`: sampled from its own stream; for `_argmax_drafts` rows the argmax
-        (greedy) or drawn from q with the uniform the sampler will draw p's token with at this position
+        each row that is `drafting`: for `Rule.RATIO` rows sampled from q with the request's own stream;
+        for compared rows q's argmax (greedy: p is one-hot, so the argmax is the one draft that can be
+        kept) or drawn from q with the uniform the sampler will draw p's token with at this position
         (`_coupled`), which leaves the request's stream alone."""
         q = probabilities(_to_width(logits, self.vocab_size)[:, None], rows.sampling)[:, 0]  # [rows, vocab]
         argmax = q.argmax(dim=-1).tolist()
@@ -166,42 +167,33 @@ class ModelProposer(Proposer):
             elif coupled is not None:
                 tokens.append(sample(q[b], coupled))
             else:
-                tokens.append(argmax[b] if rows.argmax[b] else sample(q[b], rows.seqs[b].generator))
+                tokens.append(argmax[b] if rows.rules[b] is Rule.COMPARE else sample(q[b], rows.seqs[b].generator))
         return q, tokens
 
     def _in_order(
         self, seqs: list[SequenceView], drafts: list[list[int]], q_rows: list[list[torch.Tensor]]
     ) -> Proposal:
-        """From cache-row order to the caller's order (sequences not in the cache drafted nothing;
-        `_argmax_drafts` rows hand the sampler no q, which makes it sample-and-compare)."""
+        """From cache-row order to the caller's order (sequences not in the cache drafted nothing); q only
+        for `Rule.RATIO` rows (the sampler compares the others' drafts)."""
         index = {rid: i for i, rid in enumerate(self.runner.rows)}
         out_drafts, out_q = [], []
         for s in seqs:
             i = index.get(s.request_id)
             out_drafts.append(drafts[i] if i is not None else [])
-            out_q.append(torch.stack(q_rows[i]) if i is not None and q_rows[i] and not _argmax_drafts(s) else None)
+            ratio = i is not None and q_rows[i] and s.rule is Rule.RATIO
+            out_q.append(torch.stack(q_rows[i]) if ratio else None)
         return Proposal(drafts=out_drafts, q=out_q)
 
 
-def _argmax_drafts(seq: SequenceView) -> bool:
-    """Whether a row hands the sampler no q (its drafts are compared with the tokens the sampler draws from
-    p). Seeded sampling under `auto` (`one_hot_drafts`: its text must not depend on the proposer; it
-    drafts from a copy of its stream, `_coupled`). Greedy rows, which draft their argmax: p is one-hot, so min(1, p/q)
-    keeps a draft exactly when it is p's token, whatever q is, and recovers that token; comparing with the
-    argmax gives the same verdict without the ratio rule over q for every draft position (1.39 -> 0.24 ms
-    of a step at 4 head rows)."""
-    return seq.one_hot_drafts or seq.sampling.greedy
-
-
 def _coupled(seq: SequenceView) -> torch.Generator | None:
-    """For a seeded sampled row under `auto` (`one_hot_drafts`), a copy of its random stream: the sampler
-    draws this step's tokens from p with the stream's next uniforms, one per position by inverse CDF, and
-    compares them with the drafts (rejection.py). Drafting position j from q with the same j-th uniform
-    gives the token the sampler will draw whenever q and p agree about it, and the text stays exactly
-    plain decoding's (the request's stream is only read ahead, not drawn from). With the argmax instead, a
-    draft is kept with probability p(argmax) only (4 open-chat rows at T = 0.8, the head: 0.27 of its
-    drafts kept, against 0.53 with drafts sampled from q). None for other rows."""
-    if not seq.one_hot_drafts or seq.sampling.greedy:
+    """For a compared sampled row (seeded, under `auto`: `SequenceView.rule`), a copy of its random stream:
+    the sampler draws this step's tokens from p with the stream's next uniforms, one per position by
+    inverse CDF, and compares them with the drafts (rejection.py). Drafting position j from q with the
+    same j-th uniform gives the token the sampler will draw whenever q and p agree about it, and the text
+    stays exactly plain decoding's (the request's stream is only read ahead, not drawn from). Drafting the
+    argmax instead would keep a draft only with probability p(argmax) (docs/bench.md, "Seeded sampled rows
+    draft what the sampler will draw"). None for other rows."""
+    if seq.rule is not Rule.COMPARE or seq.sampling.greedy:
         return None
     copy = torch.Generator(device=seq.generator.device)
     copy.set_state(seq.generator.get_state())

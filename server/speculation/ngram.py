@@ -15,8 +15,8 @@ from server.speculation.proposer import BuildContext, Proposal, Proposer, Sequen
 from server.speculation.suffix import match_lengths
 
 MATCH_CAP = 16  # match lengths are measured up to this many tokens
-# Confidence levels: match lengths 1, 2, 3-7 and 8+ tokens. Measured on copy_edit/code/summarize
-# with K=8: a 1-token match keeps no draft 72% of the time; 10+ tokens keep 5.6-6.2 of 7.4.
+# Confidence levels: match lengths 1, 2, 3-7 and 8+ tokens: a one-token match rarely keeps a draft, a long
+# one usually keeps most (docs/bench.md, "Figures behind the code").
 LEVEL_STARTS = (1, 2, 3, 8)
 LEVEL_PRIORS = (0.2, 0.35, 0.55, 0.7)  # first-draft acceptance per level before any evidence
 
@@ -54,8 +54,8 @@ def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]
 
 
 class NgramProposer(Proposer):
-    # A lookup costs ~0.2% of a target step per draft token (numpy over the sequence's tokens).
-    traits = Traits(deterministic=True, lookahead=True, draft_token_cost=0.002, confidence_priors=LEVEL_PRIORS)
+    # A lookup is numpy over the sequence's tokens: a small fraction of a target step per draft token.
+    traits = Traits(lookahead=True, draft_token_cost=0.002, confidence_priors=LEVEL_PRIORS)
 
     def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
         self.n_max, self.n_min = n_max, n_min

@@ -8,7 +8,7 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    proposer's traits ask for them (`needs_hidden`), else None; a prefix whose keys and values came from
    the prefix cache (server/model/prefix_cache.py) comes with the features stored beside them. When m
    falls short, the rest of the prompt (but the last token) is computed with the row's first step
-   (server/engine/engine.py `_join`): a proposer that needs hidden states is not asked to draft for the
+   (server/engine/admission.py `_join`): a proposer that needs hidden states is not asked to draft for the
    row before that step commits. Right after, a proposer that `caches_prefix` gets `load_prefix(request_id,
    states)` for a sequence whose prompt starts with prefix-cache blocks that hold its state (one per
    block, as its `prefix_state` gave them for an earlier sequence).
@@ -33,7 +33,7 @@ of those sequences its model must take in before it can draft for them beyond wh
 leaves behind (a row entering its cache, or one back after steps it did not draft: a prefill, timed as
 drafting it would price the proposer at several times its cost per draft token).
 
-A step that fails is undone (server/engine/engine.py): the planner takes every proposer's `checkpoint()`
+A step that fails is undone (server/engine/isolation.py): the planner takes every proposer's `checkpoint()`
 before planning, and `restore(state)` returns the proposer to it (then the step is planned again, with
 the rows that failed held back: asked with K = 0). A proposer whose `propose` changes nothing that
 `restore` must undo keeps the defaults.
@@ -53,6 +53,7 @@ import torch
 from server.config import Settings
 from server.model.loading import LoadedModel
 from server.model.prefix_cache import State
+from server.speculation.plan import Rule
 from server.types import SamplingParams
 
 
@@ -70,20 +71,18 @@ class SequenceView(Protocol):
     @property
     def cache_salt(self) -> str | None: ...  # requests share cross-request state only with the same salt
     @property
-    def one_hot_drafts(self) -> bool: ...  # q one-hot, the request's stream only read ahead (see Sequence)
+    def rule(self) -> Rule: ...  # how the sampler judges a model's drafts for it (plan.py; engine/sequence.py)
 
 
 @dataclass(frozen=True)
 class Traits:
     """What a proposer says about itself; `auto` and the planner work from this alone.
 
-    deterministic: its q is one-hot at its drafts. The sampler then draws every token exactly as plain
-        decoding would and compares (rejection.py), so its drafts never change what a seeded request
-        samples. A model proposer is not, but drafts that way for the rows that ask (`one_hot_drafts`:
-        seeded sampling under `auto`).
     lookahead: proposing is nearly free and prefix-consistent (asking for k and keeping j equals asking
         for j), so the planner asks it for every row's most drafts before planning, and `auto` knows
-        whether it has anything to offer and how confident it is.
+        whether it has anything to offer and how confident it is. Its drafts have no q (one-hot): the
+        sampler compares them (`plan.Rule.COMPARE`). A proposer that is not lookahead runs a model: its
+        drafts come with q for the rows whose `rule` is `Rule.RATIO`, and without for the others.
     needs_hidden: it reads the target's hidden states (join/commit receive them).
     draft_token_cost: its cost per draft token relative to a plain target step, when declared; None
         means the planner times its `propose` calls (a model's forward).
@@ -91,7 +90,6 @@ class Traits:
         (`Proposal.confidence` indexes this tuple; one level when the proposer reports none).
     """
 
-    deterministic: bool
     lookahead: bool = False
     needs_hidden: bool = False
     draft_token_cost: float | None = None
@@ -107,7 +105,7 @@ class Proposal:
     """
 
     drafts: list[list[int]]  # up to k_i tokens per sequence (fewer when it has nothing to offer)
-    q: list[torch.Tensor | None] | None = None  # per sequence [k_i, vocab]; None: deterministic (one-hot)
+    q: list[torch.Tensor | None] | None = None  # per sequence [k_i, vocab] for `Rule.RATIO` rows; else None
     confidence: list[int] | None = None  # per sequence: an index into `Traits.confidence_priors`
 
 

@@ -341,9 +341,9 @@ def best_match(request: Match, shared: Match) -> Match:
 
 
 class SuffixProposer(Proposer):
-    # A lookup is a few numpy calls: 0.15-0.3 ms at 256-4096 tokens with a full global index on a busy
-    # 2-core CPU (python -m bench.lookup_cost), where a target step took ~70 ms: ~0.0005 per draft token at K = 8.
-    traits = Traits(deterministic=True, lookahead=True, draft_token_cost=0.0005, confidence_priors=LEVEL_PRIORS)
+    # A lookup is a few numpy calls, a small fraction of a target step per draft token (`python -m
+    # bench.lookup_cost`; docs/bench.md, "Figures behind the code").
+    traits = Traits(lookahead=True, draft_token_cost=0.0005, confidence_priors=LEVEL_PRIORS)
 
     def __init__(self, global_tokens: int = GLOBAL_TOKENS) -> None:
         self.requests: dict[str, RequestIndex] = {}
