@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.tool_calls import ToolCall, parse_whole
+from server.api.tool_calls import Reply, ToolCall, parse_whole
 from server.types import RequestOutput, RequestStats, TokenLogprob
 
 
@@ -34,13 +34,22 @@ class Choice:
         if out.finished:
             self.finish_reason = out.finish_reason
 
-    def take_tool_calls(self, names: set[str]) -> None:
-        """Move the tool calls in `text` (of functions in `names`) to `tool_calls`; a choice that stopped
-        by itself after calling finishes with "tool_calls"."""
-        content, self.tool_calls = parse_whole(self.text, names)
-        self.text = content or ""
+    def take_tool_calls(self, names: set[str]) -> Reply:
+        """Move the tool calls in `text` (of functions in `names`) to `tool_calls` (server/api/tool_calls.py).
+        A choice that stopped by itself after calling, or whose reply ended at a repeated call, finishes
+        with "tool_calls"; a call cut short by max_tokens is dropped and the choice stays "length"."""
+        reply = parse_whole(self.text, names, self.finish_reason)
+        self.text, self.tool_calls = reply.content or "", reply.calls
+        if reply.end is not None:
+            self.finish_reason = "stop"
         if self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
+        return reply
+
+    def keep_tokens(self, n: int) -> None:
+        """Only the first `n` tokens count: the API ended the choice there (a repeated tool call)."""
+        del self.token_ids[n:]
+        del self.logprobs[n:]
 
     def message(self) -> dict[str, Any]:
         """The chat `message` object (content null when the reply is only tool calls)."""

@@ -4,8 +4,10 @@
 `EventSourceResponse` whose events are OpenAI chunks followed by `data: [DONE]`. A client that
 disconnects has its sequences aborted (the scheduler frees their batch slots at the next step) and
 the request still gets its log line (finish_reason "abort"). With `tools`, each choice's text goes
-through a `ToolCallParser` (server/api/tool_calls.py): calls become `tool_calls` (streamed as
-`delta.tool_calls`) and a choice that called and then stopped finishes with "tool_calls".
+through a `ToolCallParser` (server/api/tool_calls.py) as it is written: calls become `tool_calls` (each
+streamed whole as `delta.tool_calls`), a choice that called and then stopped finishes with "tool_calls",
+and a choice that repeats one of its calls is ended there (`Scheduler.finish`: the engine stops
+generating it; usage counts its tokens up to the end of the repeat).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from server.api import responses as R
 from server.api.chat_template import tool_call_format
 from server.api.errors import APIError, ClientDisconnected
 from server.api.offload import Offload
-from server.api.origins import OriginTracker, attach, origin_trackers
+from server.api.origins import OriginTracker, attach, origin_trackers, tokens_for
 from server.api.prompts import (
     ModelInfo,
     chat_prompt_ids,
@@ -159,9 +161,10 @@ class OpenAIServing:
         stream: RequestStream,
         choices: list[R.Choice],
         trackers: list[OriginTracker] | None = None,
+        watch: Callable[[int, RequestOutput], None] | None = None,
     ) -> float | None:
-        """Gather every choice's output (and its token origins, with `trackers`); returns when
-        (monotonic) the first output arrived."""
+        """Gather every choice's output (and its token origins, with `trackers`; `watch(index, output)` sees
+        each output, and may end its choice early); returns when (monotonic) the first output arrived."""
         first: list[float] = []
 
         async def run() -> None:
@@ -171,6 +174,8 @@ class OpenAIServing:
                 choices[index].add(out)
                 if trackers:
                     trackers[index].feed(out)
+                if watch is not None:
+                    watch(index, out)
 
         await self._await(request, stream, run())
         return first[0] if first else None
@@ -245,13 +250,33 @@ class OpenAIServing:
         choices: list[R.Choice],
         log: Callable[..., None],
         trackers: list[OriginTracker] | None = None,
+        watch: Callable[[int, RequestOutput], None] | None = None,
     ) -> float | None:
         """`_collect`, writing the request's log line (finish_reason "abort") if the client goes away."""
         try:
-            return await self._collect(request, stream, choices, trackers)
+            return await self._collect(request, stream, choices, trackers, watch)
         except ClientDisconnected:
             log(None, "abort")
             raise
+
+    def _end_at_repeat(
+        self, stream: RequestStream, parsers: list[ToolCallParser]
+    ) -> Callable[[int, RequestOutput], None]:
+        """A `_collect` watch that reads each choice's tool calls as they are written and ends a choice whose
+        reply repeats one of its calls (server/api/tool_calls.py): generating it further would be wasted."""
+
+        def watch(index: int, out: RequestOutput) -> None:
+            parser = parsers[index]
+            parser.feed(out.text)
+            if parser.repeated and not out.finished:
+                self.scheduler.finish(stream, index)
+
+        return watch
+
+    def _keep_tokens(self, choice: R.Choice, prompt: list[int], chars: int) -> None:
+        """`choice` ended at a repeated call after `chars` characters of its text: only the tokens that wrote
+        them count (usage, logprobs), the same whatever the engine generated before it stopped."""
+        choice.keep_tokens(tokens_for(self.info.tokenizer, prompt, choice.token_ids, chars))
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -282,15 +307,18 @@ class OpenAIServing:
 
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
+            watch = self._end_at_repeat(stream, [ToolCallParser(tool_names) for _ in choices]) if tool_names else None
+            first = await self._collect_or_log_abort(request, stream, choices, log, trackers, watch)
 
             def build() -> dict[str, Any]:  # decodes every logprob token: off the loop
                 for c in choices if tool_names else ():
-                    c.take_tool_calls(tool_names)
+                    reply = c.take_tool_calls(tool_names)
+                    if reply.end is not None:
+                        self._keep_tokens(c, prompt, reply.end)
                 response = R.chat_completion(
                     response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
                 )
-                attach(response["choices"], trackers)
+                attach(response["choices"], trackers, [len(c.token_ids) for c in choices])
                 return response
 
             response = await self._offload(build)
@@ -312,7 +340,7 @@ class OpenAIServing:
             parser = parsers[index]
             if parser is None:
                 return [{"content": out.text}] if out.text else []
-            pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
+            pieces = parser.feed(out.text) + (parser.finish(out.finish_reason) if out.finished else [])
             text = "".join(d.content for d in pieces if d.content is not None)
             calls = [d.to_openai() for d in merged([d for d in pieces if d.index is not None])]
             return ([{"content": text}] if text else []) + ([{"tool_calls": calls}] if calls else [])
@@ -332,9 +360,15 @@ class OpenAIServing:
                         choice = {"index": index, "delta": part, "logprobs": lp, "finish_reason": None}
                         yield chunk([choice if spec is None else {**choice, "speculation": spec}])
                         lp, spec = None, None
-                    if out.finished:
-                        parser = parsers[index]
-                        if parser is not None and parser.calls and out.finish_reason == "stop":
+                    parser = parsers[index]
+                    ended = parser is not None and parser.repeated  # at a repeated call: the reply is over
+                    if ended and not out.finished:
+                        self.scheduler.finish(stream, index)
+                    if out.finished or ended:
+                        if ended:
+                            self._keep_tokens(choices[index], prompt, parser.end or 0)
+                            choices[index].finish_reason = "tool_calls"
+                        elif parser is not None and parser.calls and out.finish_reason == "stop":
                             choices[index].finish_reason = "tool_calls"
                         reason = choices[index].finish_reason
                         yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
