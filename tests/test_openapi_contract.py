@@ -45,6 +45,10 @@ EXPLICIT: dict[str, list[dict[str, Any]]] = {
          "stream_options": {"include_usage": True, "continuous_usage_stats": True, "include_speculation": True}},
         {"prompt": "Hi", "max_tokens": 3, "logprobs": 1, "n": 2, "speculation": {"include_tokens": True}},
     ],
+    "/tokenize": [
+        {"prompt": "Hi", "return_token_strs": True},
+        {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
+    ],
 }
 
 
@@ -111,7 +115,8 @@ def _capped(case: Any) -> None:
             body[key] = 3
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
         body["n"] = 2
-    if case.meta is not None and case.meta.generation.mode == GenerationMode.POSITIVE and "messages" in body:
+    positive = case.meta is not None and case.meta.generation.mode == GenerationMode.POSITIVE
+    if positive and isinstance(body.get("messages"), list):
         body["messages"] = [_plain_message(m) for m in body["messages"]]
 
 
@@ -158,7 +163,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(tiny_target, tiny_dra
         for operation in operations:
             _fuzz(operation, url, statuses.setdefault(operation.label, set()))
     print(f"schemathesis: {time.monotonic() - started:.1f} s; statuses {statuses}")
-    for route in ("POST /v1/chat/completions", "POST /v1/completions"):
+    for route in ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize"):
         assert {200, 400} <= statuses[route]  # both the engine and the validation paths were exercised
 
 

@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from server.api import response_schemas as S
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.tokenize import DetokenizeRequest, TokenizeRequest
 from server.config import Settings
 
 REF = "#/components/schemas/{model}"
@@ -108,6 +109,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             }
         },
     ),
+    ("/tokenize", "post"): Operation(
+        {"application/json": _ref(S.TokenizeResponse)}, (400, 404, 413, 503), "api", TokenizeRequest
+    ),
+    ("/detokenize", "post"): Operation(
+        {"application/json": _ref(S.DetokenizeResponse)}, (400, 404, 413, 503), "api", DetokenizeRequest
+    ),
+    ("/version", "get"): Operation({"application/json": _ref(S.Version)}, (), None),
     ("/metrics", "get"): Operation(
         {"text/plain": {"schema": {"type": "string"}}},
         (503,),
@@ -133,7 +141,8 @@ def _responses(op: Operation, settings: Settings) -> dict[str, Any]:
 
 
 def _components() -> dict[str, Any]:
-    models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)]
+    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
     models += [(m, "serialization") for m in S.DOCUMENTED]
     _, top = models_json_schema(models, ref_template=REF)
     return dict(sorted(top["$defs"].items()))

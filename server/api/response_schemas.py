@@ -48,6 +48,22 @@ class SpeculationUsage(_Doc):
     by_proposer: dict[str, ProposerTally] = Field(description="who drafted what (`auto` mixes proposers)")
 
 
+class SpeculativeDecoding(_Doc):
+    """vLLM's per-request speculation figures (AIPerf reads them), for requests of one choice."""
+
+    num_spec_steps: int = Field(description="verify passes")
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_spec_tokens: int = Field(description="K: the most draft tokens a pass may verify (auto's ceiling)")
+    draft_acceptance_rate: float
+    mean_acceptance_length: float = Field(description="1 + accepted / passes")
+    acceptance_histogram: list[int] = Field(description="[j]: passes that accepted exactly j draft tokens, j = 0..K")
+
+
+class ResponseMetrics(_Doc):
+    speculative_decoding: SpeculativeDecoding
+
+
 class PromptTokensDetails(_Doc):
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
 
@@ -125,6 +141,7 @@ class ChatCompletion(_Doc):
     system_fingerprint: None
     choices: list[ChatChoice]
     usage: Usage
+    metrics: ResponseMetrics | None = Field(default=None, description="vLLM's shape; requests of one choice")
 
 
 class FunctionCallDelta(_Doc):
@@ -165,6 +182,7 @@ class ChatCompletionChunk(_Doc):
     system_fingerprint: None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(default=None, description="on the final usage chunk (one choice)")
 
 
 class CompletionLogprobs(_Doc):
@@ -193,6 +211,9 @@ class Completion(_Doc):
     system_fingerprint: None
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(
+        default=None, description="vLLM's shape (one choice): on the answer, or a stream's final usage chunk"
+    )
 
 
 class ModelSpeculation(_Doc):
@@ -204,11 +225,30 @@ class ModelSpeculation(_Doc):
     auto_max_num_tokens: int
 
 
+class ModelPermission(_Doc):
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: None
+    is_blocking: bool
+
+
 class Model(_Doc):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="vLLM's field: the served model")
+    parent: None
+    max_model_len: int = Field(description="vLLM's field: the context length (prompt + max_tokens)")
+    permission: list[ModelPermission]
     speculation: ModelSpeculation
 
 
@@ -224,4 +264,24 @@ class Health(_Doc):
     )
 
 
-DOCUMENTED = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health)
+class TokenizeResponse(_Doc):
+    """vLLM's `/tokenize` answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(_Doc):
+    prompt: str
+
+
+class Version(_Doc):
+    version: str
+
+
+DOCUMENTED = (
+    ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health, TokenizeResponse,
+    DetokenizeResponse, Version,
+)

@@ -91,6 +91,32 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
     }
 
 
+def vllm_metrics(choices: list[Choice]) -> dict[str, Any] | None:
+    """vLLM's per-request speculation figures, `{"speculative_decoding": {...}}` (the response root's
+    `metrics`, which AIPerf reads), for a request of one choice; None for several (as vLLM does).
+
+    `acceptance_histogram[j]`: verify passes that accepted exactly j draft tokens, j = 0..K (`num_spec_tokens`,
+    the request's K; `auto`'s ceiling); it sums to `num_spec_steps`, its j-weighted sum to
+    `num_accepted_draft_tokens`. `mean_acceptance_length` = 1 + accepted / passes (1.0 before any pass)."""
+    if len(choices) != 1 or choices[0].stats is None:
+        return None
+    stats = choices[0].stats
+    at_least = [stats.decode_steps, *stats.accepted_per_position]  # [j]: passes that accepted j or more drafts
+    histogram = [n - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j, n in enumerate(at_least)]
+    steps = stats.decode_steps
+    return {
+        "speculative_decoding": {
+            "num_spec_steps": steps,
+            "num_draft_tokens": stats.draft_tokens,
+            "num_accepted_draft_tokens": stats.accepted_tokens,
+            "num_spec_tokens": len(stats.accepted_per_position),
+            "draft_acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": 1.0 + stats.accepted_tokens / steps if steps else 1.0,
+            "acceptance_histogram": histogram,
+        }
+    }
+
+
 class LogprobFormatter:
     """Turns `TokenLogprob`s into OpenAI's chat and completions logprob shapes."""
 
@@ -158,7 +184,13 @@ def chat_completion(
             for c in choices
         ],
         "usage": usage_,
+        **_metrics(vllm_metrics(choices)),
     }
+
+
+def _metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """The `metrics` key of a response or usage chunk, when there are figures to report."""
+    return {} if metrics is None else {"metrics": metrics}
 
 
 def chat_chunk(
@@ -168,8 +200,10 @@ def chat_chunk(
     choices: list[dict[str, Any]],
     include_usage: bool,
     usage_: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`."""
+    """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`; `metrics`
+    (vLLM's, `vllm_metrics`) rides the final usage chunk."""
     chunk: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -180,7 +214,7 @@ def chat_chunk(
     }
     if include_usage:
         chunk["usage"] = usage_
-    return chunk
+    return {**chunk, **_metrics(metrics)}
 
 
 def text_completion(
@@ -190,8 +224,10 @@ def text_completion(
     choices: list[dict[str, Any]],
     usage_: dict[str, Any] | None,
     include_usage: bool = True,
+    metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A `text_completion` (whole or chunk); `choices`: `{"index", "text", "logprobs", "finish_reason"}`."""
+    """A `text_completion` (whole or chunk); `choices`: `{"index", "text", "logprobs", "finish_reason"}`;
+    `metrics`: vLLM's (`vllm_metrics`), on the whole answer and the final usage chunk."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": "text_completion",
@@ -202,4 +238,4 @@ def text_completion(
     }
     if include_usage:
         body["usage"] = usage_
-    return body
+    return {**body, **_metrics(metrics)}

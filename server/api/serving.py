@@ -329,10 +329,15 @@ class OpenAIServing:
         include_usage, continuous = _usage_options(body)
         parsers = [ToolCallParser(tool_names) if tool_names else None for _ in choices]
 
-        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+        def chunk(
+            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False
+        ) -> dict[str, str]:
             if continuous and usage_ is None:
                 usage_ = R.usage(len(prompt), choices, method)
-            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage or continuous, usage_)
+            metrics = R.vllm_metrics(choices) if final else None
+            obj = R.chat_chunk(
+                response_id, created, self.info.name, choice_list, include_usage or continuous, usage_, metrics
+            )
             return {"data": json.dumps(obj)}
 
         def deltas(index: int, out: RequestOutput) -> list[dict[str, Any]]:
@@ -375,7 +380,7 @@ class OpenAIServing:
                 log(ttft)
                 logged = True
                 if include_usage:
-                    yield chunk([], R.usage(len(prompt), choices, method))
+                    yield chunk([], R.usage(len(prompt), choices, method), final=True)
             finally:
                 if not logged:  # the client went away mid-stream (or the engine failed)
                     log(ttft, "abort")
@@ -429,6 +434,7 @@ class OpenAIServing:
                         for c in choices
                     ],
                     R.usage(prompt_tokens, choices, method),
+                    metrics=R.vllm_metrics(choices),
                 )
                 attach(response["choices"], trackers)
                 return response
@@ -438,11 +444,14 @@ class OpenAIServing:
         events, ttft = await self._started_or_log_abort(request, stream, log, started)
         include_usage, continuous = _usage_options(body)
 
-        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+        def chunk(
+            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False
+        ) -> dict[str, str]:
             if continuous and usage_ is None:
                 usage_ = R.usage(prompt_tokens, choices, method)
+            metrics = R.vllm_metrics(choices) if final else None
             obj = R.text_completion(
-                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous
+                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous, metrics
             )
             return {"data": json.dumps(obj)}
 
@@ -462,7 +471,7 @@ class OpenAIServing:
                 log(ttft)
                 logged = True
                 if include_usage:
-                    yield chunk([], R.usage(prompt_tokens, choices, method))
+                    yield chunk([], R.usage(prompt_tokens, choices, method), final=True)
             finally:
                 if not logged:
                     log(ttft, "abort")
