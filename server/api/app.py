@@ -36,6 +36,7 @@ from server.api.body_limit import BodyLimit
 from server.api.errors import APIError, install_error_handlers
 from server.api.openapi import install_openapi
 from server.api.playground import install_playground
+from server.api.responses_request import ResponsesRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.state import EngineFactory, ServerState
 from server.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -90,6 +91,23 @@ async def completions(request: Request) -> Any:
     state = get_state(request)
     body = await read_body(request, CompletionRequest, state.offload)
     return await state.require_serving().completions(body, request)
+
+
+@v1.post("/responses", summary="Responses API: a response (JSON or SSE stream)")
+async def responses(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_body(request, ResponsesRequest, state.offload)
+    return await state.require_responses().create(body, request)
+
+
+@v1.get("/responses/{response_id}", summary="A stored response")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    return get_state(request).require_responses().get(response_id)
+
+
+@v1.delete("/responses/{response_id}", summary="Delete a stored response")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    return get_state(request).require_responses().delete(response_id)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.api import response_schemas as S
+from server.api.responses_request import ResponsesRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.tokenize import DetokenizeRequest, TokenizeRequest
 from server.config import Settings
@@ -77,6 +78,22 @@ def _sse(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def _event_stream(model: type[BaseModel]) -> dict[str, Any]:
+    """A stream of named events (the Responses API's): `event:` is the event's type, `data:` one of the
+    union `model.event` describes, as JSON text; no `[DONE]`."""
+    union = models_json_schema([(model, "serialization")], ref_template=REF)[1]["$defs"][model.__name__]
+    payload = union["properties"]["event"]
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {
+        "schema": {
+            "type": "object",
+            "description": "One server-sent event: `event` names its type, `data` is the event as JSON text.",
+            "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": json_data},
+        }
+    }
+
+
 HEALTH = _ref(S.Health)
 GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
 
@@ -94,6 +111,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "api",
         CompletionRequest,
         STREAM,
+    ),
+    ("/v1/responses", "post"): Operation(
+        {"application/json": _ref(S.ResponseObject), "text/event-stream": _event_stream(S.ResponseStreamEvent)},
+        GENERATION_ERRORS,
+        "api",
+        ResponsesRequest,
+        "A response; with `stream: true`, a `text/event-stream` of the Responses API's events (`event:` and "
+        "`data:`), ending with `response.completed` or `response.incomplete`.",
+    ),
+    ("/v1/responses/{response_id}", "get"): Operation(
+        {"application/json": _ref(S.ResponseObject)}, (404, 503), "api", ok_description="A stored response."
+    ),
+    ("/v1/responses/{response_id}", "delete"): Operation(
+        {"application/json": _ref(S.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted."
     ),
     ("/v1/models", "get"): Operation({"application/json": _ref(S.ModelList)}, (503,), "api"),
     ("/v1/models/{model_id}", "get"): Operation({"application/json": _ref(S.Model)}, (404, 503), "api"),
@@ -141,7 +172,7 @@ def _responses(op: Operation, settings: Settings) -> dict[str, Any]:
 
 
 def _components() -> dict[str, Any]:
-    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    requests = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
     models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
     models += [(m, "serialization") for m in S.DOCUMENTED]
     _, top = models_json_schema(models, ref_template=REF)

@@ -204,17 +204,28 @@ class OpenAIServing:
 
         return chained()
 
-    def _sse(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> Response:
+    def _sse(
+        self,
+        stream: RequestStream,
+        events: AsyncIterator[dict[str, Any]],
+        on_error: Callable[[APIError], dict[str, Any]] | None = None,
+        done: bool = True,
+    ) -> Response:
+        """`events` as server-sent events; a failure after the stream started is one more event
+        (`on_error(error)`, default `{"error": ...}` as data), then `data: [DONE]` unless not `done`."""
+
         async def guarded() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for event in events:
                     yield event
             except (RequestRejected, EngineError, ShuttingDown) as exc:
-                yield {"data": json.dumps(scheduler_error(exc).body())}
+                error = scheduler_error(exc)
+                yield on_error(error) if on_error is not None else {"data": json.dumps(error.body())}
             finally:
                 if not stream.finished:
                     self.scheduler.abort(stream)  # the client went away mid-stream
-            yield {"data": "[DONE]"}
+            if done:
+                yield {"data": "[DONE]"}
 
         return EventSourceResponse(guarded(), sep="\n", ping=15)
 
