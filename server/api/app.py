@@ -100,14 +100,11 @@ async def responses(request: Request) -> Any:
     return await state.require_responses().create(body, request)
 
 
-@v1.get("/responses/{response_id}", summary="A stored response")
-async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-    return get_state(request).require_responses().get(response_id)
-
-
-@v1.delete("/responses/{response_id}", summary="Delete a stored response")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    return get_state(request).require_responses().delete(response_id)
+# One route for both methods, so a 405 on the path lists both in `Allow`; openapi.py gives each its own id.
+@v1.api_route("/responses/{response_id}", methods=["GET", "DELETE"], operation_id="stored_response")
+async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
+    responses = get_state(request).require_responses()
+    return responses.get(response_id) if request.method == "GET" else responses.delete(response_id)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

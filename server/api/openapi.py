@@ -55,6 +55,7 @@ class Operation:
     request: type[BaseModel] | None = None
     ok_description: str = "OK"
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
+    summary: str | None = None  # for routes that serve several operations
 
 
 def _ref(model: type[BaseModel]) -> dict[str, Any]:
@@ -121,10 +122,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "`data:`), ending with `response.completed` or `response.incomplete`.",
     ),
     ("/v1/responses/{response_id}", "get"): Operation(
-        {"application/json": _ref(S.ResponseObject)}, (404, 503), "api", ok_description="A stored response."
+        {"application/json": _ref(S.ResponseObject)}, (404, 503), "api", ok_description="A stored response.",
+        summary="A stored response",
     ),
     ("/v1/responses/{response_id}", "delete"): Operation(
-        {"application/json": _ref(S.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted."
+        {"application/json": _ref(S.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted.",
+        summary="Delete a stored response",
     ),
     ("/v1/models", "get"): Operation({"application/json": _ref(S.ModelList)}, (503,), "api"),
     ("/v1/models/{model_id}", "get"): Operation({"application/json": _ref(S.Model)}, (404, 503), "api"),
@@ -184,17 +187,24 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     FastAPI's guesses minus the 422 (tests/test_openapi_contract.py fails until the table has it)."""
     with warnings.catch_warnings():
         # HEAD shares its route with GET (/health, /metrics), so both operations get one id; HEAD's is dropped:
-        # it is GET without the body (RFC 9110), not an operation of its own.
+        # it is GET without the body (RFC 9110), not an operation of its own. Other shared ids are made unique below.
         warnings.filterwarnings("ignore", message="Duplicate Operation ID", category=UserWarning)
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    for path, methods in doc["paths"].items():
+    for methods in doc["paths"].values():
         methods.pop("head", None)
+        shared = [op.get("operationId") for op in methods.values()]
+        for method, operation in methods.items():  # one route, several methods (GET and DELETE of a response)
+            if shared.count(operation.get("operationId")) > 1:
+                operation["operationId"] += f"_{method}"
+    for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             op = OPERATIONS.get((path, method))
             if op is None:
                 operation.get("responses", {}).pop("422", None)
                 continue
             operation["responses"] = _responses(op, settings)
+            if op.summary is not None:
+                operation["summary"] = op.summary
             if op.request is not None:
                 schema = _ref(op.request)
                 operation["requestBody"] = {"required": True, "content": {"application/json": schema}}
