@@ -183,6 +183,41 @@ def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice
     assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
 
 
+@pytest.mark.real_model
+def test_the_responses_api_decodes_as_chat_does_with_and_without_speculation(real_client):
+    """`/v1/responses` is the chat route underneath: `text_format` and `tool_choice: required` give what chat
+    gives, and `auto` gives what `none` gives."""
+    parsed = {
+        method: real_client.responses.parse(
+            model="SmolLM2-135M-Instruct", input="Tell me about Paris as JSON.", text_format=City, temperature=0,
+            max_output_tokens=120, extra_body={"speculation": {"method": method}},
+        )
+        for method in ("auto", "none")
+    }
+    assert isinstance(parsed["auto"].output_parsed, City) and parsed["auto"].output_text == parsed["none"].output_text
+    chat = real_client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Tell me about Paris as JSON."}],
+        response_format=City, temperature=0, max_tokens=120,
+    )
+    assert chat.choices[0].message.content == parsed["auto"].output_text
+    weather = {"type": "function", **WEATHER["function"]}
+    calls = {
+        method: [
+            (item.name, json.loads(item.arguments))
+            for item in real_client.responses.create(
+                model="SmolLM2-135M-Instruct", input="What is the weather like in Paris today?", tools=[weather],
+                tool_choice="required", temperature=0, max_output_tokens=120,
+                extra_body={"speculation": {"method": method}},
+            ).output
+            if item.type == "function_call"
+        ]
+        for method in ("auto", "none")
+    }
+    assert calls["auto"] == calls["none"] and calls["auto"], calls
+    distinct = {(name, json.dumps(args, sort_keys=True)) for name, args in calls["auto"]}
+    assert len(distinct) == len(calls["auto"])  # here: Paris in celsius, then in fahrenheit; no repeat
+
+
 async def test_a_grammar_that_cannot_be_followed_is_a_400_for_that_request_only(tiny_engine_factory):
     """llguidance accepts `a{99999999}` and then hits its lexer limit mid-decode: bad input, so those
     requests get a 400 (even all of a batch at once) while a free request beside them finishes."""
