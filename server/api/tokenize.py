@@ -9,7 +9,8 @@ template, or a prompt as `/v1/completions` tokenizes it), and read the context l
     POST /detokenize {"tokens": [19556, 28]}                  -> {"prompt": "Hello"}
 
 `model` is optional (when given it must be the served model). The chat template itself cannot be
-replaced (`chat_template`, `chat_template_kwargs` are accepted only empty), as on the chat route.
+replaced (`chat_template`, `chat_template_kwargs` are accepted only empty), as on the chat route. A text
+far beyond the context is refused from its first part (`prompts.encode`), as on the generation routes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from server.api.errors import bad_request
-from server.api.prompts import ModelInfo, check_model, render_chat
+from server.api.prompts import ModelInfo, check_model, encode, render_chat
 from server.api.schemas import ChatMessage, ToolDefinition, _Body
 
 
@@ -71,7 +72,7 @@ def tokenize(info: ModelInfo, body: TokenizeRequest) -> dict[str, Any]:
         if body.add_special_tokens:
             ids = list(tok.build_inputs_with_special_tokens(ids))
     else:
-        ids = list(tok(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"])
+        ids = encode(info, body.prompt or "", "prompt", add_special_tokens=body.add_special_tokens is not False)
     return {
         "count": len(ids),
         "max_model_len": info.limits.max_context,
