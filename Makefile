@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench bench-peer soak soak-ci clean
+.PHONY: setup serve test lint bench bench-peer soak soak-ci compat clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check server tests bench
+	$(BIN)/ruff check server tests bench compat
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
@@ -46,6 +46,12 @@ SOAK_CI_OUT ?= $(or $(TMPDIR),/tmp)/specula-soak-ci/soak.json
 soak-ci: $(STAMP)
 	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 \
 		--out $(SOAK_CI_OUT)
+
+# The clients people use, unmodified and pinned (openai's Responses helpers, LangChain, litellm, the Vercel AI SDK,
+# AIPerf), installed in throwaway environments, against a fresh server on the default model (or a running one:
+# COMPAT_ARGS="--url http://127.0.0.1:8000"); needs node and npm. docs/api.md, "Works with".
+compat: $(STAMP)
+	$(BIN)/python compat/run.py $(COMPAT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=512, ge=1)
+    # Responses the Responses API keeps for `previous_response_id` and `GET /v1/responses/{id}`
+    # (server/api/response_store.py): at most this many bytes of JSON, least recently used out first; 0 keeps none.
+    responses_store_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"

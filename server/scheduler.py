@@ -15,7 +15,8 @@ only holds the batch it is given. Admission control happens in `submit`: a reque
 cannot run (`ServingLimits.check`) is `RequestRejected` at once, as is one with more sequences than
 an idle server admits (`NeverFits`, a 400: retrying cannot help); at most `max_waiting` sequences may
 wait beyond the free batch slots, otherwise `QueueFull` (the API answers 429).
-An aborted request (client gone) leaves the batch at the next step boundary. A sequence the engine
+An aborted request (client gone) leaves the batch at the next step boundary, as does a choice the API
+ends itself (`finish`: its answer is complete though the engine would go on). A sequence the engine
 fails alone (`StepResult.failed`: its part of a step raised) gets `EngineError`, with its API
 request's other sequences; the others carry on. Anything that escapes the engine's isolation (a step
 that raises, a BaseException, a bug in this loop) kills the worker: every waiting and running
@@ -114,23 +115,31 @@ class RequestStream:
     def __init__(self, request_ids: Sequence[str]) -> None:
         self.request_ids = tuple(request_ids)
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
-        self._remaining = len(self.request_ids)
+        self._open = set(range(len(self.request_ids)))  # choices not finished (nor ended by `close`)
 
     @property
     def finished(self) -> bool:
-        return self._remaining == 0
+        return not self._open
+
+    def close(self, index: int) -> None:
+        """Stop waiting for choice `index`: the API ended it (`Scheduler.finish`); outputs of it still on
+        their way are dropped. Call from the event loop."""
+        self._open.discard(index)
 
     def _put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
         self._queue.put_nowait(item)
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self._remaining:
+        while self._open:
             item = await self._queue.get()
             if isinstance(item, BaseException):
-                self._remaining = 0
+                self._open.clear()
                 raise item
-            if item[1].finished:
-                self._remaining -= 1
+            index, out = item
+            if index not in self._open:
+                continue  # ended by the API
+            if out.finished:
+                self._open.discard(index)
             yield item
 
 
@@ -237,7 +246,19 @@ class Scheduler:
 
         Safe to call from any thread, and more than once.
         """
-        ids = set(stream.request_ids)
+        self._drop_sequences(set(stream.request_ids), "abort")
+
+    def finish(self, stream: RequestStream, index: int) -> None:
+        """End choice `index` of `stream` before the engine would: the API saw its answer end (a tool-call
+        reply that repeats a call it made, server/api/tool_calls.py). It leaves the batch at the next step
+        boundary as an aborted sequence does, but is counted as finished ("stop"), and the stream stops
+        waiting for it. Call from the event loop."""
+        stream.close(index)
+        self._drop_sequences({stream.request_ids[index]}, "stop")
+
+    def _drop_sequences(self, ids: set[str], finish_reason: str) -> None:
+        """Take the sequences `ids` out of the waiting queue and the batch (the engine drops running ones at
+        the next step boundary), counted as finished with `finish_reason`."""
         with self._lock:
             dropped = [s for s in self._waiting if s.request.request_id in ids]
             self._waiting = deque(s for s in self._waiting if s.request.request_id not in ids)
@@ -249,7 +270,7 @@ class Scheduler:
         self._wake.set()
         now = time.monotonic()
         for seq in dropped:
-            self._observe_finish(seq, seq.stats or RequestStats(seq.request.speculation.method), "abort", now)
+            self._observe_finish(seq, seq.stats or RequestStats(seq.request.speculation.method), finish_reason, now)
 
     def begin_drain(self) -> None:
         """Stop admitting new requests (they get `ShuttingDown`); what was accepted keeps running."""

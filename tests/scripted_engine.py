@@ -9,6 +9,7 @@ engine). It finishes with "stop" at the end of the script or a stop string, "len
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from server.engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +25,11 @@ class _Running:
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, script: str, per_step: int = 3, model_name: str = "scripted-model"):
+    def __init__(
+        self, tokenizer, script: str, per_step: int = 3, model_name: str = "scripted-model", step_s: float = 0.0
+    ):
+        """`step_s`: how long each step takes (a real engine's steps take time: what the API does meanwhile)."""
+        self.step_s = step_s
         self.tokenizer = tokenizer
         self.script_ids = tokenizer.encode(script, add_special_tokens=False)
         self.per_step = per_step
@@ -34,6 +39,7 @@ class ScriptedEngine:
         self.running: dict[str, _Running] = {}
         self.requests: list[GenerationRequest] = []
         self.releases: list[int] = []  # per release_idle_memory call: rows running then
+        self.aborted: list[tuple[str, int]] = []  # (request id, tokens it had generated) per abort
 
     @property
     def num_running(self) -> int:
@@ -47,7 +53,9 @@ class ScriptedEngine:
             self.running[req.request_id] = _Running(req, detok, stats=stats)
 
     def abort_request(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
+        run = self.running.pop(request_id, None)
+        if run is not None:
+            self.aborted.append((request_id, run.sent))
 
     def release_idle_memory(self) -> None:
         self.releases.append(len(self.running))
@@ -62,6 +70,7 @@ class ScriptedEngine:
         return 0.0
 
     def step(self) -> StepResult:
+        time.sleep(self.step_s)
         outputs, seq_stats = [], []
         for rid, run in list(self.running.items()):
             limit = run.req.sampling.max_tokens

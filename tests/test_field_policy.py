@@ -62,6 +62,36 @@ async def test_message_fields_an_sdk_round_trip_sends(client):
     assert r.status_code == 200, r.text
 
 
+async def test_keys_other_clients_add_inside_messages_are_ignored(client):
+    """litellm adds `provider_specific_fields` to every assistant message (and tool call) it returns, and
+    clients add `cache_control` to text parts: accepted and ignored, as vLLM does; the prompt is unchanged.
+    Unknown top-level fields are still refused, and so are known message fields that would change the prompt."""
+    tool_call = {"id": "c1", "type": "function", "index": 0, "provider_specific_fields": None,
+                 "function": {"name": "lookup", "arguments": "{}", "provider_specific_fields": {"x": 1}}}
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call],
+         "provider_specific_fields": {"refusal": None}, "reasoning_content": None, "thinking_blocks": None},
+        {"role": "tool", "tool_call_id": "c1", "content": "nothing found", "metadata": {"ms": 3}},
+    ]
+    plain = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "nothing found"},
+    ]
+    r = await client.post(CHAT, json={**chat_body(max_tokens=3, temperature=0), "messages": history})
+    assert r.status_code == 200, r.text
+    same = await client.post(CHAT, json={**chat_body(max_tokens=3, temperature=0), "messages": plain})
+    assert r.json()["usage"]["prompt_tokens"] == same.json()["usage"]["prompt_tokens"]
+    assert r.json()["choices"][0]["message"] == same.json()["choices"][0]["message"]
+    top = await client.post(CHAT, json=chat_body(provider_specific_fields={}))
+    assert top.status_code == 400 and top.json()["error"]["param"] == "provider_specific_fields"
+    refusal = [{"role": "assistant", "content": "x", "refusal": "I cannot."}, {"role": "user", "content": "ok"}]
+    r = await client.post(CHAT, json={**chat_body(), "messages": refusal})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].refusal"
+
+
 async def test_top_p_0_is_greedy(client):
     greedy = await client.post(CHAT, json=chat_body(max_tokens=6, temperature=0))
     top_p0 = await client.post(CHAT, json=chat_body(max_tokens=6, temperature=1.5, top_p=0))

@@ -313,6 +313,11 @@ ROUTES = {
     "/v1/completions": {"POST"},
     "/v1/models": {"GET"},
     "/v1/models/{model_id}": {"GET"},
+    "/v1/responses": {"POST"},
+    "/v1/responses/{response_id}": {"GET", "DELETE"},
+    "/tokenize": {"POST"},
+    "/detokenize": {"POST"},
+    "/version": {"GET"},
     "/health": {"GET", "HEAD"},
     "/metrics": {"GET", "HEAD"},
     "/openapi.json": {"GET"},
@@ -333,7 +338,7 @@ async def test_every_405_carries_an_allow_header(tokenizer):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             for path, methods in ROUTES.items():
                 for method in {"GET", "POST", "DELETE"} - methods:
-                    r = await client.request(method, path.replace("{model_id}", "m"))
+                    r = await client.request(method, path.replace("{model_id}", "m").replace("{response_id}", "r"))
                     assert r.status_code == 405, (method, path)
                     assert set(r.headers["allow"].replace(" ", "").split(",")) == methods, (method, path)
                     assert r.json()["error"]["type"] == "invalid_request_error"

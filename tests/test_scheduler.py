@@ -195,6 +195,28 @@ async def test_aborted_requests_are_counted_as_abort(make_scheduler):
     assert finished == ["abort", "abort", "length"]
 
 
+async def test_a_choice_the_api_ends_leaves_the_batch_and_its_siblings_go_on(make_scheduler):
+    """`finish` (a tool-call reply that repeats itself): that choice leaves the batch at the next step, its
+    later outputs never reach the stream, it is counted as finished ("stop"), and the request's other choice
+    runs to its end."""
+    finished: list[str] = []
+
+    class Finishes(RecordingMetrics):
+        def observe_request(self, stats, finish_reason, queue_time_s, e2e_s) -> None:
+            finished.append(finish_reason)
+
+    sched, engine = make_scheduler(metrics=Finishes(), step_s=0.005)
+    stream = sched.submit([req("x-0", 10_000), req("x-1", 30, last=11)])
+    tokens: dict[int, int] = {0: 0, 1: 0}
+    async for index, out in stream.events():
+        tokens[index] += len(out.token_ids)
+        if index == 0 and tokens[0] >= 3 and 0 in stream._open:
+            sched.finish(stream, 0)
+            kept = tokens[0]
+    assert stream.finished and tokens == {0: kept, 1: 30}
+    assert engine.aborted == ["x-0"] and finished == ["stop", "length"]
+
+
 async def test_memory_is_released_once_the_worker_has_been_idle_not_between_requests(make_scheduler):
     """A client sending one request after another leaves the batch empty between them: the engine hands
     its freed buffers back (malloc_trim) only after the worker found nothing to run for `idle_release_s`,

@@ -151,26 +151,30 @@ def test_sdk_parse_returns_a_validated_object_with_speculation(real_client):
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("parallel", [None, False])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice):
+def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice, parallel):
+    """Greedy SmolLM2-135M, allowed parallel calls, repeats its call: the reply ends at the repeat (one
+    call, `tool_calls`), the same with and without speculation, streamed or not."""
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-    # One call: greedy SmolLM2-135M, allowed parallel calls, repeats its call until max_tokens.
-    resp = ask(real_client, "auto", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
-               parallel_tool_calls=False)
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    resp = ask(real_client, "auto", messages=messages, tools=[WEATHER, TIME], tool_choice=choice, **extra)
     assert resp.choices[0].finish_reason == "tool_calls", resp.choices[0]
     calls = resp.choices[0].message.tool_calls
     assert calls and (choice == "required" or all(c.function.name == "get_weather" for c in calls))
+    assert len({(c.function.name, json.dumps(json.loads(c.function.arguments), sort_keys=True)) for c in calls}) == len(
+        calls)  # no call repeated
     for call in calls:
         schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
         jsonschema.validate(json.loads(call.function.arguments), schema)
-    plain = ask(real_client, "none", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
-                parallel_tool_calls=False)
+    plain = ask(real_client, "none", messages=messages, tools=[WEATHER, TIME], tool_choice=choice, **extra)
     assert [c.function.model_dump() for c in plain.choices[0].message.tool_calls] == [
         c.function.model_dump() for c in calls
     ]
+    assert plain.usage.completion_tokens == resp.usage.completion_tokens
     streamed = real_client.chat.completions.create(
         model="SmolLM2-135M-Instruct", temperature=0, max_tokens=120, messages=messages, tools=[WEATHER, TIME],
-        tool_choice=choice, stream=True, parallel_tool_calls=False,
+        tool_choice=choice, stream=True, **extra,
     )
     arguments: dict[int, str] = {}
     for chunk in streamed:
@@ -178,6 +182,40 @@ def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice
             arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
     assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
 
+
+@pytest.mark.real_model
+def test_the_responses_api_decodes_as_chat_does_with_and_without_speculation(real_client):
+    """`/v1/responses` is the chat route underneath: `text_format` and `tool_choice: required` give what chat
+    gives, and `auto` gives what `none` gives."""
+    parsed = {
+        method: real_client.responses.parse(
+            model="SmolLM2-135M-Instruct", input="Tell me about Paris as JSON.", text_format=City, temperature=0,
+            max_output_tokens=120, extra_body={"speculation": {"method": method}},
+        )
+        for method in ("auto", "none")
+    }
+    assert isinstance(parsed["auto"].output_parsed, City) and parsed["auto"].output_text == parsed["none"].output_text
+    chat = real_client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Tell me about Paris as JSON."}],
+        response_format=City, temperature=0, max_tokens=120,
+    )
+    assert chat.choices[0].message.content == parsed["auto"].output_text
+    weather = {"type": "function", **WEATHER["function"]}
+    calls = {
+        method: [
+            (item.name, json.loads(item.arguments))
+            for item in real_client.responses.create(
+                model="SmolLM2-135M-Instruct", input="What is the weather like in Paris today?", tools=[weather],
+                tool_choice="required", temperature=0, max_output_tokens=120,
+                extra_body={"speculation": {"method": method}},
+            ).output
+            if item.type == "function_call"
+        ]
+        for method in ("auto", "none")
+    }
+    assert calls["auto"] == calls["none"] and calls["auto"], calls
+    distinct = {(name, json.dumps(args, sort_keys=True)) for name, args in calls["auto"]}
+    assert len(distinct) == len(calls["auto"])  # here: Paris in celsius, then in fahrenheit; no repeat
 
 
 async def test_a_grammar_that_cannot_be_followed_is_a_400_for_that_request_only(tiny_engine_factory):

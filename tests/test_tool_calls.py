@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import time
 
 import openai
 import pytest
@@ -59,19 +60,60 @@ CASES = [
         [("f", '{"x": 1}'), ("f", '{"x": 2}')],
     ),
     ("  \n", "  \n", []),
+    (  # a repeat of an earlier call (arguments equal as JSON) is a loop, not a parallel call: the reply ends
+        '<tool_call>{"name": "f", "arguments": {"x": 1, "y": 2}}</tool_call>\n<tool_call>{"name": "f", "arguments": '
+        '{"x": 2}}</tool_call>\n<tool_call>{"name": "f", "arguments": {"y": 2, "x": 1}}</tool_call>\n<tool_call>'
+        '{"name": "f", "arguments": {"x": 3}}</tool_call> and text',
+        None,
+        [("f", '{"x": 1, "y": 2}'), ("f", '{"x": 2}')],
+    ),
+    ('<tool_call>[{"name": "f", "arguments": {}}, {"name": "f", "arguments": {}}]</tool_call>', None, [("f", "{}")]),
 ]
+REPEAT_END = len(CASES[-2][0]) - len('\n<tool_call>{"name": "f", "arguments": {"x": 3}}</tool_call> and text')
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_parse_whole(text, content, calls):
-    got_content, got_calls = parse_whole(text, NAMES)
-    assert got_content == content
-    assert [(c.name, c.arguments) for c in got_calls] == calls
-    assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
+    reply = parse_whole(text, NAMES)
+    assert reply.content == content
+    assert [(c.name, c.arguments) for c in reply.calls] == calls
+    assert all(c.id.startswith("call_") for c in reply.calls) and len({c.id for c in reply.calls}) == len(calls)
+    assert not reply.cut
+
+
+def test_a_repeated_call_ends_the_reply_where_the_repeat_ends():
+    reply = parse_whole(CASES[-2][0], NAMES)
+    assert reply.end == REPEAT_END and CASES[-2][0][:REPEAT_END].endswith("</tool_call>")
+    assert parse_whole(CASES[1][0], NAMES).end is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        'Sure.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu',
+        "Sure.<tool_call>\n<tool_",
+        '{"name": "get_weather", "parameters": {"city": "Os',  # bare
+    ],
+)
+def test_a_call_cut_by_max_tokens_is_neither_a_call_nor_content(text):
+    reply = parse_whole(text, NAMES, "length")
+    assert reply.cut
+    assert reply.content in (None, "", "Sure.") and all(json.loads(c.arguments) for c in reply.calls)
+    assert [c.arguments for c in reply.calls] in ([], ['{"x": 1}'])
+    streamed = ToolCallParser(NAMES)
+    deltas = [d for i in range(0, len(text), 3) for d in streamed.feed(text[i : i + 3])] + streamed.finish("length")
+    assert "".join(d.content or "" for d in deltas) == (reply.content or "")
+    assert [d.arguments for d in deltas if d.index is not None] == [c.arguments for c in reply.calls]
+
+
+def test_text_that_is_no_call_stays_text_when_max_tokens_cuts_it():
+    reply = parse_whole('{"answer": 4', NAMES, "length")
+    assert (reply.content, reply.calls, reply.cut) == ('{"answer": 4', [], False)
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
-def test_any_split_gives_the_same_result_and_arguments_stream_in_pieces(text, content, calls):
+def test_any_split_gives_the_same_result_and_each_call_comes_whole(text, content, calls):
     rng = random.Random(0)
     for _ in range(40):
         cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
@@ -82,24 +124,18 @@ def test_any_split_gives_the_same_result_and_arguments_stream_in_pieces(text, co
         deltas += parser.finish()
         got = "".join(d.content for d in deltas if d.content is not None)
         assert ((got.strip() or None) if parser.calls else got) == content
-        args: dict[int, str] = {}
-        for d in deltas:
-            if d.index is not None:
-                args[d.index] = args.get(d.index, "") + (d.arguments or "")
-        assert [(c.name, args[i]) for i, c in enumerate(parser.calls)] == calls
-        heads = [d for d in deltas if d.id is not None]
-        assert [d.name for d in heads] == [name for name, _ in calls]  # id and name come once per call
+        call_deltas = [d for d in deltas if d.index is not None]
+        assert [(d.name, d.arguments) for d in call_deltas] == calls  # one delta per call: id, name, arguments
+        assert all(d.id is not None for d in call_deltas)
 
 
-def test_arguments_are_streamed_before_the_block_ends():
+def test_a_call_is_sent_whole_once_its_block_ends():
     parser = ToolCallParser(NAMES)
     assert parser.feed("<tool_call>\n") == []
-    head = parser.feed('{"name": "get_weather", "arguments": ')
-    assert [(d.index, d.name, d.arguments) for d in head] == [(0, "get_weather", "")]
-    part = parser.feed('{"city": "Par')
-    assert [d.arguments for d in part] == ['{"city": "Par']
+    assert parser.feed('{"name": "get_weather", "arguments": ') == []
+    assert parser.feed('{"city": "Par') == []
     rest = parser.feed('is"}}\n</tool_call>')
-    assert [d.arguments for d in rest] == ['is"}']
+    assert [(d.index, d.name, d.arguments) for d in rest] == [(0, "get_weather", '{"city": "Paris"}')]
 
 
 @pytest.mark.parametrize(
@@ -114,7 +150,8 @@ def test_arguments_are_streamed_before_the_block_ends():
 def test_output_the_parser_cannot_read_stays_text(text):
     """Model output (which a client can force with guided_regex) that is not a readable call of an
     offered function is text, whole and streamed; reading it raised (a 500, or a broken stream)."""
-    assert parse_whole(text, NAMES) == (text, [])
+    reply = parse_whole(text, NAMES)
+    assert (reply.content, reply.calls) == (text, [])
     parser = ToolCallParser(NAMES)
     deltas = [d for i in range(0, len(text), 7) for d in parser.feed(text[i : i + 7])] + parser.finish()
     assert "".join(d.content or "" for d in deltas) == text and not parser.calls
@@ -238,7 +275,7 @@ def test_sdk_tool_calls_streamed(scripted):
     assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert all(v["id"].startswith("call_") for v in calls.values())
-    assert pieces > 2 * len(calls)  # arguments arrived in several pieces, not whole
+    assert pieces == len(calls)  # each call whole, once its block has ended
     for c in chunks:  # one entry per call per chunk, as OpenAI sends them (some clients read only the first)
         indexes = [d.index for d in (c.choices[0].delta.tool_calls or [])] if c.choices else []
         assert len(indexes) == len(set(indexes)), indexes
@@ -277,3 +314,60 @@ def test_each_streamed_choice_has_its_own_calls(scripted):
         assert {d.index for d in calls} == {0}  # one call each (parallel_tool_calls false), indexed per choice
         assert json.loads("".join(d.function.arguments or "" for d in calls)) == {"city": "Paris"}
     assert finish == {0: "tool_calls", 1: "tool_calls"}
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+LOOP = "Checking." + "\n".join([CALL] * 30)  # what greedy SmolLM2-135M does under tool_choice required
+
+
+@pytest.fixture(scope="module")
+def looping(tokenizer):
+    engine = ScriptedEngine(tokenizer, LOOP, per_step=3, step_s=0.01)
+    app = create_app(Settings.load(), lambda _s: engine)
+    with serve_app(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60), engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_that_repeats_its_call_ends_after_the_first(looping, tokenizer, stream):
+    """The repeat is not a parallel call: one call, finish_reason tool_calls, and the engine stops generating
+    the choice instead of running to max_tokens; usage counts the tokens up to the end of the repeat."""
+    client, engine = looping
+    before = len(engine.aborted)
+    extra = {"stream_options": {"include_usage": True}} if stream else {}
+    resp = ask(client, tools=[WEATHER], tool_choice="required", max_tokens=1000, stream=stream, **extra)
+    if stream:
+        chunks = list(resp)
+        calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        assert [(d.function.name, d.function.arguments) for d in calls] == [("get_weather", '{"city": "Paris"}')]
+    else:
+        calls = resp.choices[0].message.tool_calls
+        content, finish, usage = resp.choices[0].message.content, [resp.choices[0].finish_reason], resp.usage
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert content == "Checking." and finish == ["tool_calls"]
+    script = engine.script_ids
+    two_calls = len(tokenizer.encode("Checking." + "\n".join([CALL] * 2), add_special_tokens=False))
+    assert usage.completion_tokens == two_calls  # through the repeat, whatever the engine generated after it
+    deadline = time.monotonic() + 10  # the worker drops the choice at its next step boundary
+    while len(engine.aborted) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine.aborted) == before + 1 and engine.aborted[-1][1] < len(script)  # stopped, not run out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_dropped_and_the_choice_says_length(looping, stream):
+    client, _ = looping
+    resp = ask(client, tools=[WEATHER], tool_choice="required", max_tokens=30, stream=stream)
+    if stream:
+        chunks = list(resp)
+        calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        calls = resp.choices[0].message.tool_calls or []
+        content, finish = resp.choices[0].message.content, [resp.choices[0].finish_reason]
+    assert finish == ["length"] and content == "Checking."
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]  # the whole one only

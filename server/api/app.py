@@ -3,7 +3,9 @@
 Routes (all errors in OpenAI's shape, see `errors.py`):
 
 * `POST /v1/chat/completions`, `POST /v1/completions`: JSON or SSE (`stream: true`).
-* `GET /v1/models`, `GET /v1/models/{id}`.
+* `GET /v1/models`, `GET /v1/models/{id}`: the served model, with vLLM's fields (`max_model_len`, `root`, ...).
+* `POST /v1/responses` (OpenAI's Responses API, `responses_serving.py`), `GET`/`DELETE /v1/responses/{id}`.
+* vLLM's `POST /tokenize`, `POST /detokenize` (`tokenize.py`; behind the key like `/v1`) and `GET /version`.
 * `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
 * `GET /metrics`: Prometheus exposition.
 * `HEAD` on `/health` and `/metrics`: as GET, without the body.
@@ -28,13 +30,16 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
+from server import __version__
 from server.api.bodies import read_body
 from server.api.body_limit import BodyLimit
 from server.api.errors import APIError, install_error_handlers
 from server.api.openapi import install_openapi
 from server.api.playground import install_playground
+from server.api.responses_request import ResponsesRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.state import EngineFactory, ServerState
+from server.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from server.config import Settings
 
 
@@ -88,6 +93,20 @@ async def completions(request: Request) -> Any:
     return await state.require_serving().completions(body, request)
 
 
+@v1.post("/responses", summary="Responses API: a response (JSON or SSE stream)")
+async def responses(request: Request) -> Any:
+    state = get_state(request)
+    body = await read_body(request, ResponsesRequest, state.offload)
+    return await state.require_responses().create(body, request)
+
+
+# One route for both methods, so a 405 on the path lists both in `Allow`; openapi.py gives each its own id.
+@v1.api_route("/responses/{response_id}", methods=["GET", "DELETE"], operation_id="stored_response")
+async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
+    responses = get_state(request).require_responses()
+    return responses.get(response_id) if request.method == "GET" else responses.delete(response_id)
+
+
 def _model_card(state: ServerState) -> dict[str, Any]:
     info = state.require_serving().info
     return {
@@ -95,6 +114,26 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "specula",
+        # vLLM's fields (clients size prompts with max_model_len); root names the served model, never a path
+        "root": info.name,
+        "parent": None,
+        "max_model_len": info.limits.max_context,
+        "permission": [
+            {
+                "id": f"modelperm-{info.name}",
+                "object": "model_permission",
+                "created": state.created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
         "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
             "methods": info.methods,
             "default_method": info.default_method,
@@ -117,7 +156,30 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return card
 
 
+# vLLM's tokenizer routes sit at the root, as in vLLM; they take the key like /v1 (they cost tokenizer time).
+vllm = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@vllm.post("/tokenize", summary="vLLM's tokenizer: a prompt or chat messages -> token ids")
+async def tokenize_route(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    body = await read_body(request, TokenizeRequest, state.offload)
+    return await state.offload(tokenize, state.require_serving().info, body)
+
+
+@vllm.post("/detokenize", summary="vLLM's tokenizer: token ids -> text")
+async def detokenize_route(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    body = await read_body(request, DetokenizeRequest, state.offload)
+    return await state.offload(detokenize, state.require_serving().info, body)
+
+
 ops = APIRouter()
+
+
+@ops.get("/version", summary="The server's version (vLLM's route)")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
 
 
 # HEAD answers as GET without the body (load balancers probe with HEAD); the document lists GET only. The
@@ -190,6 +252,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
             allow_credentials="*" not in settings.cors_origins,
         )
     app.include_router(v1)
+    app.include_router(vllm)
     app.include_router(ops)
     install_playground(app)
     install_openapi(app, settings, [Depends(require_api_key_if_protected)])

@@ -23,7 +23,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.api import response_schemas as S
+from server.api.responses_request import ResponsesRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.tokenize import DetokenizeRequest, TokenizeRequest
 from server.config import Settings
 
 REF = "#/components/schemas/{model}"
@@ -53,6 +55,7 @@ class Operation:
     request: type[BaseModel] | None = None
     ok_description: str = "OK"
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
+    summary: str | None = None  # for routes that serve several operations
 
 
 def _ref(model: type[BaseModel]) -> dict[str, Any]:
@@ -76,6 +79,22 @@ def _sse(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def _event_stream(model: type[BaseModel]) -> dict[str, Any]:
+    """A stream of named events (the Responses API's): `event:` is the event's type, `data:` one of the
+    union `model.event` describes, as JSON text; no `[DONE]`."""
+    union = models_json_schema([(model, "serialization")], ref_template=REF)[1]["$defs"][model.__name__]
+    payload = union["properties"]["event"]
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {
+        "schema": {
+            "type": "object",
+            "description": "One server-sent event: `event` names its type, `data` is the event as JSON text.",
+            "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": json_data},
+        }
+    }
+
+
 HEALTH = _ref(S.Health)
 GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
 
@@ -94,6 +113,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         CompletionRequest,
         STREAM,
     ),
+    ("/v1/responses", "post"): Operation(
+        {"application/json": _ref(S.ResponseObject), "text/event-stream": _event_stream(S.ResponseStreamEvent)},
+        GENERATION_ERRORS,
+        "api",
+        ResponsesRequest,
+        "A response; with `stream: true`, a `text/event-stream` of the Responses API's events (`event:` and "
+        "`data:`), ending with `response.completed` or `response.incomplete`.",
+    ),
+    ("/v1/responses/{response_id}", "get"): Operation(
+        {"application/json": _ref(S.ResponseObject)}, (404, 503), "api", ok_description="A stored response.",
+        summary="A stored response",
+    ),
+    ("/v1/responses/{response_id}", "delete"): Operation(
+        {"application/json": _ref(S.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted.",
+        summary="Delete a stored response",
+    ),
     ("/v1/models", "get"): Operation({"application/json": _ref(S.ModelList)}, (503,), "api"),
     ("/v1/models/{model_id}", "get"): Operation({"application/json": _ref(S.Model)}, (404, 503), "api"),
     ("/health", "get"): Operation(
@@ -108,6 +143,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             }
         },
     ),
+    ("/tokenize", "post"): Operation(
+        {"application/json": _ref(S.TokenizeResponse)}, (400, 404, 413, 503), "api", TokenizeRequest
+    ),
+    ("/detokenize", "post"): Operation(
+        {"application/json": _ref(S.DetokenizeResponse)}, (400, 404, 413, 503), "api", DetokenizeRequest
+    ),
+    ("/version", "get"): Operation({"application/json": _ref(S.Version)}, (), None),
     ("/metrics", "get"): Operation(
         {"text/plain": {"schema": {"type": "string"}}},
         (503,),
@@ -133,7 +175,8 @@ def _responses(op: Operation, settings: Settings) -> dict[str, Any]:
 
 
 def _components() -> dict[str, Any]:
-    models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)]
+    requests = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+    models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
     models += [(m, "serialization") for m in S.DOCUMENTED]
     _, top = models_json_schema(models, ref_template=REF)
     return dict(sorted(top["$defs"].items()))
@@ -144,17 +187,24 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     FastAPI's guesses minus the 422 (tests/test_openapi_contract.py fails until the table has it)."""
     with warnings.catch_warnings():
         # HEAD shares its route with GET (/health, /metrics), so both operations get one id; HEAD's is dropped:
-        # it is GET without the body (RFC 9110), not an operation of its own.
+        # it is GET without the body (RFC 9110), not an operation of its own. Other shared ids are made unique below.
         warnings.filterwarnings("ignore", message="Duplicate Operation ID", category=UserWarning)
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    for path, methods in doc["paths"].items():
+    for methods in doc["paths"].values():
         methods.pop("head", None)
+        shared = [op.get("operationId") for op in methods.values()]
+        for method, operation in methods.items():  # one route, several methods (GET and DELETE of a response)
+            if shared.count(operation.get("operationId")) > 1:
+                operation["operationId"] += f"_{method}"
+    for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             op = OPERATIONS.get((path, method))
             if op is None:
                 operation.get("responses", {}).pop("422", None)
                 continue
             operation["responses"] = _responses(op, settings)
+            if op.summary is not None:
+                operation["summary"] = op.summary
             if op.request is not None:
                 schema = _ref(op.request)
                 operation["requestBody"] = {"required": True, "content": {"application/json": schema}}

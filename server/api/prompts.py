@@ -14,7 +14,7 @@ from typing import Any
 
 from server.api.chat_template import render_messages
 from server.api.errors import APIError, bad_request
-from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
+from server.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition, _GenerationBody
 from server.api.tool_calls import CLOSE
 from server.request_log import capped
 from server.types import GenerationRequest, SamplingParams, ServingLimits, SpeculationParams
@@ -51,12 +51,27 @@ def check_model(info: ModelInfo, model: str) -> None:
 def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
     """Render `messages` (and `tools`, see chat_template.py) with the tokenizer's chat template, plus
     the assistant prefix, and tokenize."""
+    return render_chat(info, body.messages, body.active_tools, body.parallel_tool_calls is not False)
+
+
+def render_chat(
+    info: ModelInfo,
+    messages: list[ChatMessage],
+    tools: list[ToolDefinition],
+    parallel_tool_calls: bool = True,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The token ids of `messages` (and `tools`) through the chat template (`add_generation_prompt`: with the
+    assistant prefix a reply starts from). A 400 naming `messages` when the model has no template or the
+    template refuses them."""
     tok = info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages, tools = render_messages(tok, body.messages, body.active_tools, body.parallel_tool_calls is not False)
+    rendered, specs = render_messages(tok, messages, tools, parallel_tool_calls)
     try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            rendered, tools=specs, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
     return encode(info, text, "messages", add_special_tokens=False)

@@ -8,7 +8,7 @@ apart unnoticed. A field with a default may be absent; one without is always sen
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,22 @@ class SpeculationUsage(_Doc):
     acceptance_rate: float
     decode_steps: int
     by_proposer: dict[str, ProposerTally] = Field(description="who drafted what (`auto` mixes proposers)")
+
+
+class SpeculativeDecoding(_Doc):
+    """vLLM's per-request speculation figures (AIPerf reads them), for requests of one choice."""
+
+    num_spec_steps: int = Field(description="verify passes")
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_spec_tokens: int = Field(description="K: the most draft tokens a pass may verify (auto's ceiling)")
+    draft_acceptance_rate: float
+    mean_acceptance_length: float = Field(description="1 + accepted / passes")
+    acceptance_histogram: list[int] = Field(description="[j]: passes that accepted exactly j draft tokens, j = 0..K")
+
+
+class ResponseMetrics(_Doc):
+    speculative_decoding: SpeculativeDecoding
 
 
 class PromptTokensDetails(_Doc):
@@ -125,6 +141,7 @@ class ChatCompletion(_Doc):
     system_fingerprint: None
     choices: list[ChatChoice]
     usage: Usage
+    metrics: ResponseMetrics | None = Field(default=None, description="vLLM's shape; requests of one choice")
 
 
 class FunctionCallDelta(_Doc):
@@ -165,6 +182,7 @@ class ChatCompletionChunk(_Doc):
     system_fingerprint: None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(default=None, description="on the final usage chunk (one choice)")
 
 
 class CompletionLogprobs(_Doc):
@@ -193,6 +211,9 @@ class Completion(_Doc):
     system_fingerprint: None
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: ResponseMetrics | None = Field(
+        default=None, description="vLLM's shape (one choice): on the answer, or a stream's final usage chunk"
+    )
 
 
 class ModelSpeculation(_Doc):
@@ -204,11 +225,30 @@ class ModelSpeculation(_Doc):
     auto_max_num_tokens: int
 
 
+class ModelPermission(_Doc):
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: None
+    is_blocking: bool
+
+
 class Model(_Doc):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="vLLM's field: the served model")
+    parent: None
+    max_model_len: int = Field(description="vLLM's field: the context length (prompt + max_tokens)")
+    permission: list[ModelPermission]
     speculation: ModelSpeculation
 
 
@@ -224,4 +264,196 @@ class Health(_Doc):
     )
 
 
-DOCUMENTED = (ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health)
+# ---- the Responses API (responses_output.py builds them) ------------------------------------------
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(_Doc):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] = Field(description="always empty")
+    logprobs: list[Any] = Field(description="always empty")
+
+
+class OutputMessage(_Doc):
+    id: str
+    type: Literal["message"]
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallItem(_Doc):
+    id: str
+    type: Literal["function_call"]
+    status: ItemStatus
+    arguments: str = Field(description="the arguments as JSON text")
+    call_id: str = Field(description="what a function_call_output item answers")
+    name: str
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class InputTokensDetails(_Doc):
+    cached_tokens: int
+
+
+class OutputTokensDetails(_Doc):
+    reasoning_tokens: int
+
+
+class ResponsesUsage(_Doc):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+    speculation: SpeculationUsage
+
+
+class IncompleteDetails(_Doc):
+    reason: Literal["max_output_tokens"]
+
+
+class Reasoning(_Doc):
+    effort: None
+    summary: None
+
+
+class ResponseObject(_Doc):
+    """A response of `POST /v1/responses` (and `GET /v1/responses/{id}`); the request's settings repeated."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: ItemStatus
+    background: Literal[False]
+    error: None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: Reasoning
+    service_tier: str
+    store: bool
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_logprobs: int
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponsesUsage | None = Field(description="null while in progress")
+    user: str | None
+    metadata: dict[str, str]
+
+
+class ResponseLifecycleEvent(_Doc):
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: ResponseObject
+    sequence_number: int
+
+
+class OutputItemEvent(_Doc):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+    sequence_number: int
+
+
+class ContentPartEvent(_Doc):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+    sequence_number: int
+
+
+class TextDeltaEvent(_Doc):
+    type: Literal["response.output_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any]
+    sequence_number: int
+
+
+class TextDoneEvent(_Doc):
+    type: Literal["response.output_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any]
+    sequence_number: int
+
+
+class ArgumentsDeltaEvent(_Doc):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+    sequence_number: int
+
+
+class ArgumentsDoneEvent(_Doc):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    arguments: str
+    sequence_number: int
+
+
+class ErrorEvent(_Doc):
+    """A failure after the stream started (the stream ends after it)."""
+
+    type: Literal["error"]
+    code: str
+    message: str
+    param: str | None
+    sequence_number: int
+
+
+class ResponseStreamEvent(_Doc):
+    """One event of a Responses stream (`stream: true`): `event:` names its type, `data:` is the event."""
+
+    event: (
+        ResponseLifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
+        | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent
+    )
+
+
+class ResponseDeleted(_Doc):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class TokenizeResponse(_Doc):
+    """vLLM's `/tokenize` answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(_Doc):
+    prompt: str
+
+
+class Version(_Doc):
+    version: str
+
+
+DOCUMENTED = (
+    ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList, Health, TokenizeResponse,
+    DetokenizeResponse, Version, ResponseObject, ResponseStreamEvent, ResponseDeleted,
+)

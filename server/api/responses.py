@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.tool_calls import ToolCall, parse_whole
+from server.api.tool_calls import Reply, ToolCall, parse_whole
 from server.types import RequestOutput, RequestStats, TokenLogprob, total_stats
 
 
@@ -34,13 +34,22 @@ class Choice:
         if out.finished:
             self.finish_reason = out.finish_reason
 
-    def take_tool_calls(self, names: set[str]) -> None:
-        """Move the tool calls in `text` (of functions in `names`) to `tool_calls`; a choice that stopped
-        by itself after calling finishes with "tool_calls"."""
-        content, self.tool_calls = parse_whole(self.text, names)
-        self.text = content or ""
+    def take_tool_calls(self, names: set[str]) -> Reply:
+        """Move the tool calls in `text` (of functions in `names`) to `tool_calls` (server/api/tool_calls.py).
+        A choice that stopped by itself after calling, or whose reply ended at a repeated call, finishes
+        with "tool_calls"; a call cut short by max_tokens is dropped and the choice stays "length"."""
+        reply = parse_whole(self.text, names, self.finish_reason)
+        self.text, self.tool_calls = reply.content or "", reply.calls
+        if reply.end is not None:
+            self.finish_reason = "stop"
         if self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
+        return reply
+
+    def keep_tokens(self, n: int) -> None:
+        """Only the first `n` tokens count: the API ended the choice there (a repeated tool call)."""
+        del self.token_ids[n:]
+        del self.logprobs[n:]
 
     def message(self) -> dict[str, Any]:
         """The chat `message` object (content null when the reply is only tool calls)."""
@@ -73,6 +82,32 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
                 for name, t in total.by_proposer.items()
             },
         },
+    }
+
+
+def vllm_metrics(choices: list[Choice]) -> dict[str, Any] | None:
+    """vLLM's per-request speculation figures, `{"speculative_decoding": {...}}` (the response root's
+    `metrics`, which AIPerf reads), for a request of one choice; None for several (as vLLM does).
+
+    `acceptance_histogram[j]`: verify passes that accepted exactly j draft tokens, j = 0..K (`num_spec_tokens`,
+    the request's K; `auto`'s ceiling); it sums to `num_spec_steps`, its j-weighted sum to
+    `num_accepted_draft_tokens`. `mean_acceptance_length` = 1 + accepted / passes (1.0 before any pass)."""
+    if len(choices) != 1 or choices[0].stats is None:
+        return None
+    stats = choices[0].stats
+    at_least = [stats.decode_steps, *stats.accepted_per_position]  # [j]: passes that accepted j or more drafts
+    histogram = [n - (at_least[j + 1] if j + 1 < len(at_least) else 0) for j, n in enumerate(at_least)]
+    steps = stats.decode_steps
+    return {
+        "speculative_decoding": {
+            "num_spec_steps": steps,
+            "num_draft_tokens": stats.draft_tokens,
+            "num_accepted_draft_tokens": stats.accepted_tokens,
+            "num_spec_tokens": len(stats.accepted_per_position),
+            "draft_acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": 1.0 + stats.accepted_tokens / steps if steps else 1.0,
+            "acceptance_histogram": histogram,
+        }
     }
 
 
@@ -143,7 +178,13 @@ def chat_completion(
             for c in choices
         ],
         "usage": usage_,
+        **_metrics(vllm_metrics(choices)),
     }
+
+
+def _metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """The `metrics` key of a response or usage chunk, when there are figures to report."""
+    return {} if metrics is None else {"metrics": metrics}
 
 
 def chat_chunk(
@@ -153,8 +194,10 @@ def chat_chunk(
     choices: list[dict[str, Any]],
     include_usage: bool,
     usage_: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`."""
+    """One `chat.completion.chunk`; `choices` are `{"index", "delta", "logprobs", "finish_reason"}`; `metrics`
+    (vLLM's, `vllm_metrics`) rides the final usage chunk."""
     chunk: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -165,7 +208,7 @@ def chat_chunk(
     }
     if include_usage:
         chunk["usage"] = usage_
-    return chunk
+    return {**chunk, **_metrics(metrics)}
 
 
 def text_completion(
@@ -175,8 +218,10 @@ def text_completion(
     choices: list[dict[str, Any]],
     usage_: dict[str, Any] | None,
     include_usage: bool = True,
+    metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A `text_completion` (whole or chunk); `choices`: `{"index", "text", "logprobs", "finish_reason"}`."""
+    """A `text_completion` (whole or chunk); `choices`: `{"index", "text", "logprobs", "finish_reason"}`;
+    `metrics`: vLLM's (`vllm_metrics`), on the whole answer and the final usage chunk."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": "text_completion",
@@ -187,4 +232,4 @@ def text_completion(
     }
     if include_usage:
         body["usage"] = usage_
-    return body
+    return {**body, **_metrics(metrics)}

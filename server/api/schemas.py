@@ -2,6 +2,9 @@
 
 Field policy (docs/api.md lists every field):
 * declared fields are honoured;
+* inside a chat message (and its tool calls and text parts), keys this server does not know are what other
+  clients add (litellm's `provider_specific_fields`, `cache_control`, ...): dropped, as vLLM does
+  (`_ignore_unknown`); at the top level of a body they are refused like the rest;
 * `_inert` fields cannot change this server's output (`store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, ...): accepted with any value and dropped;
 * `_neutral` fields would change the output but are not implemented (`audio`, `prediction`,
@@ -45,17 +48,24 @@ def lone_surrogate_in_json(value: Any) -> str | None:
     return f"the JSON in it holds a lone UTF-16 surrogate (half of a character) at {where or 'its top level'}: not text"
 
 
+def _document_policy(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The JSON schema says what `_ignore_unknown` does: other keys are allowed (and dropped)."""
+    if getattr(cls, "_ignore_unknown", False):
+        schema["additionalProperties"] = True
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_policy)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {}  # field -> values (besides null) that change nothing
     _inert: ClassVar[frozenset[str]] = frozenset()  # fields accepted with any value: they cannot change output
+    _ignore_unknown: ClassVar[bool] = False  # True: keys that are neither fields nor listed above are dropped
 
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         """Text the tokenizer cannot take is bad input: a lone UTF-16 surrogate (half of a character, as
-        JSON's \\ud800 escapes can write) is not a Unicode character."""
+        JSON's \\ud800 escapes can write) is not a Unicode character (in any key, ignored ones included)."""
         where = lone_surrogate(data, "")
         if where is not None:
             raise ValueError(f"{where or 'a string'} holds a lone UTF-16 surrogate (half of a character): not text")
@@ -64,14 +74,18 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_neutral(cls, data: Any) -> Any:
-        """Drop inert fields, and unimplemented ones that carry a neutral value; others stay and are refused."""
-        if isinstance(data, dict):
-            return {
-                k: v
-                for k, v in data.items()
-                if k not in cls._inert and not (k in cls._neutral and (v is None or v in cls._neutral[k]))
-            }
-        return data
+        """Drop inert fields, unimplemented ones that carry a neutral value and, with `_ignore_unknown`, keys
+        that are none of those nor a field; others stay and are refused."""
+        if not isinstance(data, dict):
+            return data
+        known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls._neutral) | cls._inert
+        return {
+            k: v
+            for k, v in data.items()
+            if k not in cls._inert
+            and not (k in cls._neutral and (v is None or v in cls._neutral[k]))
+            and (k in known or not cls._ignore_unknown)
+        }
 
 
 class SpeculationOptions(_Body):
@@ -224,22 +238,24 @@ def _text(v: str | list[dict[str, Any]] | None) -> str | None:
     if v is None or isinstance(v, str):
         return v
     texts = []
-    for i, part in enumerate(v):
+    for i, part in enumerate(v):  # other keys of a text part (`cache_control`, ...) are ignored, as vLLM does
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts are supported")
-        if set(part) - {"type", "text"}:
-            raise ValueError(f"content part {i}: unsupported keys {sorted(set(part) - {'type', 'text'})}")
         texts.append(part["text"])
     return "".join(texts)
 
 
 class FunctionCall(_Body):
+    _ignore_unknown: ClassVar[bool] = True
+
     name: str
     arguments: str = Field(description="the arguments as a JSON text")
 
 
 class MessageToolCall(_Body):
     """An assistant's earlier tool call, sent back in the history."""
+
+    _ignore_unknown: ClassVar[bool] = True
 
     id: str
     type: Literal["function"] = "function"
@@ -253,7 +269,10 @@ class ChatMessage(_Body):
     `tool_calls`), tool (`tool_call_id` names the call it answers), function (legacy: `name`).
     `name` is passed to the chat template (most templates ignore it). `refusal`, `audio`,
     `function_call` and `annotations` are accepted as null/empty, as `model_dump()` of an SDK
-    message sends them."""
+    message sends them; any other value of theirs is refused (they would change what the model sees).
+    Other keys are ignored: clients add their own (litellm's `provider_specific_fields`)."""
+
+    _ignore_unknown: ClassVar[bool] = True
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
         "refusal": (),

@@ -4,8 +4,10 @@
 `EventSourceResponse` whose events are OpenAI chunks followed by `data: [DONE]`. A client that
 disconnects has its sequences aborted (the scheduler frees their batch slots at the next step) and
 the request still gets its log line (finish_reason "abort"). With `tools`, each choice's text goes
-through a `ToolCallParser` (server/api/tool_calls.py): calls become `tool_calls` (streamed as
-`delta.tool_calls`) and a choice that called and then stopped finishes with "tool_calls".
+through a `ToolCallParser` (server/api/tool_calls.py) as it is written: calls become `tool_calls` (each
+streamed whole as `delta.tool_calls`), a choice that called and then stopped finishes with "tool_calls",
+and a choice that repeats one of its calls is ended there (`Scheduler.finish`: the engine stops
+generating it; usage counts its tokens up to the end of the repeat).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from server.api import responses as R
 from server.api.chat_template import tool_call_format
 from server.api.errors import APIError, ClientDisconnected
 from server.api.offload import Offload
-from server.api.origins import OriginTracker, attach, origin_trackers
+from server.api.origins import OriginTracker, attach, origin_trackers, tokens_for
 from server.api.prompts import (
     ModelInfo,
     chat_prompt_ids,
@@ -159,9 +161,10 @@ class OpenAIServing:
         stream: RequestStream,
         choices: list[R.Choice],
         trackers: list[OriginTracker] | None = None,
+        watch: Callable[[int, RequestOutput], None] | None = None,
     ) -> float | None:
-        """Gather every choice's output (and its token origins, with `trackers`); returns when
-        (monotonic) the first output arrived."""
+        """Gather every choice's output (and its token origins, with `trackers`; `watch(index, output)` sees
+        each output, and may end its choice early); returns when (monotonic) the first output arrived."""
         first: list[float] = []
 
         async def run() -> None:
@@ -171,6 +174,8 @@ class OpenAIServing:
                 choices[index].add(out)
                 if trackers:
                     trackers[index].feed(out)
+                if watch is not None:
+                    watch(index, out)
 
         await self._await(request, stream, run())
         return first[0] if first else None
@@ -199,17 +204,28 @@ class OpenAIServing:
 
         return chained()
 
-    def _sse(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> Response:
+    def _sse(
+        self,
+        stream: RequestStream,
+        events: AsyncIterator[dict[str, Any]],
+        on_error: Callable[[APIError], dict[str, Any]] | None = None,
+        done: bool = True,
+    ) -> Response:
+        """`events` as server-sent events; a failure after the stream started is one more event
+        (`on_error(error)`, default `{"error": ...}` as data), then `data: [DONE]` unless not `done`."""
+
         async def guarded() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for event in events:
                     yield event
             except (RequestRejected, EngineError, ShuttingDown) as exc:
-                yield {"data": json.dumps(scheduler_error(exc).body())}
+                error = scheduler_error(exc)
+                yield on_error(error) if on_error is not None else {"data": json.dumps(error.body())}
             finally:
                 if not stream.finished:
                     self.scheduler.abort(stream)  # the client went away mid-stream
-            yield {"data": "[DONE]"}
+            if done:
+                yield {"data": "[DONE]"}
 
         return EventSourceResponse(guarded(), sep="\n", ping=15)
 
@@ -238,13 +254,33 @@ class OpenAIServing:
         choices: list[R.Choice],
         log: Callable[..., None],
         trackers: list[OriginTracker] | None = None,
+        watch: Callable[[int, RequestOutput], None] | None = None,
     ) -> float | None:
         """`_collect`, writing the request's log line (finish_reason "abort") if the client goes away."""
         try:
-            return await self._collect(request, stream, choices, trackers)
+            return await self._collect(request, stream, choices, trackers, watch)
         except ClientDisconnected:
             log(None, "abort")
             raise
+
+    def _end_at_repeat(
+        self, stream: RequestStream, parsers: list[ToolCallParser]
+    ) -> Callable[[int, RequestOutput], None]:
+        """A `_collect` watch that reads each choice's tool calls as they are written and ends a choice whose
+        reply repeats one of its calls (server/api/tool_calls.py): generating it further would be wasted."""
+
+        def watch(index: int, out: RequestOutput) -> None:
+            parser = parsers[index]
+            parser.feed(out.text)
+            if parser.repeated and not out.finished:
+                self.scheduler.finish(stream, index)
+
+        return watch
+
+    def _keep_tokens(self, choice: R.Choice, prompt: list[int], chars: int) -> None:
+        """`choice` ended at a repeated call after `chars` characters of its text: only the tokens that wrote
+        them count (usage, logprobs), the same whatever the engine generated before it stopped."""
+        choice.keep_tokens(tokens_for(self.info.tokenizer, prompt, choice.token_ids, chars))
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -275,15 +311,18 @@ class OpenAIServing:
 
         stream = self._submit(requests)
         if not body.stream:
-            first = await self._collect_or_log_abort(request, stream, choices, log, trackers)
+            watch = self._end_at_repeat(stream, [ToolCallParser(tool_names) for _ in choices]) if tool_names else None
+            first = await self._collect_or_log_abort(request, stream, choices, log, trackers, watch)
 
             def build() -> dict[str, Any]:  # decodes every logprob token: off the loop
                 for c in choices if tool_names else ():
-                    c.take_tool_calls(tool_names)
+                    reply = c.take_tool_calls(tool_names)
+                    if reply.end is not None:
+                        self._keep_tokens(c, prompt, reply.end)
                 response = R.chat_completion(
                     response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
                 )
-                attach(response["choices"], trackers)
+                attach(response["choices"], trackers, [len(c.token_ids) for c in choices])
                 return response
 
             response = await self._offload(build)
@@ -294,10 +333,15 @@ class OpenAIServing:
         include_usage, continuous = _usage_options(body)
         parsers = [ToolCallParser(tool_names) if tool_names else None for _ in choices]
 
-        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+        def chunk(
+            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False
+        ) -> dict[str, str]:
             if continuous and usage_ is None:
                 usage_ = R.usage(len(prompt), choices, method)
-            obj = R.chat_chunk(response_id, created, self.info.name, choice_list, include_usage or continuous, usage_)
+            metrics = R.vllm_metrics(choices) if final else None
+            obj = R.chat_chunk(
+                response_id, created, self.info.name, choice_list, include_usage or continuous, usage_, metrics
+            )
             return {"data": json.dumps(obj)}
 
         def deltas(index: int, out: RequestOutput) -> list[dict[str, Any]]:
@@ -305,7 +349,7 @@ class OpenAIServing:
             parser = parsers[index]
             if parser is None:
                 return [{"content": out.text}] if out.text else []
-            pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
+            pieces = parser.feed(out.text) + (parser.finish(out.finish_reason) if out.finished else [])
             text = "".join(d.content for d in pieces if d.content is not None)
             calls = [d.to_openai() for d in merged([d for d in pieces if d.index is not None])]
             return ([{"content": text}] if text else []) + ([{"tool_calls": calls}] if calls else [])
@@ -325,16 +369,22 @@ class OpenAIServing:
                         choice = {"index": index, "delta": part, "logprobs": lp, "finish_reason": None}
                         yield chunk([choice if spec is None else {**choice, "speculation": spec}])
                         lp, spec = None, None
-                    if out.finished:
-                        parser = parsers[index]
-                        if parser is not None and parser.calls and out.finish_reason == "stop":
+                    parser = parsers[index]
+                    ended = parser is not None and parser.repeated  # at a repeated call: the reply is over
+                    if ended and not out.finished:
+                        self.scheduler.finish(stream, index)
+                    if out.finished or ended:
+                        if ended:
+                            self._keep_tokens(choices[index], prompt, parser.end or 0)
+                            choices[index].finish_reason = "tool_calls"
+                        elif parser is not None and parser.calls and out.finish_reason == "stop":
                             choices[index].finish_reason = "tool_calls"
                         reason = choices[index].finish_reason
                         yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
                 log(ttft)
                 logged = True
                 if include_usage:
-                    yield chunk([], R.usage(len(prompt), choices, method))
+                    yield chunk([], R.usage(len(prompt), choices, method), final=True)
             finally:
                 if not logged:  # the client went away mid-stream (or the engine failed)
                     log(ttft, "abort")
@@ -388,6 +438,7 @@ class OpenAIServing:
                         for c in choices
                     ],
                     R.usage(prompt_tokens, choices, method),
+                    metrics=R.vllm_metrics(choices),
                 )
                 attach(response["choices"], trackers)
                 return response
@@ -397,11 +448,14 @@ class OpenAIServing:
         events, ttft = await self._started_or_log_abort(request, stream, log, started)
         include_usage, continuous = _usage_options(body)
 
-        def chunk(choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, str]:
+        def chunk(
+            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False
+        ) -> dict[str, str]:
             if continuous and usage_ is None:
                 usage_ = R.usage(prompt_tokens, choices, method)
+            metrics = R.vllm_metrics(choices) if final else None
             obj = R.text_completion(
-                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous
+                response_id, created, self.info.name, choice_list, usage_, include_usage or continuous, metrics
             )
             return {"data": json.dumps(obj)}
 
@@ -421,7 +475,7 @@ class OpenAIServing:
                 log(ttft)
                 logged = True
                 if include_usage:
-                    yield chunk([], R.usage(prompt_tokens, choices, method))
+                    yield chunk([], R.usage(prompt_tokens, choices, method), final=True)
             finally:
                 if not logged:
                     log(ttft, "abort")

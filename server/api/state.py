@@ -20,6 +20,8 @@ from typing import Any, Literal
 from server.api.errors import APIError
 from server.api.offload import Offload
 from server.api.prompts import ModelInfo
+from server.api.response_store import ResponseStore
+from server.api.responses_serving import ResponsesServing
 from server.api.serving import OpenAIServing
 from server.config import Settings
 from server.metrics import Metrics
@@ -53,6 +55,7 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.metrics: Metrics | None = None
         self.serving: OpenAIServing | None = None
+        self.responses: ResponsesServing | None = None
         self.recorder: TrafficRecorder | None = None
         self.offload = Offload()  # parsing and tokenizing off the event loop
         self._ready = asyncio.Event()
@@ -117,6 +120,7 @@ class ServerState:
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)
+        self.responses = ResponsesServing(self.serving, ResponseStore(s.responses_store_bytes))
         self.engine = engine
         self.status = "ready"
         self._ready.set()
@@ -142,6 +146,12 @@ class ServerState:
         raise APIError(
             503, PUBLIC_ERRORS[self.status], code="model_not_ready" if self.status == "loading" else self.status
         )
+
+    def require_responses(self) -> ResponsesServing:
+        """The Responses API's handlers, or `require_serving`'s 503."""
+        self.require_serving()
+        assert self.responses is not None
+        return self.responses
 
     def observe_error(self, status: int) -> None:
         if self.metrics is not None:

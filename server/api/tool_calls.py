@@ -10,11 +10,19 @@ Two output formats are recognised (the ones the common chat templates and our fa
 
 Only functions the request offered count; anything else stays text. `ToolCallParser.feed(text)`
 returns `Delta`s as soon as they are certain: content text (a tail that may begin `<tool_call>` is
-held back), a call's header (id and name) as soon as `"arguments":` is read, then its arguments text
-in pieces (the wrapper's closing `}` is held back until the block ends). `finish()` flushes.
+held back), and each call whole (id, name and arguments) once its block ends, so a client never gets
+a call that turns out cut short or repeated. `finish(finish_reason)` flushes.
+
+Two rules make forced calls (`tool_choice` required) end where clients expect:
+
+* a call identical to an earlier one of the same reply (same name, same arguments as JSON) is not a
+  parallel call but a model looping: the reply ends before it (`repeated`; the server then stops
+  generating the choice, server/api/serving.py);
+* a call that `max_tokens` cut short is dropped, neither a call nor content (`cut`; the choice keeps
+  `finish_reason: "length"`).
 
 Example: feeding `Sure.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>` in any split
-gives content "Sure." and one call f with arguments `{"x": 1}`.
+gives content "Sure." and one call f with arguments `{"x": 1}`; repeating the block adds nothing.
 """
 
 from __future__ import annotations
@@ -81,18 +89,28 @@ def _held_tail(text: str, tag: str) -> int:
 
 @dataclass
 class ToolCallParser:
-    """Incremental parser for one choice. `names`: the functions the request offered."""
+    """Incremental parser for one choice. `names`: the functions the request offered.
+
+    After `feed`/`finish`: `calls` so far; `repeated`: the reply wrote a call it had already made (same name,
+    same arguments), so it ended there (`end`: the characters of the reply that count, the repeat
+    included; later text is ignored); `cut`: a call cut short (max_tokens) was dropped."""
 
     names: set[str]
     calls: list[ToolCall] = field(default_factory=list)
+    repeated: bool = False
+    cut: bool = False
+    end: int | None = None
     _buffer: str = ""
-    _mode: str = "start"  # start (only whitespace so far) | text | call | bare
-    _header: re.Match[str] | None = None  # the current block's parsed header (known function)
-    _sent_args: int = 0  # characters of the current call's arguments already sent
+    _fed: int = 0  # characters fed so far
+    _mode: str = "start"  # start (only whitespace so far) | text | call | bare | done (ended at a repeat)
     _after_call: bool = False
+    _seen: set[tuple[str, str]] = field(default_factory=set)  # (name, arguments as canonical JSON) of each call
 
     def feed(self, text: str) -> list[Delta]:
+        if self._mode == "done":
+            return []
         self._buffer += text
+        self._fed += len(text)
         out: list[Delta] = []
         while True:
             before = (self._mode, len(self._buffer))
@@ -100,17 +118,18 @@ class ToolCallParser:
             if (self._mode, len(self._buffer)) == before:
                 return [d for d in out if d.content != ""]
 
-    def finish(self) -> list[Delta]:
-        """Flush at the end of the choice (an unterminated block is parsed as if it had been closed)."""
+    def finish(self, finish_reason: str | None = None) -> list[Delta]:
+        """Flush at the end of the choice. An unterminated block (or bare reply) that parses as complete calls
+        counts as if it had been closed; one that does not is a call cut short when `finish_reason` is
+        "length" (dropped: neither a call nor content), else text."""
         out = self.feed("")
         buffer, self._buffer = self._buffer, ""
+        cut = finish_reason == "length"
         if self._mode == "call":
-            out += self._close_block(buffer, terminated=False)
-        elif self._mode == "start":  # nothing but whitespace: that is the content
-            out += self._content(buffer)
+            out += self._close_block(buffer, terminated=False, cut=cut)
         elif self._mode == "bare":
-            out += self._bare(buffer)
-        elif self._mode == "text":
+            out += self._bare(buffer, cut)
+        elif self._mode in ("start", "text"):  # start: nothing but whitespace, which is the content
             out += self._content(buffer)
         return [d for d in out if d.content != ""]
 
@@ -129,11 +148,15 @@ class ToolCallParser:
                 text, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
                 return self._content(text)
             text, self._buffer = self._buffer[:at], self._buffer[at + len(OPEN) :]
-            self._mode, self._header, self._sent_args = "call", None, 0
+            self._mode = "call"
             return self._content(text)
         if self._mode == "call":
-            return self._call_progress()
-        return []  # bare: decided at finish
+            end = self._buffer.find(CLOSE)
+            if end == -1:
+                return []  # a call is sent whole once its block ends: never cut, never a repeat
+            block, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
+            return self._close_block(block, terminated=True, cut=False)
+        return []  # bare: decided at finish; done: ended
 
     def _content(self, text: str) -> list[Delta]:
         if self._after_call:  # whitespace between or after calls is not content
@@ -143,59 +166,28 @@ class ToolCallParser:
             self._after_call = False
         return [Delta(content=text)] if text else []
 
-    def _call_progress(self) -> list[Delta]:
-        out: list[Delta] = []
-        end = self._buffer.find(CLOSE)
-        if self._header is None:
-            match = _HEADER.match(self._buffer)
-            name = _name(match) if match else None
-            if name is not None and name in self.names:
-                self._header = match
-                self.calls.append(ToolCall(_new_id(), name, ""))
-                call = self.calls[-1]
-                out.append(Delta(index=len(self.calls) - 1, id=call.id, name=call.name, arguments=""))
-        if end != -1:
-            block, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
-            out += self._close_block(block, terminated=True)
-            return out
-        if self._header is not None:  # stream the arguments, holding back what may be the wrapper's end
-            region = self._buffer[self._header.end() :].lstrip()
-            safe = region[: len(region) - _held_tail(region, CLOSE)].rstrip()
-            if safe.endswith("}"):
-                safe = safe[:-1]
-            out += self._send_args(safe)
-        return out
-
-    def _send_args(self, upto: str) -> list[Delta]:
-        piece = upto[self._sent_args :]
-        if not piece:
-            return []
-        self._sent_args = len(upto)
-        self.calls[-1].arguments += piece
-        return [Delta(index=len(self.calls) - 1, arguments=piece)]
-
-    def _close_block(self, block: str, terminated: bool) -> list[Delta]:
-        """The block's text without its tags: finish the streamed call, or parse it whole. An
-        unterminated block (the reply ran out of tokens) loses what it wrote of the closing tag."""
+    def _close_block(self, block: str, terminated: bool, cut: bool) -> list[Delta]:
+        """The block's text without its tags: its calls, or text when it holds none of an offered function.
+        An unterminated block (the reply ended inside it) loses what it wrote of the closing tag."""
         self._mode = "text"
         if not terminated:
             block = block[: len(block) - _held_tail(block, CLOSE)]
-        if self._header is not None:
-            region = block[self._header.end() :].strip()
-            if region.endswith("}"):
-                region = region[:-1].rstrip()
-            out = self._send_args(region)
-            self._header, self._after_call = None, True
-            return out
         calls = self._parse_calls(block)
-        if calls is None:  # not a call of an offered function: it stays text
+        if calls is None:
+            if cut:  # max_tokens ended the reply inside a call: it is neither a call nor text
+                self.cut = True
+                return []
             return self._content(OPEN + block + (CLOSE if terminated else ""))
         self._after_call = True
         return self._emit(calls)
 
-    def _bare(self, text: str) -> list[Delta]:
+    def _bare(self, text: str, cut: bool) -> list[Delta]:
         calls = self._parse_calls(text)
         if calls is None:
+            header = _HEADER.match(text)
+            if cut and header is not None and _name(header) in self.names:  # a bare call cut short
+                self.cut = True
+                return []
             self._mode = "text"
             return self._content(text)
         self._after_call = True
@@ -217,11 +209,27 @@ class ToolCallParser:
         return calls or None
 
     def _emit(self, calls: list[tuple[str, str]]) -> list[Delta]:
+        """New calls, up to the first that repeats an earlier one: the reply ends there."""
         out = []
         for name, arguments in calls:
+            key = (name, _canonical(arguments))
+            if key in self._seen:
+                self.repeated, self._mode = True, "done"
+                self.end = self._fed - len(self._buffer)
+                self._buffer = ""
+                break
+            self._seen.add(key)
             self.calls.append(ToolCall(_new_id(), name, arguments))
             out.append(Delta(index=len(self.calls) - 1, id=self.calls[-1].id, name=name, arguments=arguments))
         return out
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments compared as JSON values (key order and spacing aside), or as text when not JSON."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True)
+    except (ValueError, RecursionError):
+        return arguments
 
 
 def merged(deltas: list[Delta]) -> list[Delta]:
@@ -238,11 +246,21 @@ def merged(deltas: list[Delta]) -> list[Delta]:
     return out
 
 
-def parse_whole(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """Non-streamed: (content, calls). Content is None when the reply holds only calls."""
+@dataclass(frozen=True)
+class Reply:
+    """A whole choice's text read for tool calls (`parse_whole`)."""
+
+    content: str | None  # None when the reply holds only calls
+    calls: list[ToolCall]
+    end: int | None  # characters of the text that count when the reply ended at a repeated call, else None
+    cut: bool  # a call cut short by max_tokens was dropped
+
+
+def parse_whole(text: str, names: set[str], finish_reason: str | None = None) -> Reply:
+    """Non-streamed: the content and calls of a choice that finished with `finish_reason`."""
     parser = ToolCallParser(names)
-    deltas = parser.feed(text) + parser.finish()
+    deltas = parser.feed(text) + parser.finish(finish_reason)
     content = "".join(d.content for d in deltas if d.content is not None)
     if parser.calls:
-        return (content.strip() or None), parser.calls
-    return content, []
+        content = content.strip() or None
+    return Reply(content, parser.calls, parser.end, parser.cut)
