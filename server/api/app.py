@@ -95,6 +95,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "specula",
+        "weights": info.weights,  # extension: how the weights are served (the `weights` setting, resolved)
         "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
             "methods": info.methods,
             "default_method": info.default_method,

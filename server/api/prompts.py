@@ -31,6 +31,7 @@ class ModelInfo:
     default_num_tokens: int  # K of a fixed method when the request names none
     default_max_tokens: int
     auto_max_num_tokens: int  # `auto`'s K ceiling when the request names none
+    weights: str = "fp32"  # the weights format the model is served in (server/model/loading.py)
 
     @property
     def methods(self) -> list[str]:

@@ -209,6 +209,8 @@ class Model(_Doc):
     object: Literal["model"]
     created: int
     owned_by: str
+    weights: str = Field(description="how the weights are served: as-file (a GGUF's quantized tensors), int8, fp32, "
+                                     "bf16 (the `weights` setting, resolved)")
     speculation: ModelSpeculation
 
 

@@ -112,6 +112,7 @@ class ServerState:
             default_num_tokens=s.num_speculative_tokens,
             auto_max_num_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
+            weights=engine.weights,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)

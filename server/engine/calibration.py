@@ -89,11 +89,13 @@ class Calibration:
 
 
 def calibration_key(engine: Engine) -> dict[str, object]:
-    """What the step costs depend on: model, dtype, device, threads, and the settings that change them."""
+    """What the step costs depend on: model, dtype, weights format, device, threads, and the settings that
+    change them."""
     s = engine.settings
     return {
         "target": engine.target.name,
         "dtype": str(engine.target.model.dtype).removeprefix("torch."),
+        "weights": engine.target.weights,
         "device": str(engine.device),
         "threads": torch.get_num_threads(),
         "forward": engine.runner.forward_kind,

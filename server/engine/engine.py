@@ -74,6 +74,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.device = target.device
         self.model_name = settings.served_model_name or target.name
+        self.weights = target.weights  # the weights format served (loading.py): /v1/models, cache keys
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
@@ -83,7 +84,10 @@ class Engine:
         self.planner = Planner(BuildContext(target, draft, settings, self.vocab_size), registry, cost, self.parts)
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         self.prefixes = (
-            prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device, "prefix_cache_memory"))
+            prefix_cache.PrefixCache(
+                budget_bytes(settings.prefix_cache_memory, self.device, "prefix_cache_memory"),
+                namespace=f"{target.name}:{target.weights}",  # keys and values differ per weights format
+            )
             if settings.prefix_cache_memory is not None else None
         )
         # the KV budget in tokens per cache, or None; a fraction of free memory leaves the prefix cache's room
@@ -701,14 +705,15 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
     forward on the same model, as `bench.overhead` does)."""
     started = time.perf_counter()
     target = load_model(
-        settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir
+        settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir,
+        weights=settings.weights,
     )
     draft = None
     if settings.draft is not None:
         draft = load_draft_like(target, settings.draft, dtype=settings.draft_dtype, cache_dir=settings.cache_dir)
     log.info(
-        "loaded target %s and draft %s on %s in %.1f s",
-        target.name, draft.name if draft else None, target.device, time.perf_counter() - started,
+        "loaded target %s (weights %s) and draft %s on %s in %.1f s",
+        target.name, target.weights, draft.name if draft else None, target.device, time.perf_counter() - started,
     )
     engine = Engine(target, draft, settings)
     engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request

@@ -121,9 +121,22 @@ class QuantLinear(nn.Module):
     def kernel(self) -> Kernel:
         """`x [..., in] -> y [..., out]` (y in x's dtype) through the quantized kernel on CPU, else `dense`."""
         if self._kernel is None:
-            on_cpu = all(t.device.type == "cpu" for t in self.buffers())
-            self._kernel = self._build() if on_cpu and self._supported() else self.dense
+            self._kernel = self._build() if self.runs_kernel() else self.dense
         return self._kernel
+
+    def runs_kernel(self) -> bool:
+        """Whether `kernel` is the quantized kernel (on CPU, in a torch that has it), not `dense`."""
+        return all(t.device.type == "cpu" for t in self.buffers()) and self._supported()
+
+    def release(self) -> list[torch.Tensor]:
+        """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
+        `LeanForward.release_dense`); afterwards only kernels built before can run it. The dropped tensors."""
+        dropped = []
+        for name, buffer in list(self._buffers.items()):
+            if buffer is not None and buffer.numel():
+                dropped.append(buffer)
+                self._buffers[name] = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+        return dropped
 
     def _supported(self) -> bool:
         return has_int4_kernel()
@@ -307,7 +320,7 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
     first = layers[0]
     if any(type(layer) is not type(first) for layer in layers) or any(layer.bias is not None for layer in layers):
         return None
-    if not isinstance(first, Q4Linear | Q8Linear) or first.kernel() == first.dense:
+    if not isinstance(first, Q4Linear | Q8Linear) or not first.runs_kernel():
         return None
     out = sum(layer.out_features for layer in layers)
     if isinstance(first, Q4Linear):
