@@ -99,7 +99,7 @@ def _dequantized(tensor: object) -> torch.Tensor:
 
     shape = tuple(int(n) for n in reversed(tensor.shape))
     values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)
 
 
 def read_gguf(path: Path, config: PretrainedConfig) -> QuantizedWeights:

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from server.model import gguf_weights
-from server.model.quantized import quantize_int8
+from server.model.quantized import quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(ref)
     if served == "int8":
-        quantize_int8(model)
+        quantize_linears(model, "int8")
     model = model.to(dev).eval()
     model.requires_grad_(False)
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, dtype=torch_dtype, weights=served)

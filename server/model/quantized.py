@@ -385,14 +385,34 @@ class TableHead(nn.Module):
 QUANT_KINDS: dict[str, type[QuantLinear]] = {"q4": Q4Linear, "q8": Q8Linear, "int8": Int8Linear}
 
 
-def quantize_int8(model: nn.Module) -> int:
-    """Replace every plain `nn.Linear` of `model` (the LM head included) by its per-channel `Int8Linear`; the
-    layers replaced."""
+def quantize_linears(model: nn.Module, kind: str = "int8") -> int:
+    """Replace every plain `nn.Linear` of `model` (the LM head included) by a quantized layer of `kind`
+    ("int8": per-channel, the `int8` setting; "q4" / "q8": Q4_1 / Q8_0 blocks, for tests); the layers
+    replaced. Layers whose input size is not a multiple of 32 stay dense for the block kinds."""
     count = 0
-    for name, module in list(model.named_modules()):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, Int8Linear.quantize(child.weight.detach(), child.bias))
-                count += 1
-        del name
+            if type(child) is not nn.Linear or child is head:
+                continue
+            if kind != "int8" and child.in_features % GROUP:
+                continue
+            w = child.weight.detach()
+            layer = Int8Linear.quantize(w, child.bias) if kind == "int8" else QUANT_KINDS[kind].quantize(w)
+            if kind != "int8" and child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().float(), requires_grad=False)
+            setattr(module, child_name, layer)
+            count += 1
+    if type(head) is nn.Linear and head.bias is None:
+        model_head_as_table(model)
     return count
+
+
+def model_head_as_table(model: nn.Module) -> None:
+    """A causal LM's LM head as a `TableHead` over fp16 values of its weights (fp32 logits; quantized
+    layers' bf16 outputs would round them), sharing one `Fp16Table` with the input embeddings when tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    table = Fp16Table(head.weight.detach())
+    if embed is not None and embed.weight is head.weight:
+        model.set_input_embeddings(table)
+    model.set_output_embeddings(TableHead(table))
