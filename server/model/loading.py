@@ -89,11 +89,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
 
 
-def resolve_weights(weights: str, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_weights(weights: str | None, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
     """The weights format to serve. "auto": on CPU a GGUF's own tensors (`as-file`: the fastest measured,
-    without leaving the file's precision), a checkpoint's dtype otherwise and on other devices. The
-    quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
+    without leaving the file's precision), a checkpoint's dtype otherwise and on other devices. None: dense
+    in `dtype`. The quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
     dense = _DTYPE_FORMATS.get(dtype, "fp32")
+    if weights is None:
+        return dense
     if weights == "auto":
         return "as-file" if gguf and device.type == "cpu" else dense
     if weights not in WEIGHT_FORMATS:
@@ -127,7 +129,7 @@ def _gguf_cache_path(gguf: Path, cache_dir: Path, weights: str = "fp32") -> Path
     `int8` start from; the name entries had before formats) or the file's own tensors (`as-file`)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    suffix = "" if weights in ("fp32", "bf16", "int8") else f"-{weights}"
+    suffix = "-as-file" if weights == "as-file" else ""
     return cache_dir / f"{gguf.stem}-{key}{suffix}"
 
 
@@ -381,10 +383,11 @@ def load_model(
     dtype: str = "float32",
     device: str = "auto",
     cache_dir: Path | None = None,
-    weights: str = "fp32",
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM. `source` None means the built-in default (SmolLM2-135M-Instruct). `weights`: how
-    its weights are served (`resolve_weights`; `fp32` and `bf16` set the dtype, `dtype` is then ignored)."""
+    its weights are served (`resolve_weights`; None: dense in `dtype`; `fp32` and `bf16` set the dtype, `dtype`
+    is then ignored)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source is None:
