@@ -289,12 +289,12 @@ class LeanForward:
         if not self.head_tied:
             kernels.append(self.lm_head)
         dropped = [w for w in (k.release() for k in kernels if isinstance(k, PackedLinear)) if w is not None]
-        drop_file_pages(dropped)  # weights read zero-copy from a file: their pages leave the RSS now
         # quantized layers multiply copies in their kernels' layout: their own buffers are read no more
         for layer in self.base.layers:
             for p in _projections(layer):
                 if isinstance(p, QuantLinear):
                     dropped.extend(p.release())
+        drop_file_pages(dropped)  # weights read zero-copy from a file: their pages leave the RSS now
         return sum(w.numel() * w.element_size() for w in dropped)
 
     @torch.no_grad()

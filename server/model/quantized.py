@@ -49,8 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.model.memory import drop_file_pages
+
 GROUP = 32  # weights per ggml block (Q4_0, Q4_1, Q8_0)
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
+HEAD_SLICE_ROWS = 16384  # rows of an fp16 LM head packed per fbgemm matrix (`TableHead`)
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,6 +86,12 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def _int4_pack(q: torch.Tensor) -> torch.Tensor:
     """[N, K] int32 values in [0, 15] -> the CPU kernel's blocked layout."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+
+
+def _packed_from(*modules: nn.Module) -> None:
+    """The modules' buffers were copied into a kernel's layout: pages of them mapped from the weights cache's
+    file leave the RSS (read back from the file if anything reads them again; memory.py)."""
+    drop_file_pages([b for m in modules for b in m.buffers()])
 
 
 class QuantLinear(nn.Module):
@@ -121,7 +130,11 @@ class QuantLinear(nn.Module):
     def kernel(self) -> Kernel:
         """`x [..., in] -> y [..., out]` (y in x's dtype) through the quantized kernel on CPU, else `dense`."""
         if self._kernel is None:
-            self._kernel = self._build() if self.runs_kernel() else self.dense
+            if self.runs_kernel():
+                self._kernel = self._build()
+                _packed_from(self)
+            else:
+                self._kernel = self.dense
         return self._kernel
 
     def runs_kernel(self) -> bool:
@@ -326,9 +339,12 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
     if isinstance(first, Q4Linear):
         q = torch.cat([unpack_nibbles(layer.qweight) for layer in layers])
         sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)
-        return _int4_call(_int4_pack(q), sz, first.in_features, out, None)
-    merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
-    return merged.kernel()
+        call = _int4_call(_int4_pack(q), sz, first.in_features, out, None)
+    else:
+        merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
+        call = merged.kernel()
+    _packed_from(*layers)
+    return call
 
 
 class Fp16Table(nn.Module):
@@ -367,8 +383,15 @@ class TableHead(nn.Module):
         weight = self.table.weight
         if weight.device.type == "cpu" and has_fp16_gemm():
             try:
-                packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
-                return lambda x: torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), packed)
+                # packed a slice of rows at a time: the fp32 copy fbgemm packs from is a slice's, not the
+                # table's (113 MB for SmolLM2); the logits are the slices' side by side, the same sums
+                slices = [torch.ops.quantized.linear_prepack_fp16(part.float(), None)
+                          for part in weight.split(HEAD_SLICE_ROWS)]
+                gemm = torch.ops.quantized.linear_dynamic_fp16
+                _packed_from(self.table)  # the embeddings read it a row per token from here on
+                if len(slices) == 1:
+                    return lambda x: gemm(x.float().contiguous(), slices[0])
+                return lambda x: torch.cat([gemm(x.float().contiguous(), s) for s in slices], dim=-1)
             except RuntimeError:
                 pass
         return lambda x: F.linear(x, weight.to(x.dtype))
