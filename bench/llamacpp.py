@@ -14,6 +14,8 @@ another). Every arm is a server started once for the whole run:
   lookup of `--ngram-n` tokens, drafts of up to `--ngram-m`).
 * `specula-none`, `specula-default`: `python -m server serve` with `--speculation none`, and as shipped
   (`auto`, the weights setting at its default: the file's quantized tensors on CPU).
+* `specula-none-fp32`, `specula-default-fp32` (only when `--arms` names them): the same on the
+  dequantized fp32 weights (`--weights fp32`, what Specula served before the quantized kernels).
 
 One client: every prompt goes to every arm once, one request at a time, the arms' order rotating prompt by
 prompt; tokens/s per arm is all completion tokens over all request times. N clients: per round, each arm in
@@ -217,6 +219,9 @@ def _arms(ngram_n: int, ngram_m: int) -> dict[str, tuple[str, int, list[str]]]:
         "llama-ngram-1t": ("llama", 1, ngram),
         "specula-none": ("specula", 0, ["--speculation", "none"]),
         "specula-default": ("specula", 0, []),
+        # not run unless named in --arms: the same servers on the dequantized weights (what they served before)
+        "specula-none-fp32": ("specula", 0, ["--speculation", "none", "--weights", "fp32"]),
+        "specula-default-fp32": ("specula", 0, ["--weights", "fp32"]),
     }
 
 
@@ -295,8 +300,8 @@ def main() -> None:
     gguf = Path(args.gguf) if args.gguf else default_model_file()
     binary = Path(args.llama_server) if args.llama_server else llama_server_binary()
     arms = _arms(args.ngram_n, args.ngram_m)
-    if args.arms:
-        arms = {a: arms[a] for a in args.arms.split(",")}
+    arms = {a: arms[a] for a in args.arms.split(",")} if args.arms else {
+        a: v for a, v in arms.items() if not a.endswith("-fp32")}
     jobs = prompts(args.prompts.split(","))
     clients = [int(c) for c in args.clients.split(",")]
     out_dir = Path(args.out)
