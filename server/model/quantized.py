@@ -32,7 +32,8 @@ The embedding table (tied to the LM head in SmolLM2's file, Q8_0 there) is held 
 weights (d * q rounded once, |dw| <= 2^-11 |w|) and the LM head multiplies them through fbgemm's fp16 GEMM,
 fp32 activations in and fp32 logits out: bf16 logits (the int4 kernel's output type) would round a logit of 20
 to steps of 0.125 and make near-ties exact ties. Measured on the 2-core development machine (576 x 49152, one
-row): fp16 fbgemm 4.9 ms, bf16 oneDNN 15.9 ms, fp32 oneDNN 32 ms (a busy host: the ratios, not the times).
+thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
+3.2 / 5.7 / 14.3, per-channel int8 3.5 / 5.6 / 14.3, bf16 oneDNN 3.7 / 2.8 / 3.8 (docs/bench.md).
 
 `int8` weights (the `weights` setting, for Hugging Face checkpoints) are per-output-channel symmetric int8
 through `torch.ops.aten._weight_int8pack_mm` (bf16 activations, the same row-independent pattern).
@@ -165,10 +166,10 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
-def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, width: int, out: int,
-               bias: torch.Tensor | None, doubled: bool = False) -> Kernel:
-    """The int4 kernel as `x -> y`: x cast to bf16 (fed twice along the input for Q8's two halves), y cast
-    back to x's dtype. `width`: the kernel's input dimension."""
+def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, out: int, bias: torch.Tensor | None,
+               doubled: bool = False) -> Kernel:
+    """The int4 kernel as `x -> y` ([..., in] -> [..., out]): x cast to bf16 (fed twice along the input for
+    Q8's two halves), y cast back to x's dtype."""
     sz = scales_zeros.to(torch.bfloat16).contiguous()
 
     def call(x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,6 @@ def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, width: int, out
         y = y.view(*shape[:-1], out).to(x.dtype)
         return y + bias.to(y.dtype) if bias is not None else y
 
-    del width
     return call
 
 
@@ -223,7 +223,7 @@ class Q4Linear(QuantLinear):
 
     def _build(self) -> Kernel:
         packed = _int4_pack(unpack_nibbles(self.qweight))
-        return _int4_call(packed, self.scales_zeros, self.in_features, self.out_features, self.bias)
+        return _int4_call(packed, self.scales_zeros, self.out_features, self.bias)
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight, the most the kernel's weight (bf16 s and z) can differ from the file's: u(|s||q-8| + |z|)."""
@@ -265,7 +265,7 @@ class Q8Linear(QuantLinear):
         packed = _int4_pack(torch.cat([hi, lo], dim=1))  # [out, 2 in]: the high halves' groups, then the low
         d = self.scales.t()  # [in/32, out]
         sz = torch.cat([torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)], dim=0)
-        return _int4_call(packed, sz, 2 * self.in_features, self.out_features, self.bias, doubled=True)
+        return _int4_call(packed, sz, self.out_features, self.bias, doubled=True)
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight: u |d q| (bf16 d; 16d and 8d are exact multiples of it)."""
@@ -339,7 +339,7 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
     if isinstance(first, Q4Linear):
         q = torch.cat([unpack_nibbles(layer.qweight) for layer in layers])
         sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)
-        call = _int4_call(_int4_pack(q), sz, first.in_features, out, None)
+        call = _int4_call(_int4_pack(q), sz, out, None)
     else:
         merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
         call = merged.kernel()
