@@ -12,8 +12,8 @@ another). Every arm is a server started once for the whole run:
 * `llama-plain-2t`, `llama-plain-1t`: llama-server with 2 / 1 threads.
 * `llama-ngram-2t`, `llama-ngram-1t`: the same with its n-gram speculation (`--spec-type ngram-simple`,
   lookup of `--ngram-n` tokens, drafts of up to `--ngram-m`).
-* `specula-none`, `specula-default`: `python -m server serve` with `--speculation none`, and as shipped
-  (`auto`, the weights setting at its default: the file's quantized tensors on CPU).
+* `specula-none`, `specula-default`: `python -m server serve --weights as-file` (the file's quantized
+  tensors) with `--speculation none`, and with the default speculation (`auto`).
 * `specula-none-fp32`, `specula-default-fp32` (only when `--arms` names them): the same on the
   dequantized fp32 weights (`--weights fp32`, what Specula served before the quantized kernels).
 
@@ -217,8 +217,8 @@ def _arms(ngram_n: int, ngram_m: int) -> dict[str, tuple[str, int, list[str]]]:
         "llama-plain-1t": ("llama", 1, []),
         "llama-ngram-2t": ("llama", 2, ngram),
         "llama-ngram-1t": ("llama", 1, ngram),
-        "specula-none": ("specula", 0, ["--speculation", "none"]),
-        "specula-default": ("specula", 0, []),
+        "specula-none": ("specula", 0, ["--speculation", "none", "--weights", "as-file"]),
+        "specula-default": ("specula", 0, ["--weights", "as-file"]),
         # not run unless named in --arms: the same servers on the dequantized weights (what they served before)
         "specula-none-fp32": ("specula", 0, ["--speculation", "none", "--weights", "fp32"]),
         "specula-default-fp32": ("specula", 0, ["--weights", "fp32"]),

@@ -165,7 +165,8 @@ def test_weights_cache_has_an_entry_per_format(tmp_path):
 
 def test_which_weights_are_served():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "as-file"
+    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "fp32"  # not as-file yet
+    assert resolve_weights("as-file", gguf=True, device=cpu, dtype=torch.float32) == "as-file"
     assert resolve_weights("auto", gguf=False, device=cpu, dtype=torch.float32) == "fp32"
     assert resolve_weights("auto", gguf=True, device=cuda, dtype=torch.bfloat16) == "bf16"
     assert resolve_weights("as-file", gguf=True, device=cuda, dtype=torch.bfloat16) == "bf16"  # CPU kernels only

@@ -2,8 +2,9 @@
 
 How a model's weights are served is the `weights` format (`WEIGHT_FORMATS`, the `weights` setting):
 
-* `as-file`: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (gguf_weights.py, quantized.py), the
-  CPU default for a GGUF; a Hugging Face checkpoint's tensors in their own dtype.
+* `as-file`: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (gguf_weights.py, quantized.py), on
+  request (not the default yet: `resolve_weights` says why); a Hugging Face checkpoint's tensors in their
+  own dtype.
 * `int8`: every linear layer per-channel int8 weight-only (quantized.py), on request.
 * `fp32` / `bf16`: dense, dequantized (a GGUF) or cast to that dtype.
 
@@ -90,14 +91,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_weights(weights: str | None, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
-    """The weights format to serve. "auto": on CPU a GGUF's own tensors (`as-file`: the fastest measured,
-    without leaving the file's precision), a checkpoint's dtype otherwise and on other devices. None: dense
-    in `dtype`. The quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
+    """The weights format to serve. "auto" and None: dense in `dtype`. `as-file` is the fastest measured on
+    CPU for a GGUF, but not the default yet: its kernels round activations to bf16, which turns the last-bit
+    differences attention's sums have between verify widths (PyTorch's CPU SDPA rounds a row differently
+    with 1-3 queries in a call, or with more masked key columns) into different greedy tokens on the
+    built-in model within 64 tokens, and greedy text must not depend on the proposer (docs/bench.md). The
+    quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
     dense = _DTYPE_FORMATS.get(dtype, "fp32")
-    if weights is None:
+    if weights is None or weights == "auto":
         return dense
-    if weights == "auto":
-        return "as-file" if gguf and device.type == "cpu" else dense
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
     if weights in QUANTIZED_FORMATS and device.type != "cpu":
