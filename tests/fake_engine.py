@@ -48,6 +48,7 @@ class FakeEngine:
     ):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
+        self.weights = "fp32"
         self.max_context = max_context
         self.limits = ServingLimits(max_context=max_context, vocab_size=len(tokenizer), methods=("none", "auto"))
         self.draft_name = None

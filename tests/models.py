@@ -77,10 +77,15 @@ def cycling_llama(vocab_size: int, cycle: list[int], *, hidden: int = 64) -> Lla
     return model
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
-    """A tiny Llama as a real GGUF file (float32 tensors, a byte-level BPE tokenizer of ~260 tokens) that
-    transformers dequantizes in well under a second: the loading path and the weights cache on a file
-    like the built-in model's, without its 20 s."""
+def write_tiny_gguf(
+    path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, quant: str | None = None
+) -> Path:
+    """A tiny Llama as a real GGUF file (a byte-level BPE tokenizer of ~260 tokens) that transformers
+    dequantizes in well under a second: the loading path and the weights cache on a file like the built-in
+    model's, without its 20 s. `quant`: None for float32 tensors; "Q4_0", "Q4_1" or "Q8_0" for the linear
+    layers in that type (quantized by gguf's reference code) and, as in SmolLM2's file, the embedding table
+    (tied to the output layer) in Q8_0. q and k are written permuted per head, as llama.cpp's converter
+    writes them."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -113,10 +118,18 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 32, layers: int 
     w.add_add_bos_token(False)
     rng = np.random.default_rng(seed)
 
-    def add(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.3).astype(np.float32))
+    def add(name: str, *shape: int, kind: str | None = quant) -> None:
+        values = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        if ".attn_q." in name or ".attn_k." in name:  # llama.cpp's per-head row permutation
+            n_head = heads if ".attn_q." in name else kv_heads
+            values = values.reshape(n_head, 2, shape[0] // n_head // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+        if kind is None:
+            w.add_tensor(name, values)
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
-    add("token_embd.weight", len(tokens), hidden)  # tied to the output layer, as SmolLM2's
+    add("token_embd.weight", len(tokens), hidden, kind="Q8_0" if quant else None)  # tied to the output layer
     kv = hidden // heads * kv_heads
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))

@@ -134,6 +134,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
                 "is_blocking": False,
             }
         ],
+        "weights": info.weights,  # extension: how the weights are served (the `weights` setting, resolved)
         "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
             "methods": info.methods,
             "default_method": info.default_method,

@@ -31,6 +31,7 @@ class ModelInfo:
     num_speculative_tokens: int  # K of a fixed method when the request names none (the setting)
     default_max_tokens: int
     auto_max_speculative_tokens: int  # `auto`'s K when the request names none (the setting)
+    weights: str = "fp32"  # the weights format the model is served in (server/model/loading.py)
 
     @property
     def methods(self) -> list[str]:

@@ -249,6 +249,8 @@ class Model(_Doc):
     parent: None
     max_model_len: int = Field(description="vLLM's field: the context length (prompt + max_tokens)")
     permission: list[ModelPermission]
+    weights: str = Field(description="how the weights are served: as-file (a GGUF's quantized tensors), int8, fp32, "
+                                     "bf16 (the `weights` setting, resolved)")
     speculation: ModelSpeculation
 
 

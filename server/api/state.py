@@ -117,6 +117,7 @@ class ServerState:
             num_speculative_tokens=s.num_speculative_tokens,
             auto_max_speculative_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
+            weights=engine.weights,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)

@@ -73,6 +73,14 @@ def decoder_config(target_config: Any) -> LlamaConfig:
     return LlamaConfig(**kwargs, num_hidden_layers=1, vocab_size=1, tie_word_embeddings=False, **NO_SPECIAL_TOKENS)
 
 
+def head_dtype(lm_head: torch.Tensor) -> torch.dtype:
+    """The dtype a head runs in: its target's LM head's, except fp16 on CPU (a quantized target's table,
+    quantized.py), which runs as bf16: oneDNN's bf16 kernels serve the head there (fp16 has none on CPU)."""
+    if lm_head.dtype == torch.float16 and lm_head.device.type == "cpu":
+        return torch.bfloat16
+    return lm_head.dtype
+
+
 class EagleHead(nn.Module):
     """The draft head. Build with `EagleHead.create(target, vocab_ids)` or `EagleHead.from_pretrained`.
 
@@ -97,9 +105,14 @@ class EagleHead(nn.Module):
         head = target.get_output_embeddings().weight  # [vocab, H]
         ids = torch.tensor(config.vocab_ids, dtype=torch.long, device=head.device)
         self.register_buffer("vocab_ids", ids, persistent=False)  # [N]
-        self.register_buffer("embed_weight", embed.detach(), persistent=False)  # [vocab, H]
         self.register_buffer("lm_head_fr", head.detach()[ids].clone(), persistent=False)  # [N, H]
-        self.to(device=head.device, dtype=head.dtype)
+        self.to(device=head.device, dtype=head_dtype(head))
+        # the target's own table, in its own dtype (not a converted copy: 57 MB for SmolLM2): see `embed`
+        self.register_buffer("embed_weight", embed.detach(), persistent=False)  # [vocab, H]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of `ids`, in the head's dtype: [..., H]."""
+        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
 
     # ---- construction and files -----------------------------------------------------------------
     @classmethod
@@ -148,7 +161,7 @@ class EagleHead(nn.Module):
         if raw.get("format") != FORMAT:
             raise ValueError(f"{src / CONFIG_FILE}: not a draft head config (format {raw.get('format')!r})")
         head = cls(HeadConfig(**raw), target)
-        dtype = target.get_output_embeddings().weight.dtype
+        dtype = head_dtype(target.get_output_embeddings().weight)
         state = {k: v.to(dtype) for k, v in load_file(str(src / WEIGHTS_FILE)).items()}
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("decoder.embed_tokens")]
@@ -169,7 +182,7 @@ class EagleHead(nn.Module):
         **decoder_kwargs: Any,  # position_ids, attention_mask, past_key_values, use_cache: as for LlamaModel
     ) -> tuple[torch.Tensor, Any]:
         """Predicted features f̂_{t+1} [B, W, H] and the decoder's cache (None unless use_cache)."""
-        embeds = F.embedding(next_ids, self.embed_weight)  # [B, W, H]
+        embeds = self.embed(next_ids)  # [B, W, H]
         x = self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1))  # [B, W, H]
         out = self.decoder(inputs_embeds=x, **decoder_kwargs)
         return out.last_hidden_state, out.past_key_values

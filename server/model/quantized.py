@@ -1,0 +1,441 @@
+"""Weight-only quantized linear layers: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors served as they are.
+
+A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes: SmolLM2-135M
+dequantized to fp32 is 540 MB a step, its Q4_1 file about 80 MB. These modules keep the file's quantized
+blocks and multiply through torch's weight-only kernels, never through an fp32 copy of the weights.
+
+Formats (ggml's blocks of 32 weights along a row's input dimension):
+
+* Q4_0: a scale d (fp16) and 32 4-bit q in [0, 15]: w = d * (q - 8).
+* Q4_1: a scale d and a minimum m (fp16 each) and 32 4-bit q: w = d * q + m.
+* Q8_0: a scale d (fp16) and 32 int8 q: w = d * q.
+
+`torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)` dequantizes each group of 32 as
+w = s * (q - 8) + z (in fp32 registers, from bf16 s and z) and sums x * w over the input dimension in fp32, one
+output at a time, in input order. That is Q4_1 exactly with s = d, z = m + 8d, and Q4_0 with s = d, z = 0.
+Its only vectorised (AVX512/AVX2) path takes bf16 activations, scales and zeros (fp32 and fp16 run a scalar
+loop, 5-35x slower, measured), so the differences from the file's fp32 arithmetic are three bf16 roundings
+(unit roundoff u = 2^-8): of s and z (|dw| <= u (|s| |q - 8| + |z|)), of the activations (|dx| <= u |x|) and
+of each output (|dy| <= u |y|). `weight_error_bound` and `output_error_bound` state them; the tests hold
+the kernels to those bounds against the dequantized weights in float64. Q8_0 runs through the same kernel:
+q + 128 = 16 hi + lo with hi, lo in [0, 15], so w = d q = 16d (hi - 8) + d (lo - 8) + 8d, two groups of 4-bit
+values side by side along a doubled input dimension (x fed twice), s = 16d, z = 0 for the high halves and
+s = d, z = 8d for the low ones: one byte a weight, w = bf16(d) * q exactly.
+
+Each output element is one sequential fp32 sum over its own row of activations: the kernel blocks rows four at
+a time but never mixes them, so a row's result is the same bits whatever rows share the call (tests check
+it). That keeps the target's arithmetic row-independent, which greedy exactness across proposers and batch
+compositions needs: weights only are quantized, never activations (dynamic activation quantization computes
+its scales over the rows of a call, and a row's logits would depend on its neighbours).
+
+The embedding table (tied to the LM head in SmolLM2's file, Q8_0 there) is held as fp16 values of the file's
+weights (d * q rounded once, |dw| <= 2^-11 |w|) and the LM head multiplies them through fbgemm's fp16 GEMM,
+fp32 activations in and fp32 logits out: bf16 logits (the int4 kernel's output type) would round a logit of 20
+to steps of 0.125 and make near-ties exact ties. Measured on the 2-core development machine (576 x 49152, one
+thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
+3.2 / 5.7 / 14.3, per-channel int8 3.5 / 5.6 / 14.3, bf16 oneDNN 3.7 / 2.8 / 3.8 (docs/bench.md).
+
+`int8` weights (the `weights` setting, for Hugging Face checkpoints) are per-output-channel symmetric int8
+through `torch.ops.aten._weight_int8pack_mm` (bf16 activations, the same row-independent pattern).
+
+These kernels exist on CPU only: on any other device the modules multiply by their dequantized weights in
+the activations' dtype (`QuantLinear.dense`), so a model loaded this way still runs anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.model.memory import drop_file_pages
+
+GROUP = 32  # weights per ggml block (Q4_0, Q4_1, Q8_0)
+BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
+HEAD_SLICE_ROWS = 16384  # rows of an fp16 LM head packed per fbgemm matrix (`TableHead`)
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def has_int4_kernel() -> bool:
+    """Whether this torch has the CPU int4 weight-only kernel the Q4/Q8 modules multiply through."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def has_fp16_gemm() -> bool:
+    """Whether fbgemm's fp16-weight GEMM (fp32 in and out) is built into this torch."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_prepack_fp16"
+    )
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 (low nibble = even input index) -> [N, K] int32 values in [0, 15]."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values in [0, 15] -> [N, K/2] uint8 (low nibble = even input index): half a byte a weight."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int32 values in [0, 15] -> the CPU kernel's blocked layout."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+
+
+def _packed_from(*modules: nn.Module) -> None:
+    """The modules' buffers were copied into a kernel's layout: pages of them mapped from the weights cache's
+    file leave the RSS (read back from the file if anything reads them again; memory.py)."""
+    drop_file_pages([b for m in modules for b in m.buffers()])
+
+
+class QuantLinear(nn.Module):
+    """`x @ W.T (+ b)` with W held quantized. Subclasses say how (`dequantize`) and build the kernel (`kernel`).
+
+    `forward` serves transformers' own forward (activations in and out in their dtype); the lean forward
+    calls `kernel()` once and keeps what it returns (lean_forward.py)."""
+
+    in_features: int
+    out_features: int
+    kind: str  # "q4" | "q8" | "int8": also the weights-cache's record of each layer's format
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
+        self._kernel: Kernel | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """W as fp32 [out, in]: the file's values (the reference the kernels are tested against)."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (fp32, made on every read): for code that borrows a model's matrices, such as
+        a draft head reading the LM head's rows. Never what serving multiplies by."""
+        return self.dequantize()
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The product by the dequantized weights in x's dtype (devices without the kernel, references)."""
+        return F.linear(x, self.dequantize().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+
+    def _build(self) -> Kernel:
+        raise NotImplementedError
+
+    def kernel(self) -> Kernel:
+        """`x [..., in] -> y [..., out]` (y in x's dtype) through the quantized kernel on CPU, else `dense`."""
+        if self._kernel is None:
+            if self.runs_kernel():
+                self._kernel = self._build()
+                _packed_from(self)
+            else:
+                self._kernel = self.dense
+        return self._kernel
+
+    def runs_kernel(self) -> bool:
+        """Whether `kernel` is the quantized kernel (on CPU, in a torch that has it), not `dense`."""
+        return all(t.device.type == "cpu" for t in self.buffers()) and self._supported()
+
+    def release(self) -> list[torch.Tensor]:
+        """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
+        `LeanForward.release_dense`); afterwards only kernels built before can run it. The dropped tensors."""
+        dropped = []
+        for name, buffer in list(self._buffers.items()):
+            if buffer is not None and buffer.numel():
+                dropped.append(buffer)
+                self._buffers[name] = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+        return dropped
+
+    def _supported(self) -> bool:
+        return has_int4_kernel()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantLinear:  # type: ignore[override]
+        self._kernel = None  # moved or converted: built again on the next call
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel()(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, out: int, bias: torch.Tensor | None,
+               doubled: bool = False) -> Kernel:
+    """The int4 kernel as `x -> y` ([..., in] -> [..., out]): x cast to bf16 (fed twice along the input for
+    Q8's two halves), y cast back to x's dtype."""
+    sz = scales_zeros.to(torch.bfloat16).contiguous()
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if doubled:
+            flat = torch.cat([flat, flat], dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, GROUP, sz)
+        y = y.view(*shape[:-1], out).to(x.dtype)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+    return call
+
+
+class Q4Linear(QuantLinear):
+    """Q4_0 / Q4_1 weights: per group of 32 inputs a scale s and a zero z, w = s (q - 8) + z (see the module doc).
+
+    Buffers: `qweight` [out, in/2] uint8 (two 4-bit values a byte, the low nibble first), `scales_zeros`
+    [in/32, out, 2] fp32 (the kernel's own layout)."""
+
+    kind = "q4"
+
+    def __init__(self, qweight: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        out_features, half = qweight.shape
+        super().__init__(2 * half, out_features, bias)
+        assert scales_zeros.shape == (2 * half // GROUP, out_features, 2), scales_zeros.shape
+        self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())
+        self.register_buffer("scales_zeros", scales_zeros.float().contiguous())
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Q4Linear:
+        """From ggml's fields: q [out, in] in [0, 15], d (and m for Q4_1; None for Q4_0) [out, in/32]."""
+        d = d.float()
+        zero = torch.zeros_like(d) if m is None else m.float() + 8 * d
+        return cls(pack_nibbles(q), torch.stack([d.t(), zero.t()], dim=-1))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Q4Linear:
+        """Q4_1-style quantization of dense weights (tests, tiny files): min/max per group of 32."""
+        groups = w.float().reshape(w.shape[0], -1, GROUP)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        d = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+        m = lo.half().float()
+        q = ((groups - m[..., None]) / d[..., None]).round().clamp(0, 15).reshape(w.shape)
+        return cls.from_blocks(q.to(torch.int32), d, m)
+
+    def dequantize(self) -> torch.Tensor:
+        s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()  # [out, in/32]
+        q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
+        return (s[..., None] * (q - 8) + z[..., None]).reshape(self.out_features, self.in_features)
+
+    def _build(self) -> Kernel:
+        packed = _int4_pack(unpack_nibbles(self.qweight))
+        return _int4_call(packed, self.scales_zeros, self.out_features, self.bias)
+
+    def weight_error_bound(self) -> torch.Tensor:
+        """Per weight, the most the kernel's weight (bf16 s and z) can differ from the file's: u(|s||q-8| + |z|)."""
+        s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
+        q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
+        bound = BF16_U * (s.abs()[..., None] * (q - 8).abs() + z.abs()[..., None])
+        return bound.reshape(self.out_features, self.in_features)
+
+
+class Q8Linear(QuantLinear):
+    """Q8_0 weights: per group of 32 inputs a scale d, w = d q with q int8 (see the module doc for the kernel).
+
+    Buffers: `qweight` [out, in] int8, `scales` [out, in/32] fp32."""
+
+    kind = "q8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        out_features, in_features = qweight.shape
+        super().__init__(in_features, out_features, bias)
+        assert scales.shape == (out_features, in_features // GROUP), scales.shape
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Q8Linear:
+        """Q8_0 quantization of dense weights (tests, tiny files): d = max |w| / 127 per group of 32."""
+        groups = w.float().reshape(w.shape[0], -1, GROUP)
+        d = (groups.abs().amax(-1) / 127).clamp_min(1e-8).half().float()
+        q = (groups / d[..., None]).round().clamp(-127, 127).reshape(w.shape)
+        return cls(q.to(torch.int8), d)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.qweight.float().view(self.out_features, -1, GROUP)
+        return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
+
+    def _build(self) -> Kernel:
+        u = self.qweight.to(torch.int32) + 128  # [out, in] in [0, 255]
+        hi, lo = u >> 4, u & 15
+        packed = _int4_pack(torch.cat([hi, lo], dim=1))  # [out, 2 in]: the high halves' groups, then the low
+        d = self.scales.t()  # [in/32, out]
+        sz = torch.cat([torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)], dim=0)
+        return _int4_call(packed, sz, self.out_features, self.bias, doubled=True)
+
+    def weight_error_bound(self) -> torch.Tensor:
+        """Per weight: u |d q| (bf16 d; 16d and 8d are exact multiples of it)."""
+        return BF16_U * self.dequantize().abs()
+
+
+class Int8Linear(QuantLinear):
+    """Per-output-channel symmetric int8 weights (the `int8` setting): w = s q, s = max |w_row| / 127.
+
+    Buffers: `qweight` [out, in] int8, `scales` [out] fp32."""
+
+    kind = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        out_features, in_features = qweight.shape
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        s = (w.float().abs().amax(1) / 127).clamp_min(1e-12)
+        q = (w.float() / s[:, None]).round().clamp(-127, 127)
+        return cls(q.to(torch.int8), s, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def _supported(self) -> bool:
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    def _build(self) -> Kernel:
+        qweight, scales, bias, out = self.qweight, self.scales.to(torch.bfloat16), self.bias, self.out_features
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            flat = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(flat, qweight, scales).view(*shape[:-1], out).to(x.dtype)
+            return y + bias.to(y.dtype) if bias is not None else y
+
+        return call
+
+    def weight_error_bound(self) -> torch.Tensor:
+        return BF16_U * self.dequantize().abs()
+
+
+def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The most `layer.kernel()(x)` may differ from x @ dequantize().T in exact arithmetic, from the format:
+    the weights' bf16 error, x's bf16 rounding (u |x| |w|), the output's bf16 rounding (u |y|) and fp32
+    accumulation (K 2^-24 sum |x w|, generously)."""
+    w = layer.dequantize().double()
+    xa = x.double().abs()
+    exact = x.double() @ w.t()
+    weights = xa @ layer.weight_error_bound().double().t()
+    inputs = BF16_U * (xa @ w.abs().t())
+    accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
+    return weights + inputs + BF16_U * (exact.abs() + weights + inputs) + accumulate
+
+
+def fused(layers: list[QuantLinear]) -> Kernel | None:
+    """One kernel computing several layers that read the same input (q, k and v; gate and up), their outputs
+    side by side: one call instead of several (each call costs ~20 us of dispatch on top of its bytes). The
+    same arithmetic per output as each layer's own kernel. None when they cannot share a kernel (kinds or
+    biases differ, another device, no int4 kernel)."""
+    first = layers[0]
+    if any(type(layer) is not type(first) for layer in layers) or any(layer.bias is not None for layer in layers):
+        return None
+    if not isinstance(first, Q4Linear | Q8Linear) or not first.runs_kernel():
+        return None
+    out = sum(layer.out_features for layer in layers)
+    if isinstance(first, Q4Linear):
+        q = torch.cat([unpack_nibbles(layer.qweight) for layer in layers])
+        sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)
+        call = _int4_call(_int4_pack(q), sz, out, None)
+    else:
+        merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
+        call = merged.kernel()
+    _packed_from(*layers)
+    return call
+
+
+class Fp16Table(nn.Module):
+    """An embedding table held as fp16 values of the file's weights (`weight` [vocab, hidden], a buffer): looked
+    up as the model's input embeddings (fp32 rows out) and, tied, multiplied as its LM head (`TableHead`)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.float16).contiguous())
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+
+class TableHead(nn.Module):
+    """The LM head over an `Fp16Table` (tied) or an fp16 matrix of its own: fp32 activations in, fp32 logits
+    out, through fbgemm's fp16 GEMM on CPU (see the module doc), else `F.linear` by the fp32 values."""
+
+    def __init__(self, table: Fp16Table) -> None:
+        super().__init__()
+        self.table = table  # shared with the input embeddings when tied
+        self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
+        self._kernel: Kernel | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            self._kernel = self._build()
+        return self._kernel
+
+    def _build(self) -> Kernel:
+        weight = self.table.weight
+        if weight.device.type == "cpu" and has_fp16_gemm():
+            try:
+                # packed a slice of rows at a time: the fp32 copy fbgemm packs from is a slice's, not the
+                # table's (113 MB for SmolLM2); the logits are the slices' side by side, the same sums
+                slices = [torch.ops.quantized.linear_prepack_fp16(part.float(), None)
+                          for part in weight.split(HEAD_SLICE_ROWS)]
+                gemm = torch.ops.quantized.linear_dynamic_fp16
+                _packed_from(self.table)  # the embeddings read it a row per token from here on
+                if len(slices) == 1:
+                    return lambda x: gemm(x.float().contiguous(), slices[0])
+                return lambda x: torch.cat([gemm(x.float().contiguous(), s) for s in slices], dim=-1)
+            except RuntimeError:
+                pass
+        return lambda x: F.linear(x, weight.to(x.dtype))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TableHead:  # type: ignore[override]
+        self._kernel = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return self.kernel()(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+
+QUANT_KINDS: dict[str, type[QuantLinear]] = {"q4": Q4Linear, "q8": Q8Linear, "int8": Int8Linear}
+
+
+def quantize_linears(model: nn.Module, kind: str = "int8") -> int:
+    """Replace every plain `nn.Linear` of `model` (the LM head included) by a quantized layer of `kind`
+    ("int8": per-channel, the `int8` setting; "q4" / "q8": Q4_1 / Q8_0 blocks, for tests); the layers
+    replaced. Layers whose input size is not a multiple of 32 stay dense for the block kinds."""
+    count = 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is not nn.Linear or child is head:
+                continue
+            if kind != "int8" and child.in_features % GROUP:
+                continue
+            w = child.weight.detach()
+            layer = Int8Linear.quantize(w, child.bias) if kind == "int8" else QUANT_KINDS[kind].quantize(w)
+            if kind != "int8" and child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().float(), requires_grad=False)
+            setattr(module, child_name, layer)
+            count += 1
+    if type(head) is nn.Linear and head.bias is None:
+        model_head_as_table(model)
+    return count
+
+
+def model_head_as_table(model: nn.Module) -> None:
+    """A causal LM's LM head as a `TableHead` over fp16 values of its weights (fp32 logits; quantized
+    layers' bf16 outputs would round them), sharing one `Fp16Table` with the input embeddings when tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    table = Fp16Table(head.weight.detach())
+    if embed is not None and embed.weight is head.weight:
+        model.set_input_embeddings(table)
+    model.set_output_embeddings(TableHead(table))

@@ -1,0 +1,257 @@
+"""Weight-only quantized layers (server/model/quantized.py) and a GGUF's tensors served as they are.
+
+The kernels are held to bounds derived from the formats (bf16 scales, zeros, activations and outputs:
+`output_error_bound`), against the dequantized weights in float64; a row's result must not depend on the rows
+it is batched with; GGUF blocks must decode to ggml's own reference; and the engine on a quantized model must
+keep greedy output identical across proposers and batch compositions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from server.config import Settings
+from server.model import gguf_weights
+from server.model.loading import _gguf_cache_path, load_model, resolve_weights
+from server.model.prefix_cache import PrefixCache
+from server.model.quantized import (
+    GROUP,
+    Fp16Table,
+    Int8Linear,
+    Q4Linear,
+    Q8Linear,
+    TableHead,
+    fused,
+    has_int4_kernel,
+    output_error_bound,
+    quantize_linears,
+)
+from tests.engine_helpers import request, run
+from tests.models import as_loaded, perturbed, tiny_llama, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not has_int4_kernel(), reason="this torch has no CPU int4 kernel")
+
+OUT, IN = 96, 128  # out a multiple of 16 (the kernel's column blocks), in of 32 (ggml's blocks)
+
+
+def _random_layer(kind: str, seed: int = 0, out: int = OUT, inputs: int = IN) -> Q4Linear | Q8Linear | Int8Linear:
+    """A layer from random blocks as a file holds them: fp16 scales (and minimums), random quantized values."""
+    g = torch.Generator().manual_seed(seed)
+    groups = inputs // GROUP
+    d = (torch.rand(out, groups, generator=g) * 0.02 + 0.001).half().float()
+    if kind in ("Q4_0", "Q4_1"):
+        q = torch.randint(0, 16, (out, inputs), generator=g, dtype=torch.int32)
+        m = (-8 * d * (1 + 0.2 * torch.randn(out, groups, generator=g))).half().float() if kind == "Q4_1" else None
+        return Q4Linear.from_blocks(q, d, m)
+    if kind == "Q8_0":
+        return Q8Linear(torch.randint(-127, 128, (out, inputs), generator=g, dtype=torch.int8), d)
+    return Int8Linear.quantize(torch.randn(out, inputs, generator=g) * 0.05)
+
+
+def _x(rows: int, inputs: int = IN, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_q4_1_is_the_int4_kernels_scale_and_zero_exactly():
+    """ggml's Q4_1 weight d q + m is the kernel's s (q - 8) + z with s = d, z = m + 8d: equal up to the fp32
+    rounding of z and of the sum (a few units in the last place of |m| + 8|d| + |d q|)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (OUT, IN), generator=g, dtype=torch.int32)
+    d = (torch.rand(OUT, IN // GROUP, generator=g) * 0.05).half().float()
+    m = (torch.randn(OUT, IN // GROUP, generator=g) * 0.2).half().float()
+    layer = Q4Linear.from_blocks(q, d, m)
+    dd, mm = d.repeat_interleave(GROUP, 1), m.repeat_interleave(GROUP, 1)
+    ggml = dd * q + mm
+    ulps = 4 * torch.finfo(torch.float32).eps * (mm.abs() + 8 * dd + (dd * q).abs())
+    assert ((layer.dequantize() - ggml).abs() <= ulps).all()
+    assert torch.equal(layer.scales_zeros[..., 0], d.t())  # s = d, stored in the kernel's [in/32, out, 2]
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8"])
+def test_kernel_matches_the_dequantized_weights_within_the_formats_bound(kind):
+    layer = _random_layer(kind)
+    x = _x(7)
+    got = layer.kernel()(x).double()
+    exact = x.double() @ layer.dequantize().double().t()
+    bound = output_error_bound(layer, x)
+    assert ((got - exact).abs() <= bound).all(), float(((got - exact).abs() - bound).max())
+    assert float(bound.max()) < 0.05 * float(exact.abs().max())  # the bound says something: bf16-sized
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8", "table", "fused"])
+def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(kind):
+    """Weights only are quantized: a row's output is the same bits alone, among 9 rows, or among others."""
+    if kind == "table":
+        call = TableHead(Fp16Table(torch.randn(OUT * 5, IN) * 0.05)).kernel()
+    elif kind == "fused":
+        call = fused([_random_layer("Q4_1", seed) for seed in range(3)])
+    else:
+        call = _random_layer(kind).kernel()
+    rows = _x(9)
+    together = call(rows)
+    for i in range(9):
+        assert torch.equal(call(rows[i : i + 1]), together[i : i + 1])
+    others = torch.cat([_x(4, seed=7), rows[3:4], _x(2, seed=8)])
+    assert torch.equal(call(others)[4], together[3])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_fused_layers_give_each_layers_own_results(kind):
+    layers = [_random_layer(kind, seed, out=out) for seed, out in enumerate((96, 32, 32))]
+    x = _x(5)
+    joined = fused(layers)(x)
+    assert torch.equal(joined, torch.cat([layer.kernel()(x) for layer in layers], dim=-1))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_to_ggmls_own_dequantization(kind):
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((OUT, IN)).astype(np.float32)
+    blocks = quantize(values, qtype)
+    reference = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
+    if kind == "Q8_0":
+        layer = Q8Linear(*gguf_weights.decode_q8(blocks, OUT))
+        assert torch.equal(layer.dequantize(), reference)
+    else:
+        layer = Q4Linear.from_blocks(*gguf_weights.decode_q4(blocks, OUT, with_min=kind == "Q4_1"))
+        tolerance = 4 * torch.finfo(torch.float32).eps * reference.abs().max()
+        assert (layer.dequantize() - reference).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_file_served_as_it_is(tmp_path, quant):
+    """A tiny GGUF in each type: linear layers stay quantized, the Q8_0 table becomes the fp16 table and LM
+    head, the dequantized weights equal transformers' dequantization of the same file (q/k permutation
+    undone), and the logits agree with the fp32 model within bf16 arithmetic."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant=quant)
+    served = load_model(str(path), device="cpu", weights="as-file")
+    dense = load_model(str(path), device="cpu", weights="fp32").model
+    model = served.model
+    assert served.weights == "as-file" and model.dtype == torch.float32
+    want = Q8Linear if quant == "Q8_0" else Q4Linear
+    reference = dict(dense.named_modules())
+    for name, module in model.named_modules():
+        if name.endswith(("_proj",)):
+            assert type(module) is want, name
+            assert torch.equal(module.dequantize(), reference[name].weight), name
+    assert isinstance(model.lm_head, TableHead) and model.lm_head.table is model.get_input_embeddings()
+    ids = torch.tensor([[5, 17, 40, 99, 120, 3, 77, 8]])
+    with torch.no_grad():
+        got, want_logits = model(ids).logits, dense(ids).logits
+    assert (got - want_logits).abs().max() < 0.1 * want_logits.abs().max()
+
+
+def test_weights_cache_has_an_entry_per_format(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant="Q4_1")
+    cache = tmp_path / "cache"
+    first = load_model(str(path), device="cpu", cache_dir=cache, weights="as-file").model
+    again = load_model(str(path), device="cpu", cache_dir=cache, weights="as-file").model  # from the entry
+    load_model(str(path), device="cpu", cache_dir=cache, weights="fp32")
+    quantized, dequantized = _gguf_cache_path(path, cache, "as-file"), _gguf_cache_path(path, cache, "fp32")
+    assert quantized != dequantized
+    assert (quantized / "quantized.safetensors").is_file() and (quantized / "specula-cache.json").is_file()
+    assert (dequantized / "model.safetensors").is_file()
+    ids = torch.tensor([[5, 17, 40, 99]])
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    assert _gguf_cache_path(path, cache, "bf16") == dequantized  # bf16 and int8 start from the fp32 entry
+
+
+def test_which_weights_are_served():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "fp32"  # not as-file yet
+    assert resolve_weights("as-file", gguf=True, device=cpu, dtype=torch.float32) == "as-file"
+    assert resolve_weights("auto", gguf=False, device=cpu, dtype=torch.float32) == "fp32"
+    assert resolve_weights("auto", gguf=True, device=cuda, dtype=torch.bfloat16) == "bf16"
+    assert resolve_weights("as-file", gguf=True, device=cuda, dtype=torch.bfloat16) == "bf16"  # CPU kernels only
+    assert resolve_weights("as-file", gguf=False, device=cpu, dtype=torch.float32) == "fp32"
+    assert resolve_weights("int8", gguf=False, device=cpu, dtype=torch.float32) == "int8"
+    with pytest.raises(ValueError):
+        resolve_weights("q4", gguf=True, device=cpu, dtype=torch.float32)
+
+
+def test_int8_weights_for_a_checkpoint(tmp_path, tokenizer):
+    model = tiny_llama(len(tokenizer), seed=3, hidden=64)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", weights="int8")
+    assert loaded.weights == "int8"
+    assert all(type(m) is Int8Linear for n, m in loaded.model.named_modules() if n.endswith("_proj"))
+    assert isinstance(loaded.model.lm_head, TableHead)  # fp32 logits from fp16 weights
+
+
+# ---- the engine on a quantized model ------------------------------------------------------------------
+
+
+def _quantized(model: nn.Module, kind: str) -> nn.Module:
+    quantize_linears(model, kind)
+    return model
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(tokenizer):
+    target = tiny_llama(len(tokenizer), seed=0)
+    draft = perturbed(target, 0.05)
+    target_q = as_loaded(_quantized(target, "q4"), tokenizer, "tiny-q4")
+    target_q.weights = "as-file"
+    return target_q, as_loaded(_quantized(draft, "q8"), tokenizer, "tiny-q8-draft")
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(quantized_pair, prompt_ids):
+    from server.engine.engine import Engine
+
+    target, _ = quantized_pair
+    out = {}
+    for i, p in enumerate(prompt_ids):
+        out.update(run(Engine(target, None, Settings.load()), [request(f"r{i}", p)]))
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_output_on_a_quantized_target_is_the_same_for_every_proposer(
+    quantized_pair, quantized_reference, prompt_ids, method
+):
+    from server.engine.engine import Engine
+
+    engine = Engine(*quantized_pair, Settings.load())
+    assert engine.runner.call.fused[0] is not None  # the quantized kernels, fused, are what runs
+    out = run(engine, [request(f"r{i}", p, method, 3) for i, p in enumerate(prompt_ids)])
+    assert out == quantized_reference
+
+
+def test_mixed_methods_in_one_batch_on_a_quantized_target(quantized_pair, quantized_reference, prompt_ids):
+    from server.engine.engine import Engine
+
+    methods = ["none", "ngram", "draft", "suffix", "draft"]
+    requests = [request(f"r{i}", p, m, 1 + i) for i, (p, m) in enumerate(zip(prompt_ids, methods, strict=True))]
+    assert run(Engine(*quantized_pair, Settings.load()), requests) == quantized_reference
+
+
+# ---- what is keyed by the weights format -----------------------------------------------------------------
+
+
+def test_calibration_and_prefix_cache_keys_name_the_weights_format(quantized_pair, tiny_target):
+    from server.engine.calibration import Subject, cache_path
+    from server.engine.engine import Engine
+
+    settings = Settings.load()
+    quantized, dense = Engine(quantized_pair[0], None, settings), Engine(tiny_target, None, settings)
+
+    def key(engine: Engine) -> dict[str, object]:
+        return Subject(engine.target, engine.runner, engine.planner.proposers, settings).key()
+
+    assert key(quantized)["weights"] == "as-file"
+    assert key(dense)["weights"] == "fp32"
+    assert cache_path(settings.cache_dir, key(quantized)) != cache_path(settings.cache_dir, key(dense))
+    assert quantized.admission.prefixes.namespace.endswith(":as-file")
+    assert dense.admission.prefixes.namespace.endswith(":fp32")
+    tokens = list(range(40))
+    names = [PrefixCache(1 << 20, namespace=ns).names(tokens, None) for ns in ("m:as-file", "m:fp32", "m:as-file")]
+    assert names[0] != names[1] and names[0] == names[2]
