@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.request_log import capped
-from server.scheduler import EngineError, QueueFull, RequestRejected, ShuttingDown
+from server.request_stream import EngineError, QueueFull, RequestRejected, ShuttingDown
 
 log = logging.getLogger(__name__)
 

@@ -38,15 +38,8 @@ from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.structured import request_grammar
 from server.api.tool_calls import ToolCallParser, merged
 from server.request_log import log_request
-from server.scheduler import (
-    EngineError,
-    NeverFits,
-    QueueFull,
-    RequestRejected,
-    RequestStream,
-    Scheduler,
-    ShuttingDown,
-)
+from server.request_stream import EngineError, NeverFits, QueueFull, RequestRejected, RequestStream, ShuttingDown
+from server.scheduler import Scheduler
 from server.traffic import TrafficRecorder
 from server.types import GenerationRequest, RequestOutput, total_stats
 
