@@ -15,7 +15,7 @@ from torch import nn
 
 from server.config import Settings
 from server.model import gguf_weights
-from server.model.loading import _gguf_cache_path, load_model, resolve_weights
+from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import PrefixCache
 from server.model.quantized import (
     GROUP,
@@ -29,6 +29,7 @@ from server.model.quantized import (
     output_error_bound,
     quantize_linears,
 )
+from server.model.weights_cache import entry_path
 from tests.engine_helpers import request, run
 from tests.models import as_loaded, perturbed, tiny_llama, write_tiny_gguf
 
@@ -153,14 +154,14 @@ def test_weights_cache_has_an_entry_per_format(tmp_path):
     first = load_model(str(path), device="cpu", cache_dir=cache, weights="as-file").model
     again = load_model(str(path), device="cpu", cache_dir=cache, weights="as-file").model  # from the entry
     load_model(str(path), device="cpu", cache_dir=cache, weights="fp32")
-    quantized, dequantized = _gguf_cache_path(path, cache, "as-file"), _gguf_cache_path(path, cache, "fp32")
+    quantized, dequantized = entry_path(path, cache, "as-file"), entry_path(path, cache, "fp32")
     assert quantized != dequantized
     assert (quantized / "quantized.safetensors").is_file() and (quantized / "specula-cache.json").is_file()
     assert (dequantized / "model.safetensors").is_file()
     ids = torch.tensor([[5, 17, 40, 99]])
     with torch.no_grad():
         assert torch.equal(first(ids).logits, again(ids).logits)
-    assert _gguf_cache_path(path, cache, "bf16") == dequantized  # bf16 and int8 start from the fp32 entry
+    assert entry_path(path, cache, "bf16") == dequantized  # bf16 and int8 start from the fp32 entry
 
 
 def test_which_weights_are_served():

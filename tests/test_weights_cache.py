@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from server.api.app import create_app
 from server.config import Settings
-from server.model import loading
+from server.model import weights_cache
 from server.model.loading import load_model
 from tests.models import write_tiny_gguf
 from tests.test_api_serve import free_port
@@ -53,7 +53,7 @@ def assert_weights(model, reference: dict[str, torch.Tensor]) -> None:
 
 
 def entry(gguf: Path, cache_dir: Path) -> Path:
-    return loading._gguf_cache_path(gguf, cache_dir)
+    return weights_cache.entry_path(gguf, cache_dir)
 
 
 def dequantized(caplog) -> int:
@@ -138,10 +138,10 @@ def test_a_damaged_entry_in_a_read_only_directory_serves_from_memory(gguf_file, 
 def test_an_entry_without_its_manifest_is_converted_again(gguf_file, reference, tmp_path, caplog):
     """A write killed before its manifest, or a cache from a version before checked entries."""
     load(gguf_file, tmp_path)
-    (entry(gguf_file, tmp_path) / loading.MANIFEST).unlink()
+    (entry(gguf_file, tmp_path) / weights_cache.MANIFEST).unlink()
     caplog.clear()
     assert_weights(load(gguf_file, tmp_path).model, reference)
-    assert dequantized(caplog) == 1 and (entry(gguf_file, tmp_path) / loading.MANIFEST).is_file()
+    assert dequantized(caplog) == 1 and (entry(gguf_file, tmp_path) / weights_cache.MANIFEST).is_file()
 
 
 def test_a_truncated_file_is_converted_again_and_replaced(gguf_file, reference, tmp_path, caplog):
@@ -230,7 +230,7 @@ def test_temporaries_of_writers_that_died_are_swept(gguf_file, reference, tmp_pa
     for d in (dead, live):
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"half")
-    hours_ago = time.time() - 2 * loading.STALE_TEMPORARY_S
+    hours_ago = time.time() - 2 * weights_cache.STALE_TEMPORARY_S
     os.utime(dead, (hours_ago, hours_ago))
     assert_weights(load(gguf_file, tmp_path).model, reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, live.name])

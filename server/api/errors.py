@@ -3,13 +3,16 @@
 Routes raise `APIError`; `install_error_handlers` turns it, FastAPI's validation errors (malformed
 JSON, wrong types, missing or unsupported fields), Starlette's HTTP errors (unknown route, wrong
 method) and anything unexpected into that shape. Bad input is always a 4xx; a 500 means a bug.
+`scheduler_error` says what a scheduler failure is to the client; `unless_disconnected` awaits work
+for a request unless its client goes first (`ClientDisconnected`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +20,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.request_log import capped
+from server.request_stream import EngineError, QueueFull, RequestRejected, ShuttingDown
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -61,6 +67,41 @@ class APIError(Exception):
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready (its sequences are already aborted)."""
+
+
+def scheduler_error(exc: BaseException) -> APIError:
+    """What the client sees for a scheduler-side failure."""
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="rate_limit_exceeded")
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error")
+    raise exc
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise `ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.api import response_schemas as S
+from server.api import responses_schemas as RS
 from server.api.responses_request import ResponsesRequest
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.tokenize import DetokenizeRequest, TokenizeRequest
@@ -114,7 +115,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         STREAM,
     ),
     ("/v1/responses", "post"): Operation(
-        {"application/json": _ref(S.ResponseObject), "text/event-stream": _event_stream(S.ResponseStreamEvent)},
+        {"application/json": _ref(RS.ResponseObject), "text/event-stream": _event_stream(RS.ResponseStreamEvent)},
         GENERATION_ERRORS,
         "api",
         ResponsesRequest,
@@ -122,11 +123,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "`data:`), ending with `response.completed` or `response.incomplete`.",
     ),
     ("/v1/responses/{response_id}", "get"): Operation(
-        {"application/json": _ref(S.ResponseObject)}, (404, 503), "api", ok_description="A stored response.",
+        {"application/json": _ref(RS.ResponseObject)}, (404, 503), "api", ok_description="A stored response.",
         summary="A stored response",
     ),
     ("/v1/responses/{response_id}", "delete"): Operation(
-        {"application/json": _ref(S.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted.",
+        {"application/json": _ref(RS.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted.",
         summary="Delete a stored response",
     ),
     ("/v1/models", "get"): Operation({"application/json": _ref(S.ModelList)}, (503,), "api"),
@@ -177,7 +178,7 @@ def _responses(op: Operation, settings: Settings) -> dict[str, Any]:
 def _components() -> dict[str, Any]:
     requests = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
     models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests]
-    models += [(m, "serialization") for m in S.DOCUMENTED]
+    models += [(m, "serialization") for m in (*S.DOCUMENTED, *RS.DOCUMENTED)]
     _, top = models_json_schema(models, ref_template=REF)
     return dict(sorted(top["$defs"].items()))
 

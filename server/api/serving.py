@@ -12,7 +12,6 @@ generating it; usage counts its tokens up to the end of the repeat).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -24,7 +23,7 @@ from sse_starlette import EventSourceResponse
 
 from server.api import responses as R
 from server.api.chat_template import tool_call_format
-from server.api.errors import APIError, ClientDisconnected
+from server.api.errors import APIError, ClientDisconnected, scheduler_error, unless_disconnected
 from server.api.offload import Offload
 from server.api.origins import OriginTracker, attach, origin_trackers, tokens_for
 from server.api.prompts import (
@@ -39,56 +38,14 @@ from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.structured import request_grammar
 from server.api.tool_calls import ToolCallParser, merged
 from server.request_log import log_request
-from server.scheduler import (
-    EngineError,
-    NeverFits,
-    QueueFull,
-    RequestRejected,
-    RequestStream,
-    Scheduler,
-    ShuttingDown,
-)
+from server.request_stream import EngineError, NeverFits, QueueFull, RequestRejected, RequestStream, ShuttingDown
+from server.scheduler import Scheduler
 from server.traffic import TrafficRecorder
 from server.types import GenerationRequest, RequestOutput, total_stats
 
 T = TypeVar("T")
 
 Events = AsyncIterator[tuple[int, RequestOutput]]
-
-
-def scheduler_error(exc: BaseException) -> APIError:
-    """What the client sees for a scheduler-side failure."""
-    if isinstance(exc, QueueFull):
-        return APIError(429, str(exc), code="rate_limit_exceeded")
-    if isinstance(exc, ShuttingDown):
-        return APIError(503, str(exc), code="shutting_down")
-    if isinstance(exc, RequestRejected):
-        return APIError(400, str(exc))
-    if isinstance(exc, EngineError):
-        return APIError(500, str(exc), type="server_error")
-    raise exc
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise `ClientDisconnected`."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientDisconnected
 
 
 def _usage_options(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
@@ -148,7 +105,7 @@ class OpenAIServing:
     async def _await(self, request: Request, stream: RequestStream, work: Awaitable[T]) -> T:
         """Await scheduler output; abort on client disconnect; scheduler failures become API errors."""
         try:
-            return await _unless_disconnected(request, work)
+            return await unless_disconnected(request, work)
         except ClientDisconnected:
             self.scheduler.abort(stream)
             raise
