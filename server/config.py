@@ -124,8 +124,8 @@ class Settings(BaseSettings):
     # The most tokens one step's target pass computes (vLLM's name): every running row's last token and drafts
     # first, then the prompts of joining rows in chunks, oldest first (server/speculation/budget.py). A long
     # prompt is computed over several steps, so the streams already running never wait for it. None: the
-    # device's default (`step_token_budget`), raised to what one step needs (`max_batch_size` rows, K + 1
-    # tokens); a value given must cover both.
+    # device's default (`step_token_budget`), raised to what a full batch's verify passes need (`max_batch_size`
+    # rows of K + 1 tokens); a value given must hold every row's last token and one row's widest drafts + 1.
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
 
     # HTTP.
@@ -200,7 +200,8 @@ class Settings(BaseSettings):
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         default = STEP_TOKENS_CPU if device_type == "cpu" else STEP_TOKENS_GPU
-        return max(default, self._step_floor())
+        full = self.max_batch_size * (self.num_speculative_tokens + 1)  # a full batch drafting K each: never cut
+        return max(default, full, self._step_floor())
 
     def resolved_draft_head(self) -> Path | None:
         """The draft head directory to load, or None (see `draft_head`)."""

@@ -136,14 +136,14 @@ class Admission:
         tokens left after the batch's rows (budget.py `entering`): the longest prefix of each prompt the
         prefix cache holds now is loaded (so a prompt that starts like one computed a moment ago reads it:
         blocks are stored as chunks are computed), the rest is left to the steps' passes, and the planner
-        tells the proposers. A row whose prompt starts with the same first block as one still being computed
-        waits until that one is done (the `n` choices of one request; clients sending one system prompt at
-        once) and then reads it. Returns the rows that could not enter (they left), with why."""
+        tells the proposers. A row whose prompt starts with the same first block as one whose whole blocks are
+        still being computed waits until they are stored (the `n` choices of one request; clients sending one
+        system prompt at once) and then reads them. Returns the rows that could not enter (they left), with why."""
         if not self.joining:
             return {}
         batch = [self.running[rid] for rid in self.runner.rows]
         left = entering(budget, [s.prompt_left for s in batch])
-        busy = {self._first_block(s) for s in batch if s.prefilling} - {None}
+        busy = {self._first_block(s) for s in batch if self._storing(s, s.prompt_computed)} - {None}
         seqs, found = [], []
         for seq in list(self.joining):
             if left <= 0:
@@ -151,9 +151,10 @@ class Admission:
             first = self._first_block(seq)
             if first in busy:
                 continue
-            busy |= {first} - {None}
             blocks = self._match(seq)
             cached = len(blocks) * self.prefixes.block if self.prefixes is not None and blocks else 0
+            if self._storing(seq, cached):
+                busy |= {first} - {None}
             left -= seq.prompt_left - cached + 1
             seqs.append(seq)
             found.append(blocks)
@@ -167,7 +168,17 @@ class Admission:
             for seq in seqs:
                 del self.running[seq.request_id]
             return {s.request_id: exc for s in seqs}
+        finally:  # the rows in the batch in its order (oldest first), then those still joining
+            self.running = {rid: self.running[rid] for rid in self.runner.rows if rid in self.running} | {
+                s.request_id: s for s in self.joining}
         return {}
+
+    def _storing(self, seq: Sequence, computed: int) -> bool:
+        """Whether the row, `computed` prompt tokens in (or read from the cache), has whole blocks of its prompt
+        left to compute and store: a row whose prompt starts the same way reads them if it waits."""
+        if self.prefixes is None:
+            return False
+        return (len(seq.request.prompt_token_ids) - 1) // self.prefixes.block * self.prefixes.block > computed
 
     def _enter(self, seqs: list[Sequence], found: list[list[prefix_cache.Block]] | None) -> None:
         """`seqs` join the target's batch with their cached prefixes loaded (nothing computed) and the planner."""

@@ -202,7 +202,7 @@ class Engine:
                 if chunk.hidden is not None:  # proposers that read the target's features take them now
                     if seq.features is not None:
                         seq.features.append(chunk.hidden.clone())  # a copy: a view keeps the step's tensor
-                    self.planner.prefilled(seq, len(seq.request.prompt_token_ids) - 1 - seq.prompt_left, chunk.hidden)
+                    self.planner.prefilled(seq, seq.prompt_computed, chunk.hidden)
                 self.admission.prefilled(seq, chunk.tokens)  # and the prefix cache the blocks completed
             except Exception as exc:
                 failed[seq.request_id] = exc

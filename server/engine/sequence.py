@@ -102,6 +102,11 @@ class Sequence:
         return len(self.prefill)
 
     @property
+    def prompt_computed(self) -> int:
+        """Prompt tokens (before the last) computed or read from the prefix cache so far."""
+        return len(self.request.prompt_token_ids) - 1 - len(self.prefill)
+
+    @property
     def remaining(self) -> int:
         return self.request.sampling.max_tokens - len(self.output_ids)
 
