@@ -3,7 +3,6 @@ and what follows is exactly what a full prefill gives (to float rounding)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from server.config import Settings

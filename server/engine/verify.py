@@ -3,9 +3,10 @@
 Every verified row feeds `[last token, d_1..d_k]` and is scored at those k + 1 positions (a row whose
 prompt ends this step feeds its last chunk first, `[chunk, last, d_1..d_k]`, scored at the same k + 1: the
 chunk's logits are never computed); a row whose prompt goes on feeds a chunk of it only, and is not scored
-(its features are kept when a proposer reads them: `Chunk`). The logits come back row after row, one per scored position (never padded), and become
-p with each position's own controls (penalties over the tokens before it, the grammar's mask walked
-through the drafts, min_tokens, temperature, top-k/p): exactly what plain decoding would use there.
+(its features are kept when a proposer reads them: `Chunk`). The logits come back row after row, one per
+scored position (never padded), and become p with each position's own controls (penalties over the tokens
+before it, the grammar's mask walked through the drafts, min_tokens, temperature, top-k/p): exactly what
+plain decoding would use there.
 """
 
 from __future__ import annotations

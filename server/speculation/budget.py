@@ -108,7 +108,7 @@ def fit(ks: list[int], room: int) -> list[int]:
     of the room, or all it asked for.
 
     >>> fit([8, 2, 5], 9)
-    [4, 2, 3]
+    [3, 2, 4]
     """
     ks = list(ks)
     while sum(ks) > room:
