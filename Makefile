@@ -49,7 +49,7 @@ soak: $(STAMP)
 # come up, or a peak RSS over 1.15x the memory parts /metrics exports (docs/bench.md "Soak")
 SOAK_CI_OUT ?= $(or $(TMPDIR),/tmp)/specula-soak-ci/soak.json
 soak-ci: $(STAMP)
-	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 \
+	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 --no-record \
 		--out $(SOAK_CI_OUT)
 
 # The clients people use, unmodified and pinned (openai's Responses helpers, LangChain, litellm, the Vercel AI SDK,
