@@ -105,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         from server.api.serve import serve as run_server
-        from server.model.memory import limit_heap_arenas
+        from server.model.memory import limit_heap_arenas, limit_kernel_caches
 
         limit_heap_arenas()  # before the server's threads allocate (docs/api.md#memory)
+        limit_kernel_caches()  # before the first forward (docs/api.md#memory)
 
         if args.api_key_file is not None:
             args.api_key = _read_key_file(parser, args.api_key_file)
