@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
+    # The `replica` label on every /metrics series (None: no such label). `python -m server cluster` names each of
+    # its replicas; a plain server behind a gateway may take its pod's name (docs/deploy.md).
+    replica_name: str | None = None
 
     @field_validator("draft", "draft_head")
     @classmethod
