@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Receive, Scope, Send
 
@@ -142,7 +142,7 @@ class Relay(Response):
                     progress.see(message)
                     await send(message)
                 return
-            except RayActorError as exc:  # the replica's process died (or cannot be reached)
+            except (RayActorError, ReplicaUnavailableError) as exc:  # the replica's process died (or is unreachable)
                 log.warning("replica failed %s %s (%s)", self.request.method, self.request.path, exc)
                 if not progress.started and attempt < RETRIES:
                     continue

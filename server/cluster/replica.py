@@ -8,7 +8,7 @@ Its life, in Ray Serve's terms:
    returns once the model is loaded, so Ray routes nothing to a replica before it can serve; a load that fails
    raises, and Ray starts another replica in its place.
 2. Requests arrive through `handle` (the ingress's `ForwardedRequest`) and run through the app in this
-   process (`forwarding.serve_asgi`); `metrics`, `status` and `holds_response` answer the ingress's
+   process (`forwarding.serve_asgi`); `metrics`, `status` and `holder_of` answer the ingress's
    broadcasts.
 3. Ray calls `check_health` every `health_check_period_s`: it raises once the engine worker died (`/health`
    would say `broken`), and Ray replaces the replica.
@@ -75,10 +75,10 @@ class EngineReplica:
             "waiting": scheduler.num_waiting if scheduler is not None else 0,
         }
 
-    def holds_response(self, response_id: str) -> bool:
-        """Whether this replica stored the Responses API response `response_id` (only it can continue it)."""
+    def holder_of(self, response_id: str) -> str | None:
+        """This replica's name if it stored the Responses API response `response_id` (only it can continue it)."""
         responses = self.state.responses
-        return responses is not None and responses.store.get(response_id) is not None
+        return self.name if responses is not None and responses.store.get(response_id) is not None else None
 
     def check_health(self) -> None:
         """Ray Serve's health check: a dead engine worker (or a failed load) makes Ray replace the replica."""
