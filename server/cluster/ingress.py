@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 RETRIES = 1  # times a request whose replica died before answering is sent again
 BROADCAST_TIMEOUT_S = 10.0  # /health and /metrics wait this long for the replicas' answers
+LARGE_BODY_BYTES = 64 * 1024  # bodies above this are read for their routing key off the event loop
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -62,7 +63,10 @@ class ClusterState:
 
     async def routing(self, request: ForwardedRequest) -> RoutingKey:
         """The request's routing key, pinned to the replica holding the stored response it names, if any."""
-        key, response_id = request_routing(request.method, request.path, request.body)
+        if len(request.body) > LARGE_BODY_BYTES:  # parsing it would hold up the event loop: a thread does it
+            key, response_id = await asyncio.to_thread(request_routing, request.method, request.path, request.body)
+        else:
+            key, response_id = request_routing(request.method, request.path, request.body)
         if response_id is None:
             return key
         holders = [name for name in await self.broadcast("holder_of", response_id) if name]
