@@ -52,7 +52,8 @@ def wait_for_replicas(url: str, n: int, timeout_s: float, proc: subprocess.Popen
 
 
 @contextmanager
-def running_cluster(model_dir: Path, tmp: Path, *flags: str, replicas: int = 2) -> Iterator[str]:
+def running_cluster(model_dir: Path, tmp: Path, *flags: str, replicas: int = 2,
+                    env: dict[str, str] | None = None) -> Iterator[str]:
     """Yields the base URL of `python -m server cluster` serving `model_dir` once `replicas` are ready; then
     SIGTERM (Serve and Ray shut down), SIGKILL to its process group if that takes over 60 s."""
     port = free_port()
@@ -61,7 +62,7 @@ def running_cluster(model_dir: Path, tmp: Path, *flags: str, replicas: int = 2) 
            "--replicas", str(replicas), "--replica-num-cpus", "0.5", "--target", str(model_dir),
            "--served-model-name", "tiny", *flags]
     env = {**os.environ, "SPECULA_CACHE_DIR": str(tmp / "cache"), "SPECULA_CALIBRATE": "false",
-           "SPECULA_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
+           "SPECULA_API_KEY": API_KEY, "OMP_NUM_THREADS": "1", **(env or {})}
     log = (tmp / "cluster.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

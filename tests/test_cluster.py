@@ -39,13 +39,9 @@ def model_dir(tokenizer, tmp_path_factory) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory) -> Iterator[str]:
-    os.environ["SPECULA_MAX_WAITING"] = "1"  # read by the cluster's settings (no flag for it)
-    try:
-        with running_cluster(model_dir, tmp_path_factory.mktemp("cluster"), "--speculation", "ngram",
-                             "--max-batch-size", "2") as url:
-            yield url
-    finally:
-        del os.environ["SPECULA_MAX_WAITING"]
+    with running_cluster(model_dir, tmp_path_factory.mktemp("cluster"), "--speculation", "ngram", "--max-batch-size",
+                         "2", env={"SPECULA_MAX_WAITING": "1"}) as url:  # no flag for max_waiting: the environment
+        yield url
 
 
 @pytest.fixture(scope="module")
