@@ -184,6 +184,21 @@ def test_turns_of_one_conversation_go_to_one_replica(cluster):
     assert all(n > 0 for n in cached), cached  # each later turn found its earlier turns in that replica's cache
 
 
+def test_stored_responses_are_continued_and_read_where_they_are_stored(cluster):
+    """A Responses API response lives on the replica that made it: `previous_response_id` and GET go there."""
+    for i in range(4):
+        first = post(cluster, "/v1/responses", {"model": "tiny", "input": f"Topic {i}: lighthouses.",
+                                                "max_output_tokens": 5})
+        assert first.status_code == 200, first.text
+        rid, home = first.json()["id"], first.headers["x-specula-replica"]
+        later = post(cluster, "/v1/responses", {"model": "tiny", "input": "And then?", "previous_response_id": rid,
+                                                "max_output_tokens": 5})
+        assert later.status_code == 200, later.text
+        assert later.headers["x-specula-replica"] == home
+        got = httpx.get(f"{cluster}/v1/responses/{rid}", headers=AUTH, timeout=30)
+        assert got.status_code == 200 and got.json()["id"] == rid and got.headers["x-specula-replica"] == home
+
+
 def test_killing_a_replica_fails_only_its_requests_and_ray_replaces_it(cluster):
     before = {r["replica"]: r["pid"] for r in wait_for_replicas(cluster, 2, 60)}
     results: dict[int, tuple[str, list[Any]]] = {}
