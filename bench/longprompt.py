@@ -14,7 +14,9 @@ request has its own `cache_salt`, so neither the prefix cache nor `suffix` sees 
 Reported, for the short streams: tokens/s (completion tokens over the phase's seconds) and p50/p95 of the
 gaps between a stream's chunks (inter-token latency as a client sees it: a chunk may carry several
 accepted tokens); for the long prompts: their times to first token against the prefill alone.
-Run it with `--budget 8192` for what computing each prompt whole (no chunking) gives.
+Run it with `--budget 8192` for what computing each prompt whole (no chunking) gives. The figures go to
+`--out` (default bench/results/latest/longprompt/longprompt.json, with the server's log beside it) and the
+run to the ledger (bench/ledger.py) as suite `longprompt` (`--no-record`: neither).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from unittest import mock
 
 import httpx
 
+from bench import ledger
 from bench.server_proc import live_server
+
+SUITE = "longprompt"
 
 CHATS = [
     "What are three good habits for staying focused while working from home?",
@@ -188,18 +193,36 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=8000)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64, help="of each short chat")
-    p.add_argument("--out", default=None, help="write the figures (and every stream's timings) here as JSON")
+    p.add_argument("--out", type=Path, default=None, help="the figures and every stream's timings, as JSON "
+                   "(default bench/results/latest/longprompt/longprompt.json)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args()
+    args.out = args.out or ledger.results_dir() / ledger.LATEST_DIR / SUITE / "longprompt.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     env = {"SPECULA_MAX_NUM_BATCHED_TOKENS": str(args.budget)} if args.budget else {}
-    log = Path(args.out or "bench/results/longprompt").with_suffix(".log")
+    log = args.out.with_suffix(".log")
     with mock.patch.dict("os.environ", env), live_server([], None, log, timeout_s=600) as url:
         result = asyncio.run(measure(url, args))
     print(f"short streams keep {result['tokens_per_s_ratio']:.0%} of their tokens/s; p95 gap x "
           f"{result['itl_p95_ratio']:.2f} the unloaded one; long prompts' first token after "
           f"{', '.join(f'{t:.1f}' for t in result['long_ttft_s'])} s (alone {result['prefill_alone_s']:.1f} s: "
           f"x {result['ttft_over_alone']:.2f} at worst)")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1))
+    if not args.no_record:
+        ledger.record(SUITE, ledger_cells(result), files=[args.out, log],
+                      figures={"budget": result["budget"], "long_prompt_tokens": result["long_prompt_tokens"]})
+
+
+def ledger_cells(result: dict) -> list[ledger.Cell]:
+    """The short streams' tokens/s with long prompts arriving over without (ratio), with the p95 gap's ratio,
+    and the long prompts' worst time to first token over the prefill alone, as values."""
+    values = {k: result[k] for k in ("tokens_per_s_ratio", "itl_p95_ratio", "ttft_over_alone", "prefill_alone_s",
+                                     "long_ttft_s")}
+    values |= {f"{phase}_{k}": result[phase][k] for phase in ("unloaded", "loaded")
+               for k in ("tokens_per_s", "itl_p50_s", "itl_p95_s")}
+    return [ledger.Cell(f"long_prompt_{result['long_prompt_tokens']}", f"budget_{result['budget'] or 'default'}",
+                        ratio=result["tokens_per_s_ratio"], baseline="no_long_prompts", clients=result["clients"],
+                        values=values)]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 One run, interleaved per prompt and round (the machine's drift hits all three alike): a streamed chat
 completion from a fresh `python -m server serve --speculation none` (greedy, `ignore_eos`), the engine
 in this process (`Engine.step()` until done), and `model.generate()` on the same weights and prompt ids.
-Prints ms/token (median over prompts x rounds) and the ratios; exits 0 whatever they are.
+Prints ms/token (median over prompts x rounds) and the ratios; exits 0 whatever they are. The run goes
+to the ledger (bench/ledger.py) as suite `overhead` (ratios are speeds: above 1 is faster than the baseline).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import ledger
 from bench.peer import Peer, chat_ids
 from bench.server_proc import live_server
 from server.config import Settings
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--log", default="bench/results/tmp/overhead-server.log")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args(argv)
     n = args.max_tokens
     engine = build_engine(Settings.load(device="cpu", speculation="none"), keep_dense=True)  # the peer runs it too
@@ -75,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"http / in-process speed {med['in-process'] / med['http']:.3f}   "
           f"in-process / transformers {med['transformers'] / med['in-process']:.3f}   "
           f"http / transformers {med['transformers'] / med['http']:.3f}")
+    if not args.no_record:
+        ms = {k: round(v / n * 1e3, 2) for k, v in med.items()}
+        ledger.record("overhead", [
+            ledger.Cell("chat", "http", med["in-process"] / med["http"], baseline="in-process",
+                        values={"ms_per_token": ms["http"]}),
+            ledger.Cell("chat", "in-process", med["transformers"] / med["in-process"], baseline="transformers",
+                        values={"ms_per_token": ms["in-process"]}),
+            ledger.Cell("chat", "http", med["transformers"] / med["http"], baseline="transformers",
+                        values={"ms_per_token": ms["http"], "transformers_ms_per_token": ms["transformers"]}),
+        ], figures={"rounds": args.rounds, "max_tokens": n})
     return 0
 
 

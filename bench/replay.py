@@ -10,7 +10,8 @@ order joins the proposer, drafts up to K tokens at every step, keeps the agreein
 and leaves (so a proposer's state across requests, like `suffix`'s global index, is exercised as a
 server would). Reported per workload: tokens per step (the speedup at zero verify cost), acceptance,
 draft tokens, per `agent` round, and first-draft acceptance per confidence level (the proposers'
-`confidence_priors` come from it).
+`confidence_priors` come from it). `replay` appends its figures to the ledger (bench/ledger.py) as suite
+`replay` (tokens per step and acceptance per workload; no ratios).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import ledger
 from bench.workloads import WORKLOADS, load_workloads
 
 
@@ -113,13 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("answers", type=Path)
     r.add_argument("--methods", default="ngram,suffix")
     r.add_argument("--k", type=int, default=8)
+    r.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args(argv)
     if args.command == "collect":
         collect(args.out, args.workloads.split(","), args.max_tokens)
         return 0
     answers = json.loads(args.answers.read_text())
+    cells = []
     for method in args.methods.split(","):
         result = replay(answers, method, args.k)
+        cells += [ledger.Cell(w, method, values={"tokens_per_step": round(tokens / steps, 3),
+                                                 "acceptance": round(accepted / max(drafted, 1), 3),
+                                                 "draft_tokens": drafted})
+                  for w, (tokens, steps, drafted, accepted) in result["workloads"].items()]
         print(f"{method} (K={args.k})")
         for w, (tokens, steps, drafted, accepted) in result["workloads"].items():
             print(f"  {w:10s} tokens/step {tokens / steps:5.2f}  acceptance {accepted / max(drafted, 1):.2f}"
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  agent rounds (tokens/step)", " ".join(f"{x:.2f}" for x in result["rounds"]["agent"]))
         print("  first-draft acceptance per level",
               {lv: f"{a / n:.2f} ({n})" for lv, (n, a) in sorted(result["levels"].items())})
+    if not args.no_record:
+        ledger.record("replay", cells, figures={"k": args.k, "answers": args.answers.name})
     return 0
 
 

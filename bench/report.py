@@ -1,15 +1,22 @@
-"""Writing the results: `results.md` (tables, targets), `results.json` (everything), `speedup.png`."""
+"""Writing the results: `results.md` (tables, targets), `results.json` (everything), `speedup.png`; and
+LATEST.md with README.md's current-figures table, from the ledger (bench/ledger.py).
+
+    python -m bench.report --readme          # LATEST.md from bench/results/ledger.jsonl, and README's table
+    python -m bench.report RESULTS.json      # rewrite a bench.run's results.md, .json, .png from its raw counts
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from bench.cells import PROPOSERS, SPEC_METHODS
+from bench.ledger import latest as ledger_latest
 from bench.peer import PEER_METHODS
 from bench.workloads import WORKLOADS
 
@@ -344,7 +351,148 @@ def rewrite(json_path: Path) -> None:
     write_all(json_path.parent, data["meta"], summarize(cells, cost_map(costs)), costs)
 
 
-if __name__ == "__main__":
-    import sys
+FIGURES_START = "<!-- current figures: rendered by `python -m bench.report --readme` from the ledger -->"
+FIGURES_END = "<!-- end of current figures -->"
 
-    rewrite(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results" / "results.json")
+
+def _machine_short(entry: dict[str, Any]) -> str:
+    """"2 CPUs, load 5.8" (and the GPU, where there was one) from a ledger line's machine summary."""
+    text = entry.get("machine", "?")
+    cpus = re.match(r"(\d+ CPUs)", text)
+    load = re.search(r"load average ([\d.]+)", text)
+    gpu = text.split("; ", 1)[1] if "; " in text else ""
+    parts = [cpus.group(1) if cpus else text, *([gpu] if gpu else []), *([f"load {load.group(1)}"] if load else [])]
+    return ", ".join(parts)
+
+
+def _module(entry: dict[str, Any]) -> str:
+    """"bench.run" from a ledger line's command (`[ENV=...] python -m bench.run ...`), else its suite."""
+    words = entry.get("command", "").split()
+    return next((b for a, b in zip(words, words[1:], strict=False) if a == "-m"), entry["suite"])
+
+
+def _newest(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest run of each suite per device: suites in order of first appearance, CPU runs first."""
+    runs = list(ledger_latest(entries).values())
+    return sorted(runs, key=lambda e: e.get("device", "cpu") != "cpu")
+
+
+def _ratio_text(cell: dict[str, Any]) -> str:
+    if cell.get("ratio") is None:
+        return "—"
+    spread = cell.get("spread")
+    se = f" ±{spread['se']:.2f}" if spread and spread.get("se") is not None else ""
+    return f"{cell['ratio']:.2f}{se}"
+
+
+def _figure_label(cell: dict[str, Any]) -> str:
+    t = cell.get("temperature", 0.0)
+    return f"`{cell['method']}` / `{cell['baseline']}`, " + ("greedy" if not t else f"T = {t:g}")
+
+
+def readme_table(entries: list[dict[str, Any]]) -> str:
+    """The headline cells of the newest run of each suite (per device) as one table: a row per bench,
+    workload and figure, a column per client count, and the run each figure comes from."""
+    runs = [e for e in _newest(entries) if any(c.get("headline") for c in e["cells"])]
+    clients = sorted({c["clients"] for e in runs for c in e["cells"] if c.get("headline")})
+    lines = ["| bench | workload | figure (tokens/s ratio, same run) | "
+             + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " | measured |",
+             "|---|---|---|" + "---:|" * len(clients) + "---|"]
+    for e in runs:
+        rows: dict[tuple, dict[int, dict[str, Any]]] = {}
+        for c in e["cells"]:
+            if c.get("headline"):
+                rows.setdefault((c["workload"], c.get("temperature", 0.0), c["method"], c["baseline"]), {})[
+                    c["clients"]] = c
+        bench = f"`{_module(e)}`" + (" on a GPU" if e.get("device") == "cuda" else "")
+        when = f"{e['date'][:10]}, `{e['commit']}`, {_machine_short(e)}"
+        for (workload, _, _, _), by_clients in rows.items():
+            first = next(iter(by_clients.values()))
+            cols = " | ".join(_ratio_text(by_clients[n]) if n in by_clients else "—" for n in clients)
+            lines.append(f"| {bench} | {workload} | {_figure_label(first)} | {cols} | {when} |")
+    return "\n".join(lines) + "\n"
+
+
+def _values_text(values: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        return (f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}") if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k} {fmt(v)}" for k, v in values.items())
+
+
+def latest_markdown(entries: list[dict[str, Any]]) -> str:
+    """LATEST.md: README's table, then every figure of the newest run of each suite (per device)."""
+    out = ["# Latest benchmark figures", "",
+           f"Rendered by `python -m bench.report --readme` from `bench/results/ledger.jsonl` ({len(entries)} runs): "
+           "the newest run of each bench per device, every figure a ratio to its baseline from the same run "
+           "(spread: ± the standard error over the run's rounds or prompts). Do not edit by hand; "
+           "[docs/bench.md](../../docs/bench.md) says how to run and read each bench.", "",
+           "## Current figures (README.md shows this table)", "", FIGURES_START, readme_table(entries).rstrip(),
+           FIGURES_END]
+    for e in _newest(entries):
+        out += ["", f"## {e['suite']} (`{_module(e)}`, {e.get('device', 'cpu')})", "",
+                f"Run of {e['date']}, commit `{e['commit']}`{' (with uncommitted changes)' if e.get('dirty') else ''}, "
+                f"{e['machine']}.  ", f"Command: `{e['command']}`  "]
+        if e.get("files"):
+            files = e["files"]
+            out.append(f"Files: `{files['path']}`" + (f" at commit `{files['commit']}`" if files.get("commit") else "")
+                       + "  ")
+        if e.get("note"):
+            out.append(f"Note: {e['note']}  ")
+        if e.get("figures"):
+            out += ["", "Figures: " + _values_text(e["figures"])]
+        if e["cells"]:
+            out += ["", "| workload | T | clients | method / baseline | ratio | spread (low-high, n) | values |",
+                    "|---|---:|---:|---|---:|---|---|"]
+            for c in e["cells"]:
+                s = c.get("spread")
+                spread = f"{s['low']:.2f}-{s['high']:.2f}, {s['n']}" if s else "—"
+                out.append(f"| {c['workload']} | {c.get('temperature', 0.0):g} | {c['clients']} "
+                           f"| {c['method']} / {c['baseline']} | {_ratio_text(c)} | {spread} "
+                           f"| {_values_text(c.get('values') or {})} |")
+    return "\n".join(out) + "\n"
+
+
+def between(text: str, start: str = FIGURES_START, end: str = FIGURES_END) -> str:
+    """What lies between the figures markers of a document (ValueError without them)."""
+    head, sep, rest = text.partition(start)
+    body, sep2, _ = rest.partition(end)
+    if not sep or not sep2:
+        raise ValueError("no current-figures markers")
+    return body.strip("\n") + "\n"
+
+
+def replace_between(text: str, body: str, start: str = FIGURES_START, end: str = FIGURES_END) -> str:
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    return f"{head}{start}\n{body.rstrip()}\n{end}{tail}"
+
+
+def write_readme(results: Path | None = None, readme: Path | None = None) -> None:
+    """LATEST.md from the ledger, and README.md's current-figures table from LATEST.md."""
+    from bench.ledger import REPO, write_latest
+
+    text = write_latest(results)
+    path = readme or REPO / "README.md"
+    path.write_text(replace_between(path.read_text(encoding="utf-8"), between(text)), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    p.add_argument("results_json", nargs="?", type=Path, help="a bench.run results.json to rewrite its reports from")
+    p.add_argument("--readme", action="store_true",
+                   help="render bench/results/LATEST.md from the ledger and README.md's current-figures table")
+    args = p.parse_args(argv)
+    if args.readme:
+        write_readme()
+    if args.results_json is not None:
+        rewrite(args.results_json)
+    if not args.readme and args.results_json is None:
+        p.error("give --readme, a results.json, or both")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

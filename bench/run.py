@@ -4,7 +4,8 @@ One run: load the default model in-process (to measure the draft/target cost rat
 the transformers peer), start `python -m server serve` on loopback, then for every workload,
 temperature and client count run the methods interleaved, round by round (A B C D, then D C B A, ...),
 so machine drift hits every method alike. A round at N clients is N closed loops over N x
-`--per-client` requests (bench/client.py). Writes bench/results/{results.md,results.json,speedup.png}.
+`--per-client` requests (bench/client.py). Writes results.md, results.json and speedup.png to `--out`
+(default bench/results/latest/grid/) and appends the run to the ledger (bench/ledger.py) as suite `grid`.
 See docs/bench.md.
 """
 
@@ -15,9 +16,7 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bench import ledger
 from bench.cells import PROPOSERS, SPEC_METHODS, Cell, CellKey, cost_map, summarize
 from bench.client import model_id, request_body, run_round, supports_method
 from bench.peer import PEER_METHODS
@@ -32,7 +32,8 @@ from bench.report import write_all
 from bench.workloads import WORKLOADS, Workload, load_workloads
 from server.types import DEFAULT_NUM_TOKENS
 
-RESULTS = Path(__file__).resolve().parent / "results"
+SUITE = "grid"
+HEADLINE_WORKLOADS = ("copy_edit", "chat")  # README's table shows `auto` on these (the copy-heavy and the open case)
 # K per proposer when --k does not say: the server's default (8), except the draft head, whose drafts
 # decay with depth (issue 10 measures it at K = 4).
 DEFAULT_K = {name: 4 if name == "eagle" else DEFAULT_NUM_TOKENS for name in PROPOSERS}
@@ -102,7 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="draft head directory for the server (`serve --draft-head`) and the costs table "
                         "(default: the server's setting, i.e. the shipped head when there is one)")
     p.add_argument("--no-costs", action="store_true", help="skip the in-process cost measurement (no theory)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output directory (default bench/results/latest/{SUITE}; the ledger copies the files there)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger (smoke runs)")
     args = p.parse_args(argv)
     quick = args.quick
     args.workloads = args.workloads or (["copy_edit", "chat"] if quick else list(WORKLOADS))
@@ -116,6 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.per_client = 1 if quick else 3
     if args.per_client < 1:
         p.error("--per-client must be at least 1")
+    args.out = args.out or ledger.results_dir() / ledger.LATEST_DIR / SUITE
     return args
 
 
@@ -123,13 +127,21 @@ def _fmt_c(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
+def ledger_cells(rows: list[dict[str, Any]]) -> list[ledger.Cell]:
+    """Every cell of a run with a ratio to `none` as the ledger records it: the spread over its rounds,
+    tokens/s, acceptance, tokens per pass; `auto` on HEADLINE_WORKLOADS is README's headline."""
+    out = []
+    for r in sorted(rows, key=lambda r: (r["workload"], r["temperature"], r["clients"], r["method"])):
+        if r["method"] == "none" or r.get("ratio_to_none") is None:
+            continue
+        values = {"tokens_per_s": r["tokens_per_s"], "acceptance": r.get("acceptance_rate"),
+                  "tokens_per_pass": r.get("mean_accepted_length")}
+        out.append(ledger.Cell(
+            r["workload"], r["method"], r["ratio_to_none"], clients=r["clients"], temperature=r["temperature"],
+            spread=ledger.Spread.of(r.get("round_ratios") or []),
+            values={k: round(v, 3) for k, v in values.items() if v is not None},
+            headline=r["method"] == "auto" and r["workload"] in HEADLINE_WORKLOADS))
+    return out
 
 
 class Progress:
@@ -292,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.run" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "commit": _git_commit(),
-        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, load average {os.getloadavg()[0]:.1f}",
+        "commit": ledger.git_commit()[0],
+        "machine": ledger.machine()[0],
         "model": target.name,
         "max_tokens": args.max_tokens,
         "k": args.k,
@@ -311,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_all(args.out, meta, rows, costs)
     print(f"wrote {args.out}/results.md, results.json, speedup.png in {meta['duration_s'] / 60:.1f} min", flush=True)
+    if not args.no_record:
+        ledger.record(SUITE, ledger_cells(rows), files=[args.out / n for n in ("results.md", "results.json",
+                                                                              "speedup.png")],
+                      command=meta["command"], figures={"minutes": round(meta["duration_s"] / 60, 1)})
+        print(f"recorded in {ledger.results_dir() / ledger.LEDGER}", flush=True)
     print(json.dumps([t for t in json.loads((args.out / "results.json").read_text())["targets"]], indent=1))
     return 0
 

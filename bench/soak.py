@@ -18,6 +18,9 @@ two samples escapes. It fails (exit 1) on any 5xx, any lost request (no status, 
 not drain, or a peak RSS over the ratio. Server settings come from the environment
 (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server serve`).
 
+The report goes to `--out` (default bench/results/latest/soak/soak.json) and the run to the ledger
+(bench/ledger.py) as suite `soak` (`--no-record`: neither the ledger nor latest/, as CI's soak runs).
+
     python -m bench.soak --seconds 600                    # the built-in model, 10 minutes
     python -m bench.soak --seconds 120 --hogs 2           # CI's (make soak-ci): 2 minutes on a busy host
     python -m bench.soak -- --target DIR --served-model-name tiny   # any model directory
@@ -46,9 +49,10 @@ from typing import Any
 
 import httpx
 
+from bench import ledger
 from bench.server_proc import live_server
 
-RESULTS = Path(__file__).resolve().parent / "results"
+SUITE = "soak"
 FRESH_CLIENTS = 8  # concurrent short chat clients right after the server's first request
 FRESH_CHATS = 2  # chats each of them sends
 MAX_RSS_RATIO = 1.15  # the peak RSS may exceed the largest sum of the memory parts /metrics exports by this
@@ -436,9 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-ratio", type=float, default=MAX_RSS_RATIO,
                    help="fail when the peak RSS exceeds the memory parts' sum by more (0: do not check)")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="how long the server may take to be healthy")
-    p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    p.add_argument("--out", type=Path, default=None, help="the report (default bench/results/latest/soak/soak.json)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     p.add_argument("server_args", nargs="*", help="passed to `python -m server serve` (after --)")
     args = p.parse_args(argv)
+    args.out = args.out or ledger.results_dir() / ledger.LATEST_DIR / SUITE / "soak.json"
     # SIGTERM (a CI runner's timeout) unwinds like Ctrl-C: the server and the hogs are stopped on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log_path = args.out.with_suffix(".log")
@@ -454,11 +460,25 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(report), indent=1) + "\n")
     print(format_report(report))
+    if not args.no_record:
+        ledger.record(SUITE, [], files=[args.out, *([log_path] if report.problems else [])],
+                      figures=ledger_figures(report, args))
     if report.problems:
         print(f"soak FAILED: {'; '.join(report.problems)} (server log: {log_path})", file=sys.stderr)
         print_log_tail(log_path)
         return 1
     return 0
+
+
+def ledger_figures(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+    """What the ledger keeps of a soak: its shape, what was served, latency, RSS against the memory parts."""
+    def rounded(v: float | None, digits: int = 2) -> float | None:
+        return None if v is None else round(v, digits)
+
+    return {"seconds": report.seconds, "clients": report.clients, "hogs": args.hogs, "requests": report.requests,
+            "served": report.served, "p50_s": rounded(report.latency_p50_s), "p95_s": rounded(report.latency_p95_s),
+            "rss_peak_mib": report.rss_peak_mb, "memory_parts_mib": report.memory_sum_mb,
+            "rss_over_parts": report.rss_ratio, "problems": len(report.problems)}
 
 
 def print_log_tail(path: Path, lines: int = 40) -> None:

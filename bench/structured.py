@@ -7,7 +7,8 @@ the API builds it (server/api/structured.py). Methods run interleaved, case by c
 times; the report gives, per method, the median over rounds of total time, the ratio to `none`
 from the same run, target passes, tokens drafted by the grammar, and whether every output equals
 `none`'s and validates against its schema. `suffix`'s global index is emptied before every run, so
-no method is drafted an answer another method just wrote.
+no method is drafted an answer another method just wrote. The run goes to the ledger (bench/ledger.py)
+as suite `structured`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import jsonschema
 
+from bench import ledger
 from server.api.schemas import ChatCompletionRequest
 from server.api.structured import request_grammar
 from server.config import Settings
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="none,ngram,suffix,eagle,auto")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     settings = Settings.load(device="cpu")
@@ -167,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         t, i = statistics.median(totals[m]), info[m]
         print(f"{m:8} {t:8.2f} {base / t:7.2f}x {i['steps']:7d} {i['tokens']:7d} {i['forced']:8d} "
               f"{str(i['same']):>5} {i['valid']:>3}/{len(CASES)}")
+    if not args.no_record:
+        ledger.record("structured", [
+            ledger.Cell("json_schema", m, base / statistics.median(totals[m]), baseline=methods[0],
+                        spread=ledger.Spread.of([b / t for b, t in zip(totals[methods[0]], totals[m], strict=True)]),
+                        values={"seconds": round(statistics.median(totals[m]), 2), "passes": info[m]["steps"],
+                                "tokens": info[m]["tokens"], "grammar_drafted": info[m]["forced"],
+                                "same_as_baseline": info[m]["same"], "valid": info[m]["valid"]})
+            for m in methods[1:]], figures={"cases": len(CASES), "max_tokens": args.max_tokens, "rounds": args.rounds})
     return 0
 
 

@@ -10,6 +10,7 @@ the batch size's recent plain passes (what decides whether a draft pays). docs/b
 
 Estimators: `ratio` is server/speculation/cost.py's (the server's one); `line` a least-squares line over
 each batch size's recent timings; `medians` each width's median timing per batch size, non-decreasing.
+`score` appends its figures to the ledger (bench/ledger.py) as suite `verify_costs` (median relative errors).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import ledger
 from server.speculation.cost import CostModel, non_decreasing
 
 Timing = dict[str, object]  # {"rows", "tokens", "seconds", "prior", "phase"}
@@ -162,14 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_costs", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["record", "score"])
     parser.add_argument("trace", type=Path)
+    parser.add_argument("--no-record", action="store_true", help="score only: do not append to the ledger")
     args = parser.parse_args(argv)
     if args.action == "record":
         record(args.trace)
         return 0
-    for name, figures in score(json.loads(args.trace.read_text())).items():
+    scored = score(json.loads(args.trace.read_text()))
+    for name, figures in scored.items():
         print(f"{name:8} plain {figures['plain']:.1%}  wider {figures['wider']:.1%}  wider's ratio to plain "
               f"{figures['wider ratio']:.1%}  ({figures['plain passes']} plain, {figures['wider passes']} wider)")
+    if not args.no_record:
+        ledger.record("verify_costs", ledger_cells(scored, args.trace.name), files=[args.trace])
     return 0
+
+
+def ledger_cells(scored: dict[str, dict[str, float]], trace: str) -> list[ledger.Cell]:
+    """One cell per estimator: its median relative errors (plain, wider, a wider pass's ratio to plain)."""
+    return [ledger.Cell(trace, name, values={k.replace(" ", "_"): round(v, 4) if isinstance(v, float) else v
+                                             for k, v in figures.items()}) for name, figures in scored.items()]
 
 
 if __name__ == "__main__":

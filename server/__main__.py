@@ -1,4 +1,5 @@
-"""Command line: `serve` runs the HTTP server, `generate` tries the engine, `distill` trains a draft head."""
+"""Command line: `serve` runs the HTTP server, `cluster` runs it as replicas on Ray Serve, `generate` tries the
+engine, `distill` trains a draft head."""
 
 from __future__ import annotations
 
@@ -50,11 +51,20 @@ _MODEL_FIELDS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specula", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+_EDGE = {  # the HTTP edge's limits (server/api/connections.py): flag -> help
+    "max_header_bytes": "a larger request line and headers get 431",
+    "max_header_count": "more header fields get 431",
+    "header_timeout_s": "seconds a request's line and headers may take to arrive (then 408)",
+    "body_timeout_s": "seconds a request's body may take to arrive after its headers (then 408)",
+    "max_connections": "open connections at most; a new one past it gets 503",
+}
+_CLUSTER_FIELDS = (
+    "replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_num_cpus", "request_router",
+)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags of `serve`, which `cluster` takes too."""
     _add_model_flags(serve)
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
@@ -70,14 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "--protect-metrics", action="store_true", default=None, help="/metrics, /docs, /openapi.json need the key too"
     )
     serve.add_argument("--max-request-body-bytes", type=int, default=None, help="larger request bodies get 413")
-    edge = {  # the HTTP edge's limits (server/api/connections.py): flag -> help
-        "max_header_bytes": "a larger request line and headers get 431",
-        "max_header_count": "more header fields get 431",
-        "header_timeout_s": "seconds a request's line and headers may take to arrive (then 408)",
-        "body_timeout_s": "seconds a request's body may take to arrive after its headers (then 408)",
-        "max_connections": "open connections at most; a new one past it gets 503",
-    }
-    for name, text in edge.items():
+    for name, text in _EDGE.items():
         field = Settings.model_fields[name]
         serve.add_argument(f"--{name.replace('_', '-')}", type=field.annotation, default=None,
                            help=f"{text}; default {field.default:g}")
@@ -87,6 +90,25 @@ def main(argv: list[str] | None = None) -> int:
         "--record-traffic", default=None, metavar="DIR",
         help="write finished requests' prompts and outputs as JSONL into DIR (for distill --traffic); off by default",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specula", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_serve_flags(serve)
+    cluster = sub.add_parser("cluster", help="serve the same API from N engine replicas on Ray Serve (docs/deploy.md)")
+    _add_serve_flags(cluster)
+    cluster.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
+    cluster.add_argument("--min-replicas", type=int, default=None, help="autoscaling's lower bound")
+    cluster.add_argument("--max-replicas", type=int, default=None,
+                         help="autoscaling's upper bound (above --min-replicas: Ray Serve autoscales)")
+    cluster.add_argument("--target-ongoing-requests", type=float, default=None,
+                         help="ongoing requests per replica the autoscaler aims at (default 4)")
+    cluster.add_argument("--replica-num-cpus", type=float, default=None, help="CPUs Ray reserves per replica")
+    cluster.add_argument("--request-router", default=None, choices=["cache_aware", "power_of_two"],
+                         help="cache_aware (default): longest prompt prefix, then load; power_of_two: Ray's default")
 
     gen = sub.add_parser("generate", help="generate once from a prompt and print acceptance stats")
     _add_model_flags(gen)
@@ -103,20 +125,23 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        from server.api.serve import serve as run_server
-        from server.model.memory import limit_heap_arenas
+    if args.command in ("serve", "cluster"):
+        from server.model.memory import limit_heap_arenas, limit_kernel_caches
 
         limit_heap_arenas()  # before the server's threads allocate (docs/api.md#memory)
+        limit_kernel_caches()  # before the first forward (docs/api.md#memory)
 
         if args.api_key_file is not None:
             args.api_key = _read_key_file(parser, args.api_key_file)
-        settings = _settings(
-            args, *_MODEL_FIELDS, "host", "port", "api_key", "protect_metrics", "max_request_body_bytes",
-            *edge,
-            "max_batch_size", "served_model_name", "record_traffic",
-        )
-        return run_server(settings)  # 1 when the engine worker died (a supervisor restarts the server)
+        fields = (*_MODEL_FIELDS, "host", "port", "api_key", "protect_metrics", "max_request_body_bytes", *_EDGE,
+                  "max_batch_size", "served_model_name", "record_traffic")
+        if args.command == "cluster":
+            from server.cluster.application import run_cluster
+
+            return run_cluster(_settings(args, *fields, *_CLUSTER_FIELDS))
+        from server.api.serve import serve as run_server
+
+        return run_server(_settings(args, *fields))  # 1 when the engine worker died (a supervisor restarts it)
     if args.command == "distill":
         from server.draft_head.distill import distill_cli
 

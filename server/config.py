@@ -155,6 +155,23 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
+    # The `replica` label on every /metrics series (None: no such label). `python -m server cluster` names each of
+    # its replicas; a plain server behind a gateway may take its pod's name (docs/deploy.md).
+    replica_name: str | None = None
+
+    # A cluster (`python -m server cluster`, server/cluster/; docs/deploy.md): engine replicas on Ray Serve behind
+    # one HTTP entry. `replicas` start; with `max_replicas` above `min_replicas`, Ray Serve's autoscaler keeps about
+    # `target_ongoing_requests` requests per replica between the two (None: a fixed `replicas`). Each replica
+    # reserves `replica_num_cpus` CPUs (and a GPU when `device` is cuda). `request_router`: "cache_aware" sends a
+    # request to the replica holding its longest prompt prefix unless that replica's load exceeds the least
+    # loaded one's by more than `router_imbalance` requests; "power_of_two" is Ray Serve's default routing.
+    replicas: int = Field(default=2, ge=1)
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
+    target_ongoing_requests: float = Field(default=4.0, gt=0)
+    replica_num_cpus: float = Field(default=1.0, ge=0)
+    request_router: Literal["cache_aware", "power_of_two"] = "cache_aware"
+    router_imbalance: float = Field(default=2.0, ge=0)
 
     @field_validator("draft", "draft_head")
     @classmethod
@@ -182,6 +199,10 @@ class Settings(BaseSettings):
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is too small: one step must hold every "
                 f"running row's last token (max_batch_size {self.max_batch_size}) and one row's widest drafts + 1 "
                 f"(K {self._widest_k()} + 1); set it to at least {self._step_floor()}")
+        low = self.min_replicas if self.min_replicas is not None else self.replicas
+        high = self.max_replicas if self.max_replicas is not None else self.replicas
+        if not low <= self.replicas <= high:
+            raise ValueError("replicas must lie within [min_replicas, max_replicas]")
         head = self.resolved_draft_head()
         if head is not None and not (head / "config.json").is_file():
             raise ValueError(f"draft_head {str(head)!r} is not a draft head directory (no config.json)")

@@ -14,15 +14,24 @@ Who calls what (all methods are thread-safe; the worker thread and the event loo
 * `watch_memory(source)`        once: `source()` gives the memory parts in bytes, read at every scrape.
 * `render()`                    for GET /metrics.
 
+`merge_expositions(bodies)` joins several servers' `render()` outputs into one exposition (the cluster's
+/metrics: each replica's series keep their `replica` label, server/cluster/ingress.py).
+
 Contract: the speculation counters grow by exactly the sums of the per-sequence `SeqStepStats`, which
 add up to each request's `RequestStats` (`usage.speculation`): draft_tokens, accepted_tokens and
 decode_steps (one step per verify pass a sequence took part in).
+
+Under vLLM's names too (docs/metrics.md "Under vLLM's names"): the three gauges an inference gateway's
+endpoint picker reads (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`)
+and the speculation counters vLLM's dashboards and AIPerf read (`vllm:spec_decode_num_drafts`,
+`..._num_draft_tokens`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), labelled as vLLM labels
+them (`model_name`, `engine`), fed from the same calls as the `specula_` series, so each pair agrees.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import get_args
 
 from prometheus_client import (
@@ -36,6 +45,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.types import FinishReason, RequestStats, StepResult
 
@@ -51,6 +62,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
 # Prompt tokens one step computes: 0 (decoding only) up to max_num_batched_tokens (CPU 256, GPU 2048 by default).
 PREFILL_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# vLLM's labels on its series: the served model and the engine's index (one engine per server here: "0").
+VLLM_LABELS = ("model_name", "engine")
 
 
 class Metrics:
@@ -60,15 +73,24 @@ class Metrics:
     `k` are the server's configuration, exported once as `specula_speculation_info`. `methods` are the
     speculation methods the server runs ("none", its proposers, "auto"); the speculation series are
     labelled with the request's `method` and the `proposer` that drafted in each step ("none" for a
-    plain step), so `method="auto"` can be split by what `auto` chose.
+    plain step), so `method="auto"` can be split by what `auto` chose. `replica` (the `replica_name`
+    setting; a cluster names each replica) labels every series, `process_*` included, when given.
     """
 
     def __init__(
-        self, model: str, target: str, draft: str | None, method: str, k: int, methods: tuple[str, ...]
+        self,
+        model: str,
+        target: str,
+        draft: str | None,
+        method: str,
+        k: int,
+        methods: tuple[str, ...],
+        replica: str | None = None,
     ) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._exposed = _Labelled(r, {"replica": replica}) if replica else r
         spec = ["model", "method", "proposer"]
         self.draft_tokens = Counter(
             "specula_spec_decode_draft_tokens", "Draft tokens proposed.", spec, registry=r
@@ -185,6 +207,7 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.vllm = _VllmSeries(r, model)
         Info("specula_speculation", "Server speculation configuration.", registry=r).info(
             {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
         )
@@ -218,6 +241,7 @@ class Metrics:
             for pos in range(s.accepted_tokens):
                 self.accepted_per_position.labels(*labels, str(pos)).inc()
             self.acceptance_length.labels(*labels).observe(s.emitted_tokens)
+            self.vllm.observe_draft(s.draft_tokens, s.accepted_tokens)
         if result.prefill_tokens or result.cached_tokens:
             self.prefix_cache_queries.labels(self.model).inc(result.prefill_tokens + result.cached_tokens)
             self.prefix_cache_hits.labels(self.model).inc(result.cached_tokens)
@@ -269,6 +293,7 @@ class Metrics:
         self.running.labels(self.model).set(running)
         self.waiting.labels(self.model).set(waiting)
         self.kv_usage.labels(self.model).set(kv_cache_usage)
+        self.vllm.set_load(running, waiting, kv_cache_usage)
 
     def watch_memory(self, source: Callable[[], Mapping[str, int]]) -> None:
         """Export `source()` (part -> bytes: the engine's `memory.usage`, server/engine/memory.py) as
@@ -279,7 +304,102 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its Content-Type, for GET /metrics."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+
+
+def merge_expositions(bodies: Iterable[bytes | str]) -> tuple[bytes, str]:
+    """Several servers' expositions as one (and its Content-Type): each family once, with every server's
+    samples. The servers' series must differ by a label (`replica`), as a cluster's replicas' do; a body that
+    does not parse is skipped with a warning (one replica's scrape must not fail the cluster's)."""
+    families: dict[str, Metric] = {}
+    for body in bodies:
+        text = body.decode() if isinstance(body, bytes) else body
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            log.warning("an exposition that does not parse was left out of the merge", exc_info=True)
+            continue
+        for fam in parsed:
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            merged.samples.extend(fam.samples)
+    return generate_latest(_Families(list(families.values()))), CONTENT_TYPE_LATEST
+
+
+class _VllmSeries:
+    """The figures gateways and vLLM's tooling read, under vLLM's names and labels (see the module doc).
+
+    `vllm:spec_decode_num_drafts` counts verify passes that checked at least one draft token (vLLM's
+    `observe_draft`: one per request per step that drafted), so mean accepted length = 1 + accepted / drafts
+    and the acceptance at position j = accepted_per_pos{position=j} / drafts, as vLLM's dashboards compute them.
+    """
+
+    def __init__(self, r: CollectorRegistry, model: str) -> None:
+        values = (model, "0")
+        self.running = Gauge(
+            "vllm:num_requests_running", "Sequences in the running batch.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Sequences waiting for admission.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Verify passes that checked draft tokens.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", VLLM_LABELS, registry=r
+        ).labels(*values)
+        self.accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*VLLM_LABELS, "position"],
+            registry=r,
+        )
+        self.values = values
+
+    def observe_draft(self, draft_tokens: int, accepted_tokens: int) -> None:
+        if draft_tokens <= 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(draft_tokens)
+        self.accepted_tokens.inc(accepted_tokens)
+        for pos in range(accepted_tokens):
+            self.accepted_per_pos.labels(*self.values, str(pos)).inc()
+
+    def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_cache_usage)
+
+
+class _Labelled:
+    """A registry's families with `labels` added to every sample (prometheus_client has no constant labels
+    per registry)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self.registry, self.labels = registry, dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in fam.samples]
+            yield out
+
+
+class _Families:
+    """Ready families, in the shape `generate_latest` collects from."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
 
 
 class _MemoryCollector:

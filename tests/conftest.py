@@ -16,6 +16,19 @@ from tests.models import as_loaded, cycling_llama, perturbed, tiny_llama
 CACHE_DIR = Path(os.environ.get("SPECULA_CACHE_DIR", Path.home() / ".cache" / "specula"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def bench_results_elsewhere(tmp_path_factory):
+    """No test appends to the repository's benchmark ledger: bench code run by a test records into a
+    temporary directory (`SPECULA_BENCH_RESULTS`, bench/ledger.py)."""
+    before = os.environ.get("SPECULA_BENCH_RESULTS")
+    os.environ["SPECULA_BENCH_RESULTS"] = str(tmp_path_factory.mktemp("bench-results"))
+    yield
+    if before is None:
+        os.environ.pop("SPECULA_BENCH_RESULTS", None)
+    else:
+        os.environ["SPECULA_BENCH_RESULTS"] = before
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_default_tokenizer(CACHE_DIR)

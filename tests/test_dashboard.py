@@ -70,3 +70,13 @@ def test_every_query_names_only_exported_metrics() -> None:
         "specula_kv_cache_usage_ratio",
     ):
         assert name in used, name
+
+
+def test_replica_panels_show_acceptance_and_load_per_replica() -> None:
+    """A cluster's replicas (the `replica` label) side by side: acceptance and load, with a replica picker."""
+    dash = load_dashboard()
+    assert "replica" in [v["name"] for v in dash["templating"]["list"]]
+    panels = {p["title"].lower(): p for p in all_panels(dash)}
+    for title in ("acceptance rate by replica", "load by replica: running / waiting"):
+        exprs = [t["expr"] for t in panels[title]["targets"]]
+        assert all("by (replica)" in e and 'replica=~"$replica"' in e for e in exprs), exprs

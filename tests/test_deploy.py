@@ -168,3 +168,69 @@ def test_ci_soaks_a_fresh_server_on_a_busy_host_after_the_tests() -> None:
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\nsoak-ci:", 1)[1].split("\n\n", 1)[0]
     assert "bench.soak" in recipe and "--hogs 2" in recipe and "--seconds 120" in recipe
+
+
+def serve_config(doc: dict) -> dict:
+    """A Ray Serve config (deploy/ray/serve.yaml, a RayService's serveConfigV2) checked against Ray's own schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(doc)
+    return doc
+
+
+def test_ray_serve_config_builds_the_cluster_application() -> None:
+    """deploy/ray/serve.yaml is valid for `serve run`/`serve deploy`, its import path is the cluster's builder, and
+    its args are Specula settings."""
+    from ray.serve.deployment import Application
+
+    from server.cluster import application
+
+    config = serve_config(yaml.safe_load((ROOT / "deploy" / "ray" / "serve.yaml").read_text()))
+    (app,) = config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    assert module == application.__name__ and getattr(application, name) is application.app_builder
+    assert isinstance(application.app_builder(app["args"]), Application)
+
+
+def test_rayservice_runs_the_cluster_application_on_gpu_workers() -> None:
+    """The KubeRay RayService: Ray's schema accepts its serveConfigV2, its args are valid settings whose replicas
+    each take a GPU, and the GPU worker group offers them; the Ray version is the one the project installs."""
+    import ray
+
+    from server.cluster.application import replica_options
+    from server.config import Settings
+
+    docs = k8s_docs()
+    svc = docs["RayService"]
+    assert svc["apiVersion"] == "ray.io/v1"
+    (app,) = serve_config(yaml.safe_load(svc["spec"]["serveConfigV2"]))["applications"]
+    assert app["import_path"] == "server.cluster.application:app_builder"
+    settings = Settings.load(**app["args"])
+    options = replica_options(settings)
+    assert options["ray_actor_options"]["num_gpus"] == 1
+    assert options["autoscaling_config"]["max_replicas"] == settings.max_replicas
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"].split(".")[:2] == ray.__version__.split(".")[:2]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["maxReplicas"] >= settings.max_replicas
+    (worker,) = workers["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert {"name": "serve", "containerPort": 8000} in head["ports"]
+    assert worker["image"] == head["image"]
+    # an alternative to the plain Deployment, never applied beside it
+    assert {"rayservice.yaml", "inferencepool.yaml"}.isdisjoint(docs["Kustomization"]["resources"])
+
+
+def test_inference_pool_selects_the_plain_deployment() -> None:
+    docs = k8s_docs()
+    pool, dep = docs["InferencePool"], docs["Deployment"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    pod = dep["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [p["containerPort"] for p in container["ports"]]
+    assert pool["spec"]["endpointPickerRef"]["name"]
+    # each pod labels its series with its own name, as gateways and the dashboard's replica panels read them
+    named = {e["name"]: e for e in container["env"]}["SPECULA_REPLICA_NAME"]
+    assert named["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"

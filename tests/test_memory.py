@@ -244,3 +244,38 @@ def test_a_server_caps_the_heap_arenas_unless_the_environment_says(monkeypatch):
            "print(limit_heap_arenas() or ctypes.util.find_library('c') is None)"  # glibc: applied
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr
+
+
+KERNEL_SHAPES = """
+import sys
+from server.model.memory import limit_kernel_caches
+print(limit_kernel_caches(16))
+import torch
+from server.model.memory import rss_bytes
+torch.set_num_threads(1)
+packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(256, 64), None)
+def run(ms):
+    for m in ms:
+        torch.ops.mkldnn._linear_pointwise(torch.randn(m, 64), packed, None, "none", [], "")
+run(range(1, 20))
+before = rss_bytes()
+run(range(20, 420))  # 400 new token counts: ~250 MiB of kernels at the libraries' default caches
+print((rss_bytes() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's kernels are a CPU build's")
+def test_a_server_caps_the_kernel_caches_so_new_shapes_do_not_grow_its_memory(monkeypatch):
+    import subprocess
+    import sys
+
+    from server.model.memory import limit_kernel_caches
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "2048")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert limit_kernel_caches(16) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}  # the operator's choice stands
+    env = {k: v for k, v in __import__("os").environ.items() if not k.endswith("CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", KERNEL_SHAPES], capture_output=True, text=True, timeout=300, env=env)
+    applied, growth = out.stdout.split("\n")[:2]
+    assert applied == str({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}), out.stderr
+    assert float(growth) < 40, f"RSS grew {growth} MiB over 400 new shapes with the caches capped at 16"

@@ -97,6 +97,7 @@ class ServerState:
             method=method,
             k=s.num_speculative_tokens,
             methods=engine.limits.methods,
+            replica=s.replica_name,
         )
         if hasattr(engine, "memory"):  # specula_memory_bytes{part} (server/engine/memory.py)
             self.metrics.watch_memory(engine.memory.usage)
