@@ -210,6 +210,11 @@ RAW_CASES = [
     (COMP, raw_body({"model": MODEL, "max_tokens": 2}, prompt=f"[[1], [2, {LONG_INT}]]"), "prompt[1][1]", "digits"),
     (CHAT, raw_body(chat_body(), metadata=f'{{"n": {LONG_INT}, "d": {DEEP_TEXT}}}'), "metadata", "nested"),
     (CHAT, "[" * 100_000 + "]" * 100_000, None, "nested more than 128"),
+    # numbers that are not finite: Python's parser reads NaN and Infinity (not JSON) and 1e999 (as inf)
+    (CHAT, raw_body({"model": MODEL, "messages": HI}, repetition_penalty="Infinity"), "repetition_penalty", "finite"),
+    (CHAT, raw_body({"model": MODEL, "messages": HI}, repetition_penalty="1e999"), "repetition_penalty", "1.8e308"),
+    (COMP, raw_body({"model": MODEL, "prompt": "x"}, temperature="NaN"), "temperature", "not a JSON number"),
+    (CHAT, raw_body(chat_body(), metadata='{"a": [1, -Infinity]}'), "metadata.a[1]", "finite"),
 ]
 
 

@@ -6,12 +6,16 @@ nested about 1,000 deep raise `RecursionError`, and an integer literal of more t
 (`sys.get_int_max_str_digits()`) a plain `ValueError`. `loads` turns both into `JSONLimitError` (a
 `ValueError`), naming where in the text the limit was hit, and refuses nesting deeper than `MAX_DEPTH`
 well before the parser's own limit, so that what it returns is safe to walk recursively afterwards
-(validation, chat templates, `json.dumps`). Malformed JSON is still `json.JSONDecodeError`.
+(validation, chat templates, `json.dumps`). Malformed JSON is still `json.JSONDecodeError`. Python's parser
+also reads `NaN`, `Infinity` and `-Infinity`, which are not JSON: `loads` refuses them (`JSONLimitError`
+naming where), as a number too large for a float (`1e999`), so no field is ever given a number that is
+not finite.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -43,8 +47,21 @@ def too_deep_message() -> str:
 def loads(text: str | bytes) -> Any:
     """`json.loads(text)`, or `JSONLimitError` for nesting deeper than `MAX_DEPTH` or an integer too long
     to convert; `json.JSONDecodeError` (and `UnicodeDecodeError` for bytes) as `json.loads` raises them."""
+    non_finite: list[str] = []  # why: NaN, Infinity, -Infinity (never in valid JSON), or 1e999 (read as inf)
+
+    def constant(name: str) -> _NonFinite:
+        non_finite.append(f"{name} is not a JSON number")
+        return _NonFinite(name)
+
+    def number(literal: str) -> float | _NonFinite:
+        value = float(literal)
+        if math.isfinite(value):
+            return value
+        non_finite.append(f"{capped(literal)} is beyond the largest number a double holds (about 1.8e308)")
+        return _NonFinite(literal)
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=constant, parse_float=number)
     except RecursionError:
         raise JSONLimitError(too_deep_message(), _deep_member(text)) from None
     except json.JSONDecodeError:
@@ -54,6 +71,9 @@ def loads(text: str | bytes) -> Any:
             raise
         raise _long_integer(text) from None
     _check_depth(text, value)
+    if non_finite:
+        found = _first(value, lambda v, _: isinstance(v, _NonFinite)) or ()
+        raise JSONLimitError(f"{non_finite[0]}: numbers must be finite", path_str(found))
     return value
 
 
@@ -72,6 +92,13 @@ def _check_depth(text: str | bytes, value: Any) -> None:
     deep = _first(value, lambda node, depth: depth > MAX_DEPTH and isinstance(node, list | dict))
     if deep is not None:  # named by the top-level object's member it is in
         raise JSONLimitError(too_deep_message(), path_str(deep[:1]) if isinstance(value, dict) else "")
+
+
+class _NonFinite:
+    """`NaN`, `Infinity` or `-Infinity` in a text `loads` reads (to find where it is)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 class _LongInt:
@@ -112,7 +139,7 @@ def _walk_to(value: Any, parts: tuple[_PathPart, ...]) -> Any:
 
 
 def _first(value: Any, hit: Callable[[Any, int], bool]) -> tuple[_PathPart, ...] | None:
-    """The path of the first array, object or `_LongInt` (depth first, in document order) for which
+    """The path of the first array, object, `_LongInt` or `_NonFinite` (depth first, in document order) for which
     `hit(it, depth)` holds; the text's own value has depth 1. Leaves of other types are never visited:
     the types of an array's or object's members are collected in C first (a prompt of a million token
     ids costs a few milliseconds)."""
