@@ -22,6 +22,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.ya
 # The YAML path is per-call state for `settings_customise_sources` (a classmethod pydantic calls).
 _yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", default=None)
 
+# `max_num_batched_tokens` when the settings give none: the step's token budget on a CPU, measured on 2 cores
+# (docs/bench.md, "Chunked prefill"), and on a GPU, where a step is host-bound until a few thousand tokens
+STEP_TOKENS_CPU = 256
+STEP_TOKENS_GPU = 2048
+
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -116,6 +121,12 @@ class Settings(BaseSettings):
     # earlier turns, an agent's system prompt and tools; server/model/prefix_cache.py): bytes or a fraction
     # of the device's free memory at start-up, as above. None: every prompt is prefilled in full.
     prefix_cache_memory: str | None = "512MiB"
+    # The most tokens one step's target pass computes (vLLM's name): every running row's last token and drafts
+    # first, then the prompts of joining rows in chunks, oldest first (server/speculation/budget.py). A long
+    # prompt is computed over several steps, so the streams already running never wait for it. None: the
+    # device's default (`step_token_budget`), raised to what a full batch's verify passes need (`max_batch_size`
+    # rows of K + 1 tokens); a value given must hold every row's last token and one row's widest drafts + 1.
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
 
     # HTTP.
     host: str = "127.0.0.1"
@@ -183,6 +194,11 @@ class Settings(BaseSettings):
             raise ValueError("ngram_min must be <= ngram_max")
         if self.protect_metrics and not self.api_key:
             raise ValueError("protect_metrics needs an api_key (SPECULA_API_KEY or serve --api-key-file)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self._step_floor():
+            raise ValueError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is too small: one step must hold every "
+                f"running row's last token (max_batch_size {self.max_batch_size}) and one row's widest drafts + 1 "
+                f"(K {self._widest_k()} + 1); set it to at least {self._step_floor()}")
         low = self.min_replicas if self.min_replicas is not None else self.replicas
         high = self.max_replicas if self.max_replicas is not None else self.replicas
         if not low <= self.replicas <= high:
@@ -191,6 +207,22 @@ class Settings(BaseSettings):
         if head is not None and not (head / "config.json").is_file():
             raise ValueError(f"draft_head {str(head)!r} is not a draft head directory (no config.json)")
         return self
+
+    def _widest_k(self) -> int:
+        return max(self.num_speculative_tokens, self.auto_max_speculative_tokens)
+
+    def _step_floor(self) -> int:
+        """The smallest step budget: every row's last token, and one row's widest drafts + 1."""
+        return max(self.max_batch_size, self._widest_k() + 1)
+
+    def step_token_budget(self, device_type: str) -> int:
+        """`max_num_batched_tokens`, or the default for a device type ("cpu", "cuda", ...) raised to what one
+        step needs (docs/bench.md, "Chunked prefill": how the defaults were chosen)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = STEP_TOKENS_CPU if device_type == "cpu" else STEP_TOKENS_GPU
+        full = self.max_batch_size * (self.num_speculative_tokens + 1)  # a full batch drafting K each: never cut
+        return max(default, full, self._step_floor())
 
     def resolved_draft_head(self) -> Path | None:
         """The draft head directory to load, or None (see `draft_head`)."""

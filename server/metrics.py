@@ -59,6 +59,8 @@ ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5, 10)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+# Prompt tokens one step computes: 0 (decoding only) up to max_num_batched_tokens (CPU 256, GPU 2048 by default).
+PREFILL_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # vLLM's labels on its series: the served model and the engine's index (one engine per server here: "0").
 VLLM_LABELS = ("model_name", "engine")
@@ -119,7 +121,7 @@ class Metrics:
         )
         self.prefix_cache_queries = Counter(
             "specula_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache (every prompt token a join prefills or reuses).",
+            "Prompt tokens looked up in the prefix cache (every prompt token computed or reused).",
             ["model"],
             registry=r,
         )
@@ -179,6 +181,20 @@ class Metrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
+        self.step_prefill = Histogram(
+            "specula_step_prefill_tokens",
+            "Prompt tokens computed per engine step (chunks of prompts, within max_num_batched_tokens).",
+            ["model"],
+            buckets=PREFILL_BUCKETS,
+            registry=r,
+        )
+        self.prompt_waiting = Gauge(
+            "specula_prompt_tokens_waiting",
+            "Prompt tokens of the running requests not computed yet (nor read from the prefix cache).",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_waiting.labels(model).set(0)
         self.running = Gauge(
             "specula_requests_running", "Sequences in the running batch.", ["model"], registry=r
         )
@@ -214,7 +230,8 @@ class Metrics:
         Each `SeqStepStats` is one verify pass of one sequence: +1 step, its draft/accepted tokens,
         accepted positions 0..accepted-1, and one acceptance-length observation of `emitted_tokens`.
         Generation tokens are the token ids of the step's outputs (after stop truncation); prompt tokens
-        joined since the last step count as prefix-cache queries, those read from the cache as hits.
+        computed by the step or read from the prefix cache count as prefix-cache queries, the latter as hits;
+        the prompt tokens computed are observed per step, and those still waiting set their gauge.
         """
         for s in result.seq_stats:
             labels = (self.model, s.method, s.proposer)
@@ -228,6 +245,8 @@ class Metrics:
         if result.prefill_tokens or result.cached_tokens:
             self.prefix_cache_queries.labels(self.model).inc(result.prefill_tokens + result.cached_tokens)
             self.prefix_cache_hits.labels(self.model).inc(result.cached_tokens)
+        self.step_prefill.labels(self.model).observe(result.prefill_tokens)
+        self.prompt_waiting.labels(self.model).set(result.prompt_tokens_waiting)
         for part in result.degraded:
             self.degraded.labels(self.model, part).inc()
         generated = sum(len(o.token_ids) for o in result.outputs)

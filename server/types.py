@@ -276,7 +276,7 @@ class StepResult:
 
     outputs: list[RequestOutput]
     seq_stats: list[SeqStepStats]
-    prefill_tokens: int = 0  # prompt tokens prefilled this step
+    prefill_tokens: int = 0  # prompt tokens the step's pass computed (chunks of prompts)
     duration_s: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why: rows whose step raised (they left)
     # request id -> why: rows whose step raised because of their own input (a grammar llguidance cannot
@@ -284,3 +284,4 @@ class StepResult:
     rejected: dict[str, str] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens read from the prefix cache this step (not computed)
     degraded: list[str] = field(default_factory=list)  # optional parts that failed since the last step, per failure
+    prompt_tokens_waiting: int = 0  # prompt tokens of the running requests not computed yet, after the step

@@ -476,7 +476,9 @@ def test_a_batch_does_not_draft_with_a_model_whose_backlog_costs_more_than_its_d
     step a token: four prompts to feed first), the batch decodes plainly."""
     for backlog, drafts in ((0.0, True), (0.5, False)):
         costs = FixedCosts(token_ratio=0.05, draft={"draft": 0.05}, backlog={"draft": backlog})
-        engine = tiny_engine_factory(cost=costs, acceptance=draft_history(8, 8))  # the draft model is always right
+        # the draft model is always right; no prefix cache: the four rows enter the batch together (with one,
+        # the others would wait a step for the first one's blocks and read them)
+        engine = tiny_engine_factory(cost=costs, acceptance=draft_history(8, 8), prefix_cache_memory="none")
         run(engine, [request(f"r{i}", prompt_ids[3], "auto", 8, max_tokens=8) for i in range(4)])  # 18 tokens
         assert (engine.proposer("draft").forwards > 0) is drafts, backlog
 

@@ -158,10 +158,10 @@ def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_en
     engine.add_requests([request("b", turn, "eagle", 4, max_tokens=8)])
     fresh = eagle_engine(prefix_cache_memory="none")
     fresh.add_requests([request("b", turn, "eagle", 4, max_tokens=8)])
-    assert engine.running["b"].stats.cached_tokens > len(first)  # part of the answer came from the cache too
-    assert engine.running["b"].prefill  # the uncached tail rides with the first step, which cannot draft
+    # the first step computes the uncached tail and verifies the last prompt token: the head cannot draft yet
     nxt = [[t for o in e.step().outputs for t in o.token_ids] for e in (engine, fresh)]
     assert nxt[0] == nxt[1] and len(nxt[0]) == 1
+    assert engine.running["b"].stats.cached_tokens > len(first)  # part of the answer came from the cache too
     got, want = (e.proposer("eagle").pending["b"] for e in (engine, fresh))
     # a pair (x_t's feature, x_t+1) per prompt token but the last, then (last's feature, the first output),
     # but for those whose keys and values the head computed for the first turn (kept in the prefix cache)
@@ -178,7 +178,7 @@ def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagl
     engine = eagle_engine()
     proposer = engine.proposer("eagle")
     engine.add_requests([request("r", prompt_ids[3], "eagle", 4, max_tokens=40)])
-    assert engine.running["r"].prefill and proposer.backlog(["r"]) == 0  # its prompt rides with the first step
+    assert engine.running["r"].prefill and proposer.backlog(["r"]) == 0  # its prompt is computed by the first step
     engine.step()  # no draft yet: the target had no features of the prompt
     assert engine.running["r"].stats.by_proposer.get("eagle") is None
     assert proposer.backlog(["r"]) == len(prompt_ids[3])  # one pair per prompt token but the last, and the output's
@@ -206,11 +206,11 @@ def test_the_heads_keys_and_values_of_a_cached_prompt_come_back_from_the_prefix_
     for e in (engine, fresh):
         e.add_requests([request("b", turn, "eagle", 4, max_tokens=24)])
     heads = [e.proposer("eagle") for e in (engine, fresh)]
+    for e, out in ((engine, got), (fresh, want)):
+        out += [t for o in e.step().outputs for t in o.token_ids]  # the tail computed: no draft from the head yet
     blocks = len(shared) // 16
     loaded = sum(s[0].shape[2] for s in heads[0]._loaded["b"])
     assert blocks >= 2 and loaded == 16 * blocks - 1  # the pairs those blocks' tokens determine
-    for e, out in ((engine, got), (fresh, want)):
-        out += [t for o in e.step().outputs for t in o.token_ids]  # the tail rides: no draft from the head yet
     assert heads[0].backlog(["b"]) == heads[1].backlog(["b"]) - loaded
     for e, out in ((engine, got), (fresh, want)):
         out += [t for o in e.step().outputs for t in o.token_ids]  # the head's first draft

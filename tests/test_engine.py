@@ -73,55 +73,6 @@ def test_joining_a_running_batch_gives_the_same_output_as_alone(tiny_engine_fact
     assert got == greedy_reference
 
 
-def test_a_short_prompt_tail_rides_with_the_first_step(tiny_engine_factory, prompt_ids, greedy_reference, monkeypatch):
-    """A prompt tail the prefix cache does not hold is computed by the row's first verify pass (before
-    its last prompt token and its drafts) instead of by a prefill pass of its own: one target pass fewer
-    per request, the same tokens, also for a row joining a running batch. A tail longer than
-    `RIDE_TOKENS`, or any tail under a KV budget (whose reservations count one step's columns), is
-    prefilled at join as before."""
-    from server.engine import admission as admission_module
-    from server.model.runner import ModelRunner
-
-    passes: list[int] = []  # tokens fed by each target pass
-    forward = ModelRunner.forward
-
-    def counted(self, inputs, **kw):
-        if self.model is target_model:
-            passes.append(sum(len(x) for x in inputs))
-        return forward(self, inputs, **kw)
-
-    monkeypatch.setattr(ModelRunner, "forward", counted)
-    engine = tiny_engine_factory()
-    target_model = engine.target.model
-    engine.add_requests([request("r3", prompt_ids[3], "ngram", 4)])
-    assert passes == [] and engine.running["r3"].prefill == prompt_ids[3][:-1]
-    got: dict[str, list[int]] = {"r3": [], "r4": []}
-    steps = 0
-    while engine.has_unfinished():
-        if steps == 2:
-            engine.add_requests([request("r4", prompt_ids[4], "ngram", 4)])  # joins the running batch: rides too
-            assert engine.running["r4"].prefill == prompt_ids[4][:-1]
-        for out in engine.step().outputs:
-            got[out.request_id] += out.token_ids
-        steps += 1
-    assert len(passes) == steps  # neither prompt had a pass of its own
-    assert passes[0] >= len(prompt_ids[3]) and passes[2] >= len(prompt_ids[4]) + 1
-    assert got == {rid: greedy_reference[rid] for rid in got}
-
-    short = len(prompt_ids[3]) - 2  # the tail is one token longer
-    cases = (({"prefix_cache_memory": "none"}, short), ({"kv_cache_memory": "64MiB"}, admission_module.RIDE_TOKENS))
-    for settings, ride in cases:
-        monkeypatch.setattr(admission_module, "RIDE_TOKENS", ride)
-        other = tiny_engine_factory(**settings)
-        passes.clear()
-        other.add_requests([request("r3", prompt_ids[3], "ngram", 4)])
-        assert passes == [len(prompt_ids[3]) - 1] and not other.running["r3"].prefill  # prefilled at join
-        tokens = []
-        while other.has_unfinished():
-            tokens += [t for out in other.step().outputs for t in out.token_ids]
-        assert tokens == greedy_reference["r3"]
-
-
 def test_abort_frees_the_slot_at_once(tiny_engine_factory, prompt_ids):
     engine = tiny_engine_factory()
     engine.add_requests([request("a", prompt_ids[0], "draft", 3, max_tokens=50)])
@@ -227,7 +178,7 @@ def test_draft_with_a_differently_padded_vocabulary(tiny_target, tokenizer, prom
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
-def test_a_lookahead_draft_ends_at_a_token_that_would_end_the_request(tiny_engine_factory, method):
+def test_a_lookahead_draft_ends_at_a_token_that_would_end_the_request(tiny_engine_factory, method, monkeypatch):
     """A copy of earlier text runs on past its end-of-turn (an agent's last answer, then the next turn's
     header): nothing after a token that ends the request can be emitted, so the draft stops there and
     the pass verifies no more; a request with `ignore_eos`, or whose stop token it is not, drafts on."""
@@ -238,9 +189,16 @@ def test_a_lookahead_draft_ends_at_a_token_that_would_end_the_request(tiny_engin
     plans = {}
     for rid, sampling in (("eos", {"ignore_eos": False}), ("ignore", {}), ("stop", {"stop_token_ids": [202]})):
         engine.add_requests([request(rid, prompt, method, 8, max_tokens=16, **sampling)])
-    for seq, row in zip(engine.running.values(), engine.planner.plan(list(engine.running.values())).rows,
-                        strict=True):
-        plans[seq.request_id] = row.drafts
+    plan = engine.planner.plan
+
+    def first(seqs, *args):  # the first step's plan: its prompts computed, the rows draft from them
+        out = plan(seqs, *args)
+        for seq, row in zip(seqs, out.rows, strict=True):
+            plans.setdefault(seq.request_id, row.drafts)
+        return out
+
+    monkeypatch.setattr(engine.planner, "plan", first)
+    engine.step()
     assert plans["ignore"] == (text * 2)[4 : 4 + len(plans["ignore"])] and len(plans["ignore"]) > 2
     assert plans["eos"] == [eos]
     assert plans["stop"] == [eos, 201, 202] if method != "auto" else len(plans["stop"]) <= 3

@@ -125,26 +125,43 @@ def test_an_idle_cache_without_a_budget_frees_its_buffers(tiny_target, tiny_draf
 
 
 def test_the_heap_is_trimmed_when_the_cache_moves_into_a_bigger_buffer_not_when_it_frees(tiny_target, prompt_ids):
-    engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
+    engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none",
+                                                     max_num_batched_tokens=512))
     trims: list[int] = []
     engine.memory._trim_heap = lambda: trims.append(engine.memory.usage()["kv_cache"])
     engine.add_requests([request("a", prompt_ids[0], "none", max_tokens=4)])
-    engine.step()  # its short prompt rides with its first step
+    engine.step()  # its short prompt is computed by its first step
     assert len(trims) == 1  # the cache's first storage
     engine.add_requests([request("b", (prompt_ids[3] * 30)[:300], "none", max_tokens=4)])
+    engine.step()  # its prompt is computed by one step (within the step's budget of 512 tokens)
     assert len(trims) == 2 and trims[-1] > trims[0]  # a longer row: a bigger buffer
     while engine.has_unfinished():
         engine.step()
     assert engine.memory.usage()["kv_cache"] == 0 and len(trims) == 2  # the batch emptied: no trim (idle does it)
 
 
-def test_a_joins_scratch_cache_counts_as_working_memory_and_is_sized_to_the_prompt(tiny_target, prompt_ids):
-    engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none"))
+def test_a_long_prompt_is_computed_within_the_step_budget_and_a_cached_one_loads_into_a_scratch_cache(
+    tiny_target, prompt_ids
+):
+    """A 700-token prompt is computed in chunks: no pass computes more than the step's budget (the working
+    memory is the budget's, not the prompt's). The same prompt again loads its cached blocks into a scratch
+    cache sized to them (not doubled), which counts as working memory."""
+    engine = Engine(tiny_target, None, Settings.load(speculation="none", max_num_batched_tokens=256))
+    computed: list[int] = []
+    observe = engine.memory.observe_verify
+    engine.memory.observe_verify = lambda tokens, positions: (computed.append(tokens), observe(tokens, positions))
     prompt = (prompt_ids[3] * 40)[:700]
     engine.add_requests([request("long", prompt, "none", max_tokens=4)])
+    prefilled = 0
+    while engine.has_unfinished():
+        prefilled += engine.step().prefill_tokens
+    assert prefilled == len(prompt) - 1 and max(computed) <= 256 and len(computed) >= 3 + 3
+    engine.add_requests([request("again", prompt, "none", max_tokens=4)])
+    engine.step()
     per_token = ModelRunner.kv_shape(tiny_target.model).bytes_per_token
-    # exactly the prompt's columns (less the last token, which the first step feeds): not doubled to 1024
-    assert engine.runner.join_bytes == (len(prompt) - 1) * per_token
+    cached = (len(prompt) - 1) // 16 * 16
+    assert engine.running["again"].stats.cached_tokens == cached
+    assert engine.runner.join_bytes == 2 * cached * per_token  # the scratch cache and the blocks it loaded
     assert engine.memory.step.high_water >= engine.runner.join_bytes
     assert engine.memory.usage()["activations"] >= engine.runner.join_bytes
 

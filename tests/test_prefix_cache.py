@@ -3,7 +3,6 @@ and what follows is exactly what a full prefill gives (to float rounding)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from server.config import Settings
@@ -143,6 +142,7 @@ def test_a_draft_model_starts_from_the_keys_and_values_it_computed_for_an_earlie
     turn = shared + prompt_ids[2]
     for e in (engine, fresh):
         e.add_requests([request("b", turn, "draft", 4, max_tokens=24)])
+        e.admission.enter(e.budget)  # the row enters the batch (the first step's start): its prefix is loaded
     drafts = [e.proposer("draft") for e in (engine, fresh)]
     assert sum(s[0].shape[2] for s in drafts[0]._loaded["b"]) == len(shared) // BLOCK * BLOCK
     out: list[list[int]] = [[], []]
@@ -221,6 +221,7 @@ def test_a_request_arriving_while_another_runs_shares_its_prompt(tiny_target):
     engine.add_requests([request("first", system + [5, 6, 7], max_tokens=8)])
     engine.step()
     engine.add_requests([request("second", system + [9, 9], max_tokens=8)])
+    engine.step()  # it enters the batch: its prompt's blocks are read from the cache
     assert engine.running["first"].stats.cached_tokens == 0
     assert engine.running["second"].stats.cached_tokens == 3 * BLOCK
     while engine.has_unfinished():
@@ -241,49 +242,62 @@ def test_an_aborted_request_leaves_what_it_computed(tiny_target):
     assert not engine.has_unfinished()
     retry = request("retry", computed + [7], max_tokens=2)
     engine.add_requests([retry])
+    engine.step()  # it enters the batch: what the aborted request computed is read from the cache
     assert engine.running["retry"].stats.cached_tokens == len(computed) // BLOCK * BLOCK >= 2 * BLOCK
 
 
 def test_requests_joining_together_with_one_prompt_prefill_it_once(tiny_target):
     """The `n` choices of one request (or clients sending one system prompt at once) join in one call:
-    the first computes the shared blocks, the others read them; the text is what no cache gives."""
+    the first computes the shared blocks, the others wait for them (one step) and read them, together; the
+    text is what no cache gives."""
     prompt = list(range(4000, 4000 + 2 * BLOCK + 5))
     reqs = [request(f"c{i}", prompt + [i], method="ngram", k=3, max_tokens=10) for i in range(3)]
     reqs.append(request("other", list(range(7000, 7000 + BLOCK + 2)), max_tokens=10))
     want = run(_engine(tiny_target, prefix_cache_memory="none"), reqs)
     engine = _engine(tiny_target)
     engine.add_requests(reqs)
-    assert [engine.running[r.request_id].stats.cached_tokens for r in reqs] == [0, 2 * BLOCK, 2 * BLOCK, 0]
-    assert list(engine.running) == engine.runner.rows  # the running order is the cache's row order
     got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    entered = []
     while engine.has_unfinished():
         for out in engine.step().outputs:
             got[out.request_id] += out.token_ids
+        entered.append(list(engine.runner.rows))
+        assert list(engine.running)[: len(engine.runner.rows)] == engine.runner.rows  # the cache's row order
+        if len(entered) == 2:
+            assert [engine.running[r.request_id].stats.cached_tokens for r in reqs] == [0, 2 * BLOCK, 2 * BLOCK, 0]
+    assert entered[:2] == [["c0", "other"], ["c0", "other", "c1", "c2"]]
     assert got == want
 
 
-def test_when_a_follower_cannot_join_none_of_the_call_has(tiny_target, monkeypatch):
-
+def test_a_row_that_cannot_enter_the_batch_fails_alone_and_leaves_nothing_behind(tiny_target, monkeypatch):
+    """Requests join without computing anything; a row that cannot enter the target's batch (the target
+    cannot take it, with its cached prefix or without) fails alone at that step: its neighbour goes on,
+    nothing of it stays behind, and the same request id can be sent again."""
     engine = _engine(tiny_target)
     prompt = list(range(5000, 5000 + BLOCK + 3))
     join = ModelRunner.join
     calls = []
 
-    def second_call_fails(self, request_ids, *args, **kwargs):  # noqa: ANN001
+    def fails_for_bad(self, request_ids, *args, **kwargs):  # noqa: ANN001
         calls.append(request_ids)
-        if len(calls) >= 2:  # the follower's prefill: the target cannot run it (with its cached prefix or not)
+        if "bad" in request_ids:
             raise RuntimeError("the target's forward failed")
         return join(self, request_ids, *args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "join", second_call_fails)
-    with pytest.raises(RuntimeError, match="forward failed"):
-        engine.add_requests([request("good", prompt, "ngram"), request("bad", prompt + [1], "ngram")])
-    assert calls == [["good"], ["bad"], ["bad"]]  # after its leader; again with no cached prefix
-    assert not engine.running and engine.runner.rows == []
-    assert all(not ids for ids in engine.planner.members.values())
+    monkeypatch.setattr(ModelRunner, "join", fails_for_bad)
+    engine.add_requests([request("good", prompt, "ngram"), request("bad", prompt + [1], "ngram")])
+    assert calls == [] and set(engine.running) == {"good", "bad"}  # joining computes nothing
+    engine.step()
+    assert calls == [["good"]] and engine.runner.rows == ["good"]  # "bad" waits for the block "good" computes
+    result = engine.step()
+    assert calls == [["good"], ["bad"], ["bad"]]  # with its cached prefix, then with none
+    assert "bad" in result.failed and [o.request_id for o in result.outputs] == ["good"]
+    assert list(engine.running) == ["good"] and engine.runner.rows == ["good"]
+    assert all("bad" not in ids for ids in engine.planner.members.values())
     monkeypatch.setattr(ModelRunner, "join", join)
-    engine.add_requests([request("good", prompt, "ngram")])  # nothing of the failed call stays behind
-    assert list(engine.running) == ["good"]
+    engine.add_requests([request("bad", prompt + [1], "ngram")])  # nothing of the failed row stays behind
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_a_proposer_that_cannot_join_a_row_leaves_it_to_decode_without_it(tiny_target):

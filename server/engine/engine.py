@@ -21,7 +21,7 @@ import time
 import torch
 
 from server.config import Settings
-from server.engine.admission import ROW_SLACK, Admission, kv_slots
+from server.engine.admission import Admission, kv_slots, row_slack
 from server.engine.calibration import calibrate
 from server.engine.isolation import Isolation, describe, own_input
 from server.engine.memory import MemoryParts
@@ -81,11 +81,13 @@ class Engine:
                                              namespace=f"{target.name}:{target.weights}")  # differ per weights format
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
-        self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0)
+        self.budget = settings.step_token_budget(self.device.type)  # tokens a step's pass computes at most
+        slack = row_slack(self.budget)
+        self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
         self.runner = ModelRunner(target.model, self.kv_slots)
         max_context = settings.max_model_len or target.max_context
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
-            max_context = min(max_context, self.kv_slots - ROW_SLACK)
+            max_context = min(max_context, self.kv_slots - slack)
         self.limits = ServingLimits(max_context=max_context, vocab_size=self.vocab_size, methods=self.planner.methods)
         if settings.speculation not in self.limits.methods:
             raise ValueError(f"the configured speculation method {settings.speculation!r} cannot run on this "
@@ -95,7 +97,7 @@ class Engine:
         seeds = random.SystemRandom()
         self.admission = Admission(
             self.runner, self.planner, self.parts, prefixes=prefixes, kv_slots=self.kv_slots,
-            max_rows=settings.max_batch_size,
+            max_rows=settings.max_batch_size, slack=slack,
             start=lambda r: Sequence.start(r, self.tokenizer, self.grammars, self.eos_ids, self.device, seeds),
         )
         self.verifier = Verifier(self.runner, self.vocab_size, self.eos_ids, self.device)
@@ -108,14 +110,11 @@ class Engine:
 
     # ---- the scheduler's interface -------------------------------------------------------------------
     def add_requests(self, requests: list[GenerationRequest]) -> None:
-        """Join requests to the running batch (admission.py: prompts prefilled or read from the prefix
-        cache, all or nothing). They must pass `limits.check`; the scheduler keeps the batch within
-        `max_batch_size` and the KV budget (`fits`)."""
-        try:
-            self.admission.join(requests)
-            self.memory.observe_join()
-        finally:
-            self.memory.after_change()
+        """Join requests to the running batch (admission.py: nothing is computed now; the next steps compute
+        their prompts within their token budget, or read them from the prefix cache; all or nothing). They
+        must pass `limits.check`; the scheduler keeps the batch within `max_batch_size` and the KV budget
+        (`fits`)."""
+        self.admission.join(requests)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a running request now (its client is gone: no output is produced for it)."""
@@ -155,23 +154,26 @@ class Engine:
         its neighbours' step goes through as if it had never been there. Raises `EngineFault` when a
         failure cannot be pinned on rows (the engine itself is broken: the scheduler stops serving)."""
         started = time.perf_counter()
-        seqs = [self.running[rid] for rid in self.runner.rows]  # the target cache's row order
-        outputs, stats, failures = [], [], {}
+        failures: dict[str, Exception] = self.admission.enter(self.budget)  # joined rows the budget reaches
+        self.memory.observe_join()
+        seqs = [self.running[rid] for rid in self.runner.rows]  # the target cache's row order: oldest first
+        outputs, stats = [], []
         if seqs:
             if self.threads is not None:
                 governed(self.threads, self.parts, self.threads.before_step)
-            verified, failures = self.isolation.run(seqs, self._verify)  # plan -> verify -> accept
-            outputs, stats = self._commit(verified, failures) if verified is not None else ([], [])
+            verified, failed = self.isolation.run(seqs, self._verify)  # plan -> verify -> accept
+            outputs, stats = self._commit(verified, failed) if verified is not None else ([], [])
             self.planner.settle()  # rows a proposer dropped while planning leave it
-            self.isolation.count(failures, committed=bool(stats))
+            self.isolation.count(failed, committed=verified is not None and bool(stats or verified.chunks))
+            failures |= failed
         self.admission.leave({o.request_id for o in outputs if o.finished} | set(failures), failed=set(failures))
         self.memory.after_change()
-        return _result(outputs, stats, failures, self.admission.take_counts(), started, self.parts.take_new())
+        return _result(outputs, stats, failures, self.admission, started, self.parts.take_new())
 
     def _verify(self, seqs: list[Sequence], hold: frozenset[str]) -> Verified:
         """Plan, verify in one target pass and sample, for the rows not in `hold`; the pass's timing
         teaches the cost model and the thread governor. Changes only what isolation's checkpoint restores."""
-        plan = self.planner.plan(seqs, hold)
+        plan = self.planner.plan(seqs, hold, self.budget)
         started = time.perf_counter()
         verified = self.verifier(seqs, plan, hold, hidden=self.planner.needs_hidden)
         self._learn(verified, elapsed_since(started, self.device))
@@ -180,30 +182,41 @@ class Engine:
     def _learn(self, verified: Verified, seconds: float) -> None:
         """The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
         A thread-count probe times another configuration (the governor compares it, the cost model skips
-        it); a pass that also prefilled (riding rows) is no verify pass of its width (neither learns)."""
-        rows, tokens = len(verified.rows), verified.computed
+        it); a pass that also computed prompt chunks is no verify pass of its width (neither learns)."""
+        rows, tokens, chunked = len(verified.rows), verified.computed, verified.prompt_tokens > 0
         self.memory.observe_verify(tokens, verified.logits.shape[0])
         predicted = self.parts.call("cost_model", self.cost.verify_time, rows, tokens, default=None)
-        if not (self.threads is not None and self.threads.probing) and not verified.riding:
+        if not (self.threads is not None and self.threads.probing) and not chunked:
             self.parts.call("cost_model", self.cost.observe_verify, rows, tokens, seconds, default=None)
         if self.threads is not None:
-            governed(self.threads, self.parts, self.threads.observe, seconds, None if verified.riding else predicted)
+            governed(self.threads, self.parts, self.threads.observe, seconds, None if chunked else predicted)
 
     def _commit(self, v: Verified, failed: dict[str, Exception]) -> tuple[list[RequestOutput], list[SeqStepStats]]:
-        """Roll back the rejected drafts and commit what each verified row emitted; a row whose commit
-        raises joins `failed` (its state is dropped when it leaves; the other rows never read it)."""
+        """Roll back the rejected drafts and commit what each verified row emitted, and the prompt chunks of
+        the rows that computed one only; a row whose commit raises joins `failed` (its state is dropped when
+        it leaves; the other rows never read it)."""
         outputs, stats = [], []
+        for chunk in v.chunks:
+            seq = chunk.seq
+            try:
+                if chunk.hidden is not None:  # proposers that read the target's features take them now
+                    if seq.features is not None:
+                        seq.features.append(chunk.hidden.clone())  # a copy: a view keeps the step's tensor
+                    self.planner.prefilled(seq, seq.prompt_computed, chunk.hidden)
+                self.admission.prefilled(seq, chunk.tokens)  # and the prefix cache the blocks completed
+            except Exception as exc:
+                failed[seq.request_id] = exc
         for i, (b, seq, row) in enumerate(zip(v.cache_rows, v.seqs, v.rows, strict=True)):
             try:
-                emitted, prompt_done = v.verdict.tokens[i], seq.prefilling
+                emitted = v.verdict.tokens[i]
                 self.runner.rollback(b, row.k - v.verdict.accepted[i])  # the one place target rollback happens
                 hidden = v.committed_hidden(i)
-                if seq.features is not None and hidden is not None:  # a copy: a view keeps the step's tensor
+                if seq.features is not None and hidden is not None:
                     seq.features.append(hidden.clone())
                 self.planner.commit(seq, row, emitted, hidden)
                 output, step = seq.commit(row, emitted, v.logprobs(i, seq.sampling.logprobs))
-                if prompt_done:  # the riding tail is in the cache now: share the prompt
-                    self.admission.remember(seq)
+                if row.chunk:  # the prompt's last chunk is in the cache now: share the prompt
+                    self.admission.prefilled(seq, row.chunk)
             except Exception as exc:
                 log.warning("commit failed for request %s: %s", seq.request_id, describe(exc), exc_info=exc)
                 failed[seq.request_id] = exc
@@ -215,11 +228,12 @@ class Engine:
 
 def _result(
     outputs: list[RequestOutput], stats: list[SeqStepStats], failures: dict[str, Exception],
-    counts: tuple[int, int], started: float, degraded: list[str],
+    admission: Admission, started: float, degraded: list[str],
 ) -> StepResult:
     """The step's report: failures split into the engine's (`failed`) and the clients' bad input (`rejected`)."""
-    prefill, cached = counts
+    prefill, cached = admission.take_counts()
     return StepResult(outputs, stats, prefill, time.perf_counter() - started, cached_tokens=cached,
+                      prompt_tokens_waiting=admission.prompt_waiting(),
                       failed={rid: describe(e) for rid, e in failures.items() if not own_input(e)},
                       rejected={rid: str(e) for rid, e in failures.items() if own_input(e)}, degraded=degraded)
 

@@ -37,9 +37,9 @@ class Sequence:
     # The target's final-norm features of the fed tokens, in pieces, kept for the prefix cache when a
     # proposer reads them (admission.py `remember`); None otherwise.
     features: list[torch.Tensor] | None = None
-    # Prompt tokens the target has not computed yet (between the cached or prefilled ones and the last): a
-    # short prompt tail rides with the row's first step, fed before `last_token` in its verify pass
-    # (admission.py), and is cleared when that step commits.
+    # Prompt tokens the target has not computed yet (between those computed or read from the prefix cache, and
+    # the last): each step's pass computes a chunk of them as its token budget allows, the last chunk before
+    # `last_token` in the row's first verify pass (server/speculation/budget.py); admission.py `prefilled`.
     prefill: list[int] = field(default_factory=list)
     # Token ids that end the request when it emits one: its `stop_token_ids`, and the model's EOS ids
     # unless `ignore_eos`.
@@ -51,7 +51,7 @@ class Sequence:
         device: torch.device, seeds: random.Random,
     ) -> Sequence:
         """A joining request's sequence: its random stream (its seed, else one from `seeds`), detokenizer,
-        grammar and the token ids that end it."""
+        grammar, the token ids that end it, and its whole prompt but the last token still to compute."""
         sampling = request.sampling
         gen = torch.Generator(device=device)
         gen.manual_seed(sampling.seed if sampling.seed is not None else seeds.randrange(2**63))
@@ -61,7 +61,8 @@ class Sequence:
         detok = IncrementalDetokenizer.for_request(tokenizer, list(request.prompt_token_ids), sampling)
         grammar = grammars.state(request.grammar) if request.grammar is not None else None
         stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_ids))
-        return cls(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar, stop_ids=stops)
+        return cls(request=request, generator=gen, detokenizer=detok, stats=stats, grammar=grammar, stop_ids=stops,
+                   prefill=list(request.prompt_token_ids[:-1]))  # nothing computed yet
 
     @property
     def request_id(self) -> str:
@@ -92,8 +93,18 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """The row's next step also computes prompt tokens: the target has no features of them yet."""
+        """Some of the prompt is not computed yet: the target has no features of it yet."""
         return bool(self.prefill)
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens (before the last) the target has not computed yet."""
+        return len(self.prefill)
+
+    @property
+    def prompt_computed(self) -> int:
+        """Prompt tokens (before the last) computed or read from the prefix cache so far."""
+        return len(self.request.prompt_token_ids) - 1 - len(self.prefill)
 
     @property
     def remaining(self) -> int:
@@ -140,7 +151,6 @@ class Sequence:
         if self.grammar is not None:
             emitted = self._follow_grammar(emitted)
         kept = self._append(emitted)
-        self.prefill = []  # a riding prompt tail is in the cache now
         logprobs = logprobs[:kept] if logprobs is not None else None
         return self._output(emitted[:kept], logprobs, sources[:kept]), step
 

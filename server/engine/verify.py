@@ -1,10 +1,12 @@
 """One target pass over a step's plan, and the rejection sampler's verdict.
 
-Every verified row feeds `[last token, d_1..d_k]` and is scored at those k + 1 positions (a riding row
-feeds its prompt's tail first, `[tail, last, d_1..d_k]`, scored at the same k + 1: the tail's logits are
-never computed). The logits come back row after row, one per scored position (never padded), and become
-p with each position's own controls (penalties over the tokens before it, the grammar's mask walked
-through the drafts, min_tokens, temperature, top-k/p): exactly what plain decoding would use there.
+Every verified row feeds `[last token, d_1..d_k]` and is scored at those k + 1 positions (a row whose
+prompt ends this step feeds its last chunk first, `[chunk, last, d_1..d_k]`, scored at the same k + 1: the
+chunk's logits are never computed); a row whose prompt goes on feeds a chunk of it only, and is not scored
+(its features are kept when a proposer reads them: `Chunk`). The logits come back row after row, one per
+scored position (never padded), and become p with each position's own controls (penalties over the tokens
+before it, the grammar's mask walked through the drafts, min_tokens, temperature, top-k/p): exactly what
+plain decoding would use there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ from server.types import TokenLogprob
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A row whose pass computed only a chunk of its prompt (`tokens` of them; their features when asked)."""
+
+    cache_row: int
+    seq: Sequence
+    tokens: int
+    hidden: torch.Tensor | None  # [tokens, hidden]
+
+
+@dataclass(frozen=True)
 class Verified:
     """A step up to the sampler's verdict, for its verified rows (index i), in the target cache's order."""
 
@@ -31,18 +43,19 @@ class Verified:
     rows: list[RowPlan]  # placed: row i's verify positions in `logits` are `rows[i].positions`
     logits: torch.Tensor  # [positions, vocab]
     hidden: torch.Tensor | None  # [fed positions, hidden] when a proposer reads the target's features
-    fed_at: list[int]  # row i's fed positions in `hidden`: fed_at[i]:fed_at[i + 1] (a riding row's tail first)
+    fed_at: list[int]  # row i's fed positions in `hidden`: fed_at[i]:fed_at[i + 1] (its prompt's last chunk first)
     verdict: Verdict  # per row: accepted drafts, and the emitted tokens (accepted + recovered or bonus)
     computed: int  # tokens the pass computed (packed: the real ones; padded: rows x the widest)
-    riding: bool  # some row's prompt tail rode with the pass: no verify pass of its width alone
+    chunks: list[Chunk]  # the rows whose pass computed a chunk of their prompt only
+    prompt_tokens: int  # prompt tokens the pass computed (chunks): then it is no verify pass of its width alone
 
     def committed_hidden(self, i: int) -> torch.Tensor | None:
-        """Row i's features of the fed tokens it commits: a riding tail's, its last token's, its accepted
-        drafts' (a view of the step's hidden tensor)."""
+        """Row i's features of the fed tokens it commits: its prompt's last chunk's, its last token's, its
+        accepted drafts' (a view of the step's hidden tensor)."""
         if self.hidden is None:
             return None
         at = self.fed_at[i]
-        return self.hidden[at : at + len(self.seqs[i].prefill) + self.verdict.accepted[i] + 1]
+        return self.hidden[at : at + self.rows[i].chunk + self.verdict.accepted[i] + 1]
 
     def logprobs(self, i: int, top: int | None) -> list[TokenLogprob] | None:
         """Logprobs of row i's emitted tokens under the target's raw distribution at their positions."""
@@ -64,14 +77,23 @@ class Verifier:
 
     def __call__(self, seqs: list[Sequence], plan: StepPlan, hold: frozenset[str], hidden: bool) -> Verified:
         """Verify the rows not in `hold` (`hidden`: return the target's features of the fed tokens)."""
-        fed = [[*seq.prefill, seq.last_token, *row.drafts] if seq.request_id not in hold else []
-               for seq, row in zip(seqs, plan.rows, strict=True)]
-        active = [b for b, f in enumerate(fed) if f]
-        riding = any(seqs[b].prefill for b in active)
-        scored = [row.k + 1 if f else 0 for f, row in zip(fed, plan.rows, strict=True)] if riding else None
-        out = self.runner.forward(fed, hidden=hidden, scored=scored)
+        fed, active = [], []  # per row what it feeds; the rows verified
+        for b, (seq, row) in enumerate(zip(seqs, plan.rows, strict=True)):
+            chunk = seq.prefill[: row.chunk] if seq.request_id not in hold else []
+            verify = row.verify and seq.request_id not in hold
+            assert not verify or len(chunk) == seq.prompt_left, "a row verifies once its prompt is computed"
+            fed.append([*chunk, seq.last_token, *row.drafts] if verify else chunk)
+            active += [b] if verify else []
+        prompt_tokens = sum(len(f) for b, f in enumerate(fed) if b not in active) + sum(
+            plan.rows[b].chunk for b in active)
+        scored = [plan.rows[b].k + 1 if b in active else 0 for b in range(len(fed))] if prompt_tokens else None
+        out = self.runner.forward(fed, logits=bool(active), hidden=hidden, scored=scored)
+        chunks = [Chunk(b, seqs[b], len(f), out.of_rows([b])[1]) for b, f in enumerate(fed) if f and b not in active]
         kept = [seqs[b] for b in active]
         rows = place([plan.rows[b] for b in active])
+        if not active:  # every row fed a prompt chunk only: nothing to sample
+            return Verified([], [], [], torch.zeros(0, self.vocab_size, device=self.device), None, [0],
+                            Verdict([], []), out.computed, chunks, prompt_tokens)
         logits, features = out.of_rows(active)  # [positions, vocab], [fed positions, hidden]
         sampling = BatchSampling.from_params(
             [s.sampling for s in kept], self.device, generated=[len(s.output_ids) for s in kept],
@@ -83,7 +105,7 @@ class Verifier:
         p = probabilities(logits[:, None], at, _one(counts), _one(allowed))[:, 0]  # [positions, vocab]
         verdict = rejection_sample(rows, p, [s.generator for s in kept], sampling.greedy.tolist())
         fed_at = list(itertools.accumulate((len(fed[b]) for b in active), initial=0))
-        return Verified(active, kept, rows, logits, features, fed_at, verdict, out.computed, riding)
+        return Verified(active, kept, rows, logits, features, fed_at, verdict, out.computed, chunks, prompt_tokens)
 
     def _allowed(self, seqs: list[Sequence], rows: list[RowPlan]) -> torch.Tensor | None:
         """[positions, vocab] bool: what each constrained row's grammar allows at each of its verify positions

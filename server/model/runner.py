@@ -330,7 +330,7 @@ def _take(flat: torch.Tensor | None, order: list[int]) -> torch.Tensor | None:
         return None
     if order == list(range(len(flat))):
         return flat
-    return flat.index_select(0, torch.tensor(order, device=flat.device))
+    return flat.index_select(0, torch.tensor(order, dtype=torch.long, device=flat.device))
 
 
 def _unpack(flat: torch.Tensor, pack: Packing) -> torch.Tensor:

@@ -6,7 +6,9 @@ head's frequent-token vocabulary; q = 0 elsewhere) give the next draft token. It
 has its own batched KV cache, driven by a `ModelRunner` like any model.
 
 The head's cache holds pairs built from *real* target features only. Per sequence, the pairs not
-yet fed wait in `pending` (features [m, hidden] and their next tokens): at join those of the prompt,
+yet fed wait in `pending` (features [m, hidden] and their next tokens): at join those of the prompt's
+cached prefix, with each chunk of the prompt the target computes those of the chunk (`prefilled`: taken
+in at once, so the head's cache keeps up with a long prompt and its first draft has no backlog of it),
 after each step those of the committed tokens (the hidden states `commit` receives, paired with the
 emitted tokens). Drafting k tokens feeds the pending pairs, then k - 1 pairs made of the head's own
 predicted features and its drafts; after verification those k - 1 are rolled back, and the accepted
@@ -126,6 +128,20 @@ class EagleProposer(ModelProposer):
             m = hidden.shape[0]
             assert m <= len(tokens) - 1, "a feature for each prefilled prompt token, at most"
             self.pending[seq.request_id] = _Pending([hidden], list(tokens[1 : m + 1]))
+
+    @torch.no_grad()
+    def prefilled(self, seq: SequenceView, start: int, hidden: torch.Tensor) -> None:
+        """The chunk's pairs (the feature at position t, token t + 1: all in the prompt) join the row's
+        pending pairs, and the head takes them in now (the row enters its cache if it was not in yet)."""
+        rid = seq.request_id
+        pending = self.pending[rid]
+        pending.features.append(hidden)
+        pending.tokens += seq.tokens[start + 1 : start + 1 + hidden.shape[0]]
+        if rid not in self.runner.rows:
+            self._start([rid])
+        taken = [self.pending[r].take() if r == rid else (None, []) for r in self.runner.rows]
+        self.runner.forward(self._pairs([f for f, _ in taken], [t for _, t in taken]), logits=False)
+        self.forwards += 1
 
     @staticmethod
     def _copy_pending(pending: dict[str, _Pending]) -> dict[str, _Pending]:

@@ -13,6 +13,9 @@ acceptance estimates read the same record. One field says how a row's drafts are
 * `Rule.RATIO`: a model's sampled drafts with their q: accept x with probability min(1, p(x) / q(x)); at
   the first rejection draw from normalize(max(p - q, 0)) (docs/design.md, rejection.py).
 
+A row whose prompt is still being computed feeds a `chunk` of it first (the step's token budget decides
+how much: budget.py); `verify` False means the row feeds only that chunk (or nothing) and emits nothing.
+
 Example: a batch of two rows, row 0 drafting [5, 9] with n-gram, row 1 plain, placed: row 0 verifies p's
 positions 0..2 (`at` 0, k + 1 = 3 positions), row 1 position 3.
 """
@@ -47,6 +50,8 @@ class RowPlan:
     level: int = 0  # the drafts' confidence level (proposer.Traits.confidence_priors)
     proposed: list[int] | None = None  # what the proposer drafted, when the grammar cut the drafts short
     at: int = 0  # the row's first verify position in the step's p (`place`)
+    chunk: int = 0  # prompt tokens the row's pass computes first (budget.py): its prompt's next ones
+    verify: bool = True  # its last token and drafts are verified (False: a prompt chunk only, or nothing)
 
     def __post_init__(self) -> None:
         if (self.rule is Rule.RATIO) != (self.q is not None):
@@ -77,11 +82,18 @@ class RowPlan:
 
 
 PLAIN_ROW = RowPlan(None, [])
+IDLE_ROW = RowPlan(None, [], verify=False)  # a row that feeds nothing this step
 
 
 @dataclass(frozen=True)
 class StepPlan:
     rows: list[RowPlan]  # one per row of the batch, in its order
+    budget: int | None = None  # the most tokens the step's pass computes (budget.py); None: no limit
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the step's pass computes (its rows' chunks)."""
+        return sum(r.chunk for r in self.rows)
 
 
 def place(rows: list[RowPlan]) -> list[RowPlan]:

@@ -1,11 +1,12 @@
 """The per-step plan: for every row of the batch, which proposer drafts, how many tokens, and q.
 
-The engine hands the planner its running sequences and gets back one `StepPlan` (plan.py); after the
-target's verify pass it hands back what each row kept (`commit`). The planner owns the proposers: it tells
-them who joins and leaves, asks the lookahead ones what they offer every row (nearly free), hands each row
-to `auto`'s policy as a `Candidate` (policy.py decides every row's proposer and k, and the batch's), asks
-the model proposers for the drafts of the rows that chose them (timing those whose cost is not declared),
-and cuts drafts at a constrained row's grammar. The engine never names a proposer.
+The engine hands the planner its running sequences and the step's token budget and gets back one
+`StepPlan` (plan.py); after the target's pass it hands back what each row kept (`commit`) or the features
+of a prompt chunk (`prefilled`). The planner owns the proposers: it tells them who joins and leaves, splits
+the budget (budget.py), asks the lookahead ones what they offer every row (nearly free), hands each row to
+`auto`'s policy as a `Candidate` (policy.py decides every row's proposer and k, and the batch's), asks the
+model proposers for the drafts of the rows that chose them (timing those whose cost is not declared), and
+cuts drafts at a constrained row's grammar. The engine never names a proposer.
 
 Every part the planner calls is optional (server/failsafe.py): a proposer that raises is dropped for
 the rows of that call (they leave it and go on with the others, or plain), the cost model and the
@@ -28,9 +29,11 @@ from server.model.kv_shape import KVShape
 from server.model.prefix_cache import Block, StateReader, leading_states
 from server.model.runner import ModelRunner
 from server.speculation.acceptance import AcceptanceModel
+from server.speculation.budget import Split, fit, split
+from server.speculation.constrain import Constraint, constrain, until_stop
 from server.speculation.cost import CostModel, elapsed_since
 from server.speculation.model_proposer import ModelProposer
-from server.speculation.plan import FORCED, PLAIN_ROW, RowPlan, Rule, StepPlan
+from server.speculation.plan import FORCED, IDLE_ROW, PLAIN_ROW, RowPlan, StepPlan
 from server.speculation.policy import PLAIN as PLAIN_CHOICE
 from server.speculation.policy import AutoPolicy, Candidate, Choice, DraftPolicy, Offer
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView
@@ -52,16 +55,9 @@ class PlannedSequence(SequenceView, Protocol):
     @property
     def grammar(self) -> Constraint | None: ...  # the request's grammar (constrained decoding), or None
     @property
-    def prefilling(self) -> bool: ...  # this step also computes prompt tokens: no target features of them yet
+    def prompt_left(self) -> int: ...  # prompt tokens (before its last) not computed yet: no target features
     @property
     def stop_ids(self) -> frozenset[int]: ...  # token ids that end the request when emitted
-
-
-class Constraint(Protocol):
-    """What the planner asks of a constrained sequence's grammar (server/grammar.py's GrammarState)."""
-
-    def valid_prefix(self, drafts: list[int]) -> int: ...  # how many leading drafts the grammar allows
-    def forced(self, limit: int) -> list[int]: ...  # up to `limit` tokens the grammar forces next
 
 
 class Planner:
@@ -172,23 +168,29 @@ class Planner:
             self.parts.call("acceptance", self.policy.forget, s.request_id, default=None)
 
     # ---- one step ------------------------------------------------------------------------------
-    def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset()) -> StepPlan:
-        """Lookahead proposers first (nearly free), then the policy's choice for every row, then the drafts of
-        the model proposers chosen. Rows in `hold` (request ids) take no part: no proposer looks at them
-        (model proposers ask them for K = 0) and they draft nothing. An `auto` row the policy says is not
-        due sits out the step as a plain row. A plan that raises is a plain step (see the module doc)."""
-        plain = StepPlan([PLAIN_ROW for _ in seqs])
+    def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset(), budget: int | None = None
+             ) -> StepPlan:
+        """The step's token budget split over the rows (budget.py: decoding rows, prompts that finish, drafts,
+        then a chunk of the oldest prompt left; None: no limit), then lookahead proposers (nearly free), the
+        policy's choice for every row that decodes, and the drafts of the model proposers chosen. Rows in
+        `hold` (request ids) take no part: no proposer looks at them (model proposers ask them for K = 0) and
+        they feed nothing, like rows whose prompt the budget does not reach. An `auto` row the policy says
+        is not due sits out the step as a plain row. A plan that raises is a plain step (module doc)."""
+        shares = split(budget if budget is not None else 2**31, [
+            None if s.request_id in hold else s.prompt_left for s in seqs])
+        plain = shares.plan([PLAIN_ROW if v else IDLE_ROW for v in shares.verify], budget)
         if not self.parts.on("planner"):
             return plain
         try:
-            return self._plan(seqs, hold)
+            return shares.plan(self._plan(seqs, hold | {s.request_id for s, v in zip(
+                seqs, shares.verify, strict=True) if not v}, shares), budget)
         except Exception as exc:
             self.parts.failed("planner", exc)
             if self._step_start is not None:  # what the failed plan's proposer calls changed
                 self.restore(self._step_start)
             return plain
 
-    def _plan(self, seqs: list[PlannedSequence], hold: frozenset[str]) -> StepPlan:
+    def _plan(self, seqs: list[PlannedSequence], hold: frozenset[str], shares: Split) -> list[RowPlan]:
         started = time.perf_counter()
         # `auto` rows the policy says are not due sit out this step as plain rows: no lookups, no choice (all of
         # them while the cost model or the acceptance model is off: `auto` would decide blind)
@@ -196,8 +198,12 @@ class Planner:
         skip = hold | {s.request_id for s in seqs if s.method == AUTO and s.request_id not in hold
                        and (blind or not self.policy.due(s.request_id))}
         offers = self._lookahead(seqs, skip)
-        choices = self.policy.decide([self._candidate(s, offers.get(b, {}), s.request_id in skip)
-                                      for b, s in enumerate(seqs)])
+        room = shares.room
+        choices = self.policy.decide([self._candidate(s, offers.get(b, {}), s.request_id in skip, room.tokens)
+                                      for b, s in enumerate(seqs)], room)
+        fitted = fit([c.k for c in choices], room.tokens)  # fixed methods' drafts within the room too
+        choices = [c if k == c.k else Choice(c.proposer, k) if k else PLAIN_CHOICE
+                   for c, k in zip(choices, fitted, strict=True)]
         rows = []
         for b, choice in enumerate(choices):
             offer = offers.get(b, {}).get(choice.proposer) if choice.proposer else None
@@ -206,14 +212,16 @@ class Planner:
         planned = sum(1 for s in seqs if s.method != PLAIN and s.request_id not in skip)
         self.policy.observe_planning(time.perf_counter() - started, planned)
         rows = self._draft_with_models(seqs, choices, rows)
-        return StepPlan([self._constrained(s, r) if s.grammar is not None and s.request_id not in hold else r
-                         for s, r in zip(seqs, rows, strict=True)])
+        rows = [self._constrained(s, r) if s.grammar is not None and s.request_id not in hold else r
+                for s, r in zip(seqs, rows, strict=True)]
+        fitted = fit([r.k for r in rows], room.tokens)  # a grammar's forced tokens may ask for more
+        return [r.cut(k) if k < r.k else r for r, k in zip(rows, fitted, strict=True)]
 
-    def _candidate(self, seq: PlannedSequence, offers: RowOffers, skip: bool) -> Candidate:
+    def _candidate(self, seq: PlannedSequence, offers: RowOffers, skip: bool, room: int) -> Candidate:
         """The row as the policy sees it: a fixed method's (proposer, k), or for a planned `auto` row what
-        it could draft with (offers, proposers it cannot use, model proposers' backlogs)."""
-        k_max = seq.k_max
-        blind = self.hidden_readers if seq.prefilling else frozenset()
+        it could draft with (offers, proposers it cannot use, model proposers' backlogs); k within `room`."""
+        k_max = min(seq.k_max, room)
+        blind = self.hidden_readers if seq.prompt_left else frozenset()
         blind |= {name for name in self.proposers if not self._uses(seq, name)}  # dropped after a failure
         fixed: Choice | None = None
         if skip or seq.method == PLAIN or k_max == 0:
@@ -257,6 +265,16 @@ class Planner:
         for name, ids in dropping.items():
             self.members[name] |= ids
             self._drop(name, ids)
+
+    def prefilled(self, seq: PlannedSequence, start: int, hidden: torch.Tensor) -> None:
+        """The target computed a chunk of seq's prompt from position `start` (not its last token): the
+        proposers that read its features take them now (`Proposer.prefilled`)."""
+        for name in self.hidden_readers:
+            if self._uses(seq, name):
+                try:
+                    self.proposers[name].prefilled(seq, start, hidden)
+                except Exception as exc:
+                    self._failed(name, exc, {seq.request_id})
 
     def commit(
         self,
@@ -358,7 +376,7 @@ class Planner:
                 continue
             levels = found.confidence or [0] * len(rows)
             for i, b in enumerate(rows):
-                if drafts := _until_stop(found.drafts[i], seqs[b].stop_ids):
+                if drafts := until_stop(found.drafts[i], seqs[b].stop_ids):
                     offers.setdefault(b, {})[name] = (drafts, levels[i])
         return offers
 
@@ -373,25 +391,10 @@ class Planner:
         return row.cut(0)
 
     def _constrain(self, seq: PlannedSequence, row: RowPlan) -> RowPlan:
-        """A constrained row's drafts as its grammar allows them, or the tokens the grammar forces.
-
-        Drafts are cut at the first token the grammar forbids. A compared draft is cut before it: the
-        sampler draws each position from p and compares, so a shorter draft changes nothing but where the
-        step ends. A draft judged by the ratio rule keeps the forbidden token as its last: p is 0 there, so
-        it is rejected and the recovered token comes from the residual max(p - q, 0), as the rule requires
-        (cutting before it would draw that position from p instead, and the mixture is no longer p:
-        docs/design.md). Then, when the grammar forces more tokens than the row drafts and no model drafted
-        for it (a model's cache holds its drafts), the forced tokens become the row's drafts: they cost
-        nothing and p allows little else."""
-        grammar = seq.grammar
-        assert grammar is not None
-        valid = grammar.valid_prefix(row.drafts)
-        if valid < row.k:
-            row = row.cut(valid + 1 if row.rule is Rule.RATIO else valid)
-        if seq.method == PLAIN or (row.proposer is not None and not self.proposers[row.proposer].traits.lookahead):
-            return row
-        forced = grammar.forced(seq.k_max)
-        return RowPlan(FORCED, forced) if len(forced) > row.k else row
+        """constrain.py's `constrain` for the row (a model's drafts are never replaced by forced tokens)."""
+        assert seq.grammar is not None
+        model = row.proposer is not None and not self.proposers[row.proposer].traits.lookahead
+        return constrain(row, seq.grammar, seq.k_max, may_force=seq.method != PLAIN and not model)
 
     def _draft_with_models(
         self, seqs: list[PlannedSequence], choices: list[Choice], rows: list[RowPlan]
@@ -442,12 +445,3 @@ def _part(proposer: str) -> str:
     """A proposer's name among the optional parts (server/failsafe.py)."""
     return f"proposer:{proposer}"
 
-
-def _until_stop(drafts: list[int], stops: frozenset[int]) -> list[int]:
-    """`drafts` up to and including the first token that ends the request: nothing after it can be
-    emitted, and verifying it would widen the pass for nothing (a copy of an earlier answer runs on past
-    its end-of-turn into the next turn's header: 10 of the 16 tokens drafted at an agent answer's end)."""
-    for j, token in enumerate(drafts):
-        if token in stops:
-            return drafts[: j + 1]
-    return drafts

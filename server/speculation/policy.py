@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from server.speculation.acceptance import AcceptanceModel, best_k, expected_tokens_upto
+from server.speculation.budget import Room
 from server.speculation.cost import CostModel, PassCosts
 from server.speculation.proposer import Traits
 from server.speculation.tuning import AutoTuning
@@ -69,7 +70,7 @@ class DraftPolicy(Protocol):
     """What the planner asks of `auto`'s policy each step."""
 
     def due(self, request_id: str) -> bool: ...  # is the `auto` row planned this step (asked once a step)
-    def decide(self, rows: list[Candidate]) -> list[Choice]: ...  # every row's (proposer, k)
+    def decide(self, rows: list[Candidate], room: Room | None = None) -> list[Choice]: ...  # every row's (proposer, k)
     def observe(self, request_id: str, proposer: str | None, drafted: int, accepted: int, level: int = 0,
                 sampled: bool = False) -> None: ...  # what verification kept of a row's drafts
     def observe_planning(self, seconds: float, rows: int) -> None: ...  # planning `rows` rows took `seconds`
@@ -87,7 +88,7 @@ class FixedPolicy:
     def due(self, request_id: str) -> bool:
         return True
 
-    def decide(self, rows: list[Candidate]) -> list[Choice]:
+    def decide(self, rows: list[Candidate], room: Room | None = None) -> list[Choice]:
         def one(row: Candidate) -> Choice:
             name = self.proposer
             if row.fixed is not None:
@@ -135,13 +136,27 @@ class BatchRow:
 
 class StepCosts:
     """Costs relative to a plain step of this step's batch, computed once each and read by every row: the
-    step's table (a new one each step, so nothing outlives the timings it was computed from)."""
+    step's table (a new one each step, so nothing outlives the timings it was computed from). `room`: what
+    the step's token budget leaves drafts (budget.py), None: no limit."""
 
-    def __init__(self, policy: AutoPolicy, rows: int) -> None:
+    def __init__(self, policy: AutoPolicy, rows: int, room: Room | None = None) -> None:
         self.policy, self.rows = policy, rows
+        self.room = room.tokens if room is not None else None  # the most draft tokens in all
         self.passes: PassCosts = policy.cost.costs(rows)
         self.plain = self.passes.verify(rows)  # a plain pass of this batch, as the curve prices it
         self._memo: dict[tuple[object, ...], object] = {}
+        self._displacing: tuple[int, float] | None = None
+        if room is not None and room.displacing:  # where drafts start displacing prompt tokens, and a token's price
+            self._displacing = rows + room.free, (self.passes.verify(rows + room.tokens) - self.plain) / room.tokens
+
+    def verify(self, tokens: int) -> float:
+        """A pass whose decoding rows feed `tokens` tokens. Once drafts displace prompt tokens (a chunk of a
+        prompt would have taken their place: budget.py), the pass is no wider, but each displaced token is
+        computed by a later pass: such a draft token costs a prompt token, the curve's slope over the room."""
+        if self._displacing is None or tokens <= self._displacing[0]:
+            return self.passes.verify(tokens)
+        start, per_token = self._displacing
+        return self.passes.verify(start) + (tokens - start) * per_token
 
     def _cached(self, key: tuple[object, ...], make):  # noqa: ANN001, ANN202
         if key not in self._memo:
@@ -153,8 +168,8 @@ class StepCosts:
         its k tokens are added; padded, every row's pass widens by k."""
         plain, rows = self.plain, self.rows
         if self.policy.packed:
-            return rows * max(self.passes.verify(rows + k) - plain, 0.0) / (k * plain)
-        return max(self.passes.verify(rows * (k + 1)) - plain, 0.0) / (k * plain)
+            return rows * max(self.verify(rows + k) - plain, 0.0) / (k * plain)
+        return max(self.verify(rows * (k + 1)) - plain, 0.0) / (k * plain)
 
     def own_cost(self, proposer: str) -> float:
         """One of `proposer`'s draft tokens over a plain step: declared, else timed, else untimed's."""
@@ -251,9 +266,10 @@ class AutoPolicy:
         return None
 
     # ---- per batch ---------------------------------------------------------------------------------
-    def decide(self, rows: list[Candidate]) -> list[Choice]:
-        """Every row's (proposer, k) this step: the planned `auto` rows' choices, then the batch's."""
-        step = StepCosts(self, len(rows))
+    def decide(self, rows: list[Candidate], room: Room | None = None) -> list[Choice]:
+        """Every row's (proposer, k) this step: the planned `auto` rows' choices, then the batch's, within the
+        `room` the step's token budget leaves drafts (the planner cuts what is over it)."""
+        step = StepCosts(self, len(rows), room)
         choices = [r.fixed if r.fixed is not None else self.choose(r, step) for r in rows]
         planned = [b for b, r in enumerate(rows) if r.fixed is None]
         for b in planned:
@@ -336,11 +352,13 @@ class AutoPolicy:
         gains = sorted(((e[j] - e[j - 1], b) for b, e in zip(flexible, expected, strict=True)
                         for j in range(1, len(e))), key=lambda g: -g[0])
         tokens = fixed_tokens + len(flexible)
-        best_n, best = 0, tokens / (step.passes.verify(fed) + drafting_s)
+        if step.room is not None:  # the budget's room for drafts: those of fixed rows, then these
+            gains = gains[: max(0, step.room - sum(0 if r.flexible else r.k for r in rows))]
+        best_n, best = 0, tokens / (step.verify(fed) + drafting_s)
         floor = best * (self.tuning.min_gain if fed == len(rows) else 1.0)
         rest = sum(gain for gain, _ in gains)
         for n, (gain, _) in enumerate(gains, start=1):
-            seconds = step.passes.verify(fed + n) + drafting_s
+            seconds = step.verify(fed + n) + drafting_s
             if (tokens + rest) / seconds <= max(best, floor):
                 break
             tokens += gain
@@ -361,7 +379,7 @@ class AutoPolicy:
 
         def score(w: int) -> float:
             tokens = fixed_tokens + sum(e[min(w, len(e) - 1)] for e in expected)
-            return tokens / (step.passes.verify(len(rows) * (w + 1)) + drafting_s)
+            return tokens / (step.verify(len(rows) * (w + 1)) + drafting_s)
 
         best_w, best = fixed_w, score(fixed_w)
         floor = best * (self.tuning.min_gain if fixed_w == 0 else 1.0)

@@ -3,15 +3,18 @@
 A proposer drafts tokens for the sequences that use it; the target verifies them (docs/design.md).
 The planner (`planner.py`) is the only caller. Per sequence, in order:
 
-1. `join(seqs, prompt_hidden)`: once, before its first step. `prompt_hidden[i]` holds the target's
-   hidden states of seqs[i]'s prefilled tokens (the prompt's first m, m <= all but the last), when the
-   proposer's traits ask for them (`needs_hidden`), else None; a prefix whose keys and values came from
-   the prefix cache (server/model/prefix_cache.py) comes with the features stored beside them. When m
-   falls short, the rest of the prompt (but the last token) is computed with the row's first step
-   (server/engine/admission.py `_join`): a proposer that needs hidden states is not asked to draft for the
-   row before that step commits. Right after, a proposer that `caches_prefix` gets `load_prefix(request_id,
-   states)` for a sequence whose prompt starts with prefix-cache blocks that hold its state (one per
-   block, as its `prefix_state` gave them for an earlier sequence).
+1. `join(seqs, prompt_hidden)`: once, when the row enters the target's batch. `prompt_hidden[i]` holds
+   the target's hidden states of seqs[i]'s prompt tokens computed so far (the prompt's first m, m <= all
+   but the last: those its prefix-cache blocks held, stored with their features:
+   server/model/prefix_cache.py), when the proposer's traits ask for them (`needs_hidden`), else None. The
+   rest of the prompt (but the last token) is computed in chunks by the following steps' passes, as the
+   step's token budget allows (server/speculation/budget.py): each chunk's features come to such a
+   proposer as `prefilled(seq, start, hidden)`, the features of prompt positions start.., in order, except
+   the last chunk's, which come with the row's first `commit` (the step that computes it also verifies the
+   row's last prompt token, and drafts). A proposer that needs hidden states is not asked to draft for the
+   row before that step commits. Right after `join`, a proposer that `caches_prefix` gets
+   `load_prefix(request_id, states)` for a sequence whose prompt starts with prefix-cache blocks that hold
+   its state (one per block, as its `prefix_state` gave them for an earlier sequence).
 2. Each step, `propose(seqs, ks)`: up to ks[i] draft tokens for seqs[i] (ks[i] may be 0: the row
    drafts nothing this step but is still asked, so a batched proposer's rows stay aligned).
 3. After verification, `commit(seq, drafts, emitted, hidden)`: `drafts` are the tokens this proposer
@@ -19,9 +22,9 @@ The planner (`planner.py`) is the only caller. Per sequence, in order:
    prefix of them plus the recovered or bonus token. `hidden` (when asked for) holds the target's hidden
    states of the fed tokens that are now committed: the step's first fed token (the sequence's last
    token before the step) and the accepted drafts, [len(emitted), hidden], after those of the prompt
-   tokens this step computed, if any (the t prompt tokens before the last one, whose features `join`
-   did not get: [t + len(emitted), hidden]). Called before the tokens are appended to seq (a stop may
-   drop some of them from the output afterwards).
+   tokens this step computed, if any (the prompt's last chunk, its t tokens before the last one:
+   [t + len(emitted), hidden]). Called before the tokens are appended to seq (a stop may drop some of them
+   from the output afterwards).
 4. `leave(request_ids)`: finished or aborted. Just before, a proposer that `caches_prefix` is asked
    `prefix_state(request_id, blocks, block)`: what it computed of the sequence's first `blocks` blocks of
    `block` tokens, one state per block (tensors of its own; fewer when it computed fewer), which the
@@ -128,6 +131,10 @@ class Proposer(ABC):
 
     def load_prefix(self, request_id: str, states: list[State]) -> None:  # noqa: B027 - optional hook
         """A joined sequence's first len(states) blocks as `prefix_state` gave them for an earlier one."""
+
+    def prefilled(self, seq: SequenceView, start: int, hidden: torch.Tensor) -> None:  # noqa: B027
+        """A chunk of seq's prompt was computed: the target's features [n, hidden] of positions start..start +
+        n - 1 (never the prompt's last chunk: see the module docstring). Called only on `needs_hidden`."""
 
     def backlog(self, request_ids: list[str]) -> int:
         """Tokens those sequences must feed before drafting beyond one step's worth (see the module
