@@ -180,7 +180,7 @@ def test_cancelling_mid_prefill_frees_everything_and_keeps_the_blocks_computed(m
         engine.step()
     assert engine.running["gone"].prompt_left > 0  # mid-prefill
     engine.abort_request("gone")
-    assert not engine.running and engine.runner.rows == [] and engine.runner.kv.live_tokens == 0
+    assert not engine.running and engine.runner.rows == [] and engine.kv_cache_usage() == 0  # no KV left held
     assert all(not ids for ids in engine.planner.members.values())
     assert engine.admission.prompt_waiting() == 0
     engine.add_requests([request("retry", prompt, "eagle", K, max_tokens=8)])
