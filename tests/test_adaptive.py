@@ -129,6 +129,7 @@ def test_unused_proposer_is_probed_now_and_then_within_a_cost_budget():
     assert sum(c.proposer == "ngram" for c in probes) > sum(c.proposer == "draft" for c in probes)
 
 
+@pytest.mark.slow
 def test_auto_keeps_greedy_output_identical(tiny_engine_factory, prompt_ids, greedy_reference):
     engine = tiny_engine_factory()
     out = run(engine, [request(f"r{i}", p, "auto", 8) for i, p in enumerate(prompt_ids)])
@@ -203,6 +204,7 @@ def test_seeded_rows_under_auto_draft_what_the_sampler_will_draw(tiny_target, pr
         assert_same_draws(tiny_target.model, p, got[f"r{i}"], want[f"r{i}"], params, i)
 
 
+@pytest.mark.slow
 def test_unseeded_auto_follows_the_costs(tiny_engine_factory, prompt_ids):
     """The counterpart of the test above: without a seed, the costs do steer the choice."""
     used = {}

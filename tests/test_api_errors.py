@@ -244,6 +244,7 @@ async def test_json_past_the_parsers_limits_is_a_400_naming_the_field(tiny_engin
         check_error(await c.post(CHAT, content=longest, headers=json_), 400, "messages", "context_length_exceeded")
 
 
+@pytest.mark.slow
 async def test_a_tool_call_the_model_garbles_stays_text(client):
     r"""guided_regex makes the reply a tool-call block whose name holds an escape JSON does not know
     (`\q`): not a call of an offered function, so it stays text. Its parse was a 500 (a broken stream)."""

@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # left out of make test-fast (seconds each)
 
 
 def free_port() -> int:

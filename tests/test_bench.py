@@ -173,6 +173,7 @@ def test_targets_read_the_right_cells() -> None:
     assert by_name["auto with 8 clients, total tok/s x none, worst"]["figure"] == pytest.approx(12.0 / 11.9)
 
 
+@pytest.mark.slow
 def test_writers_produce_table_json_and_png(tmp_path) -> None:
     rows, costs = _synthetic()
     meta = {"command": "python -m bench.run --synthetic", "k": {"ngram": 4, "draft": 4}, "max_tokens": 48,
@@ -188,6 +189,7 @@ def test_writers_produce_table_json_and_png(tmp_path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_each_round_is_paired_with_nones_and_the_spread_survives_a_rewrite(tmp_path) -> None:
     """A cell's ratio to `none` is also given round by round (the same prompts, back to back), so a
     reader sees how far one round strays and how far the cell's ratio is from 1.00 in standard errors
@@ -317,6 +319,7 @@ def test_quick_defaults_are_small() -> None:
             parse_args(["--k", bad])
 
 
+@pytest.mark.slow
 def test_rewrite_recomputes_the_same_figures_from_json(tmp_path) -> None:
     rows, costs = _synthetic()
     write_all(tmp_path, {"k": {"ngram": 4, "draft": 4}}, rows, costs)
@@ -507,6 +510,7 @@ def test_head_targets_read_the_right_cells() -> None:
     assert all(t["pass"] is None for t in none if "eagle" in t["target"])
 
 
+@pytest.mark.slow
 def test_report_with_eagle_writes_rows_targets_costs_and_rewrites(tmp_path) -> None:
     rows, costs = _head_rows()
     write_all(tmp_path, {"k": {"ngram": 8, "draft": 8, "eagle": 4}, "notes": ["untrained head"]}, rows, costs)

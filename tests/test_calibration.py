@@ -113,6 +113,7 @@ def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engin
     assert engine.cost.timed
 
 
+@pytest.mark.slow
 def test_a_calibration_cut_short_by_its_budget_is_measured_again(tiny_engine_factory, tmp_path):
     engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     path = cache_path(tmp_path, calibrate(engine, budget_s=UNBOUNDED).key)
@@ -122,6 +123,7 @@ def test_a_calibration_cut_short_by_its_budget_is_measured_again(tiny_engine_fac
     assert not again.loaded and again.complete and json.loads(path.read_text())["complete"] is True
 
 
+@pytest.mark.slow
 def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp_path):
     a = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     b = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=3)
@@ -132,6 +134,7 @@ def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp
     assert calibrate(a, budget_s=UNBOUNDED).loaded  # the re-measured file replaced the broken one
 
 
+@pytest.mark.slow
 def test_calibration_leaves_the_engine_as_it_found_it(tiny_engine_factory, tmp_path, prompt_ids, greedy_reference):
     engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     calibrate(engine, budget_s=UNBOUNDED)
@@ -150,6 +153,7 @@ def test_a_zero_budget_measures_and_stores_nothing(tiny_engine_factory, tmp_path
     assert not cache_path(tmp_path, result.key).exists() and not engine.cost.timed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False])
 def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_draft, tmp_path, monkeypatch, enabled):
     # copies: the engine build_engine makes owns its models (it drops their dense weights, see below)
@@ -162,6 +166,7 @@ def test_build_engine_calibrates_unless_the_setting_is_off(tiny_target, tiny_dra
     assert calls == ([(built.runner, built.cost)] if enabled else [])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not packs_linears(torch.nn.Linear(2, 2)), reason="no oneDNN: nothing is packed")
 def test_build_engine_drops_the_dense_weights_unless_asked_to_keep_them(tiny_target, tiny_draft, monkeypatch,
                                                                         prompt_ids):
@@ -184,6 +189,7 @@ def test_build_engine_drops_the_dense_weights_unless_asked_to_keep_them(tiny_tar
     assert run(dropped, requests) == run(kept, requests)
 
 
+@pytest.mark.slow
 def test_a_proposer_reading_hidden_states_is_timed_and_left_clean(tiny_target, tiny_draft, tmp_path, prompt_ids,
                                                                   greedy_reference):
 

@@ -61,6 +61,7 @@ def test_a_budget_below_k_plus_one_is_refused_at_start_up():
                          max_batch_size=4).step_token_budget("cpu") == 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_is_the_same_whatever_the_budget_cuts_prompts_at(make, prompt_ids, method):
     prompts = long_prompts(prompt_ids)
@@ -119,6 +120,7 @@ def test_prompt_tokens_computed_and_read_add_up_to_every_prompt(make, prompt_ids
     assert cached == (len(reqs) - 1) * 2 * BLOCK  # the others wait for the first one's blocks, then read them
 
 
+@pytest.mark.slow
 def test_constrained_greedy_output_is_the_same_whatever_the_budget(make, prompt_ids):
     grammar = llguidance.LLMatcher.grammar_from_regex(r"(ab|cd){2,6}x")
     prompts = long_prompts(prompt_ids)
@@ -133,6 +135,7 @@ def test_constrained_greedy_output_is_the_same_whatever_the_budget(make, prompt_
             assert run(make(budget), reqs(method)) == want, (method, budget)
 
 
+@pytest.mark.slow
 def test_a_seed_samples_the_same_text_with_and_without_chunks(make, tiny_target, prompt_ids):
     """The same seeded request, its prompt computed whole or in chunks beside other rows: the same text (up
     to a tie at a CDF boundary: a prompt computed in chunks gives p to float rounding only)."""

@@ -21,7 +21,7 @@ from tests.cluster_helpers import API_KEY, AUTH, running_cluster, save_tiny, wai
 from tests.live_server import serve_app
 from tests.models import as_loaded, tiny_llama
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # slow: left out of make test-fast
 
 CONVERSATIONS = [
     "You are a careful travel agent. Answer in one line.",

@@ -59,6 +59,7 @@ def run_constrained(engine: Engine, requests: list[GenerationRequest]) -> dict[s
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "eagle", "auto"])
 def test_greedy_constrained_output_is_identical_with_speculation_and_validates(
     tiny_engine_factory, prompt_ids, method
@@ -83,6 +84,7 @@ def test_greedy_constrained_output_is_identical_with_speculation_and_validates(
         assert all(f is not None and f.accepted_tokens > 0 for f in forced), "keys the schema forces are drafted"
 
 
+@pytest.mark.slow
 def test_constrained_and_free_rows_share_a_batch(tiny_engine_factory, prompt_ids):
     """A constrained row changes nothing for its neighbours, and is itself what it is alone."""
     grammar = json_grammar(SCHEMA)
@@ -97,6 +99,7 @@ def test_constrained_and_free_rows_share_a_batch(tiny_engine_factory, prompt_ids
         assert together[r.request_id][0] == free_alone[r.request_id][0]
 
 
+@pytest.mark.slow
 def test_min_tokens_never_leaves_a_complete_grammar_without_a_token(tiny_engine_factory, prompt_ids):
     """The grammar allows only EOS once the JSON is complete; min_tokens cannot forbid it (p stays a
     distribution) and the request ends with the valid JSON."""
@@ -108,6 +111,7 @@ def test_min_tokens_never_leaves_a_complete_grammar_without_a_token(tiny_engine_
     assert json.loads(text) in ({"ok": True}, {"ok": False})
 
 
+@pytest.mark.slow
 def test_masks_leave_the_grammar_where_it_was_even_after_an_eos_draft(tokenizer):
     """Verify positions are scored by walking the grammar through the drafts and back; a draft that
     ends with EOS (n-gram and suffix drafts copy it from earlier outputs) must not shift the state."""
@@ -206,6 +210,7 @@ def chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(chisquare(observed[support].numpy(), expected.numpy()).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", "draft", "eagle"])
 def test_constrained_sampling_matches_the_constrained_target_distribution(pair, method):  # noqa: F811
     first, second = exact_constrained_marginals(pair[0].model)
@@ -214,6 +219,7 @@ def test_constrained_sampling_matches_the_constrained_target_distribution(pair, 
     assert chi_square_p(c2, second) > P_VALUE
 
 
+@pytest.mark.slow
 def test_cutting_a_sampled_draft_before_its_forbidden_token_is_caught(pair, monkeypatch):  # noqa: F811
     """Negative control: cut the draft model's ratio-rule drafts like compared ones (before the first
     forbidden token, so that position is drawn from p instead of the residual): the test sees it."""

@@ -28,6 +28,7 @@ def compose_command() -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU_OVERRIDE]], ids=["cpu", "gpu"])
 def test_docker_compose_config(files: list[Path]) -> None:
     cmd = compose_command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,6 +100,7 @@ def test_special_tokens_skipped_kept_or_spaced(tokenizer):
     chunks=st.lists(st.text(alphabet="abc", max_size=5), max_size=12),
     min_chars=st.integers(min_value=0, max_value=20),
 )
+@pytest.mark.slow
 def test_stop_strings_followed_as_the_text_grows_match_a_search_of_the_whole_text(stops, chunks, min_chars):
     """The incremental matcher cuts where a search of the text so far would (the first stop string, in
     the request's order, completing in the new text; matches completing before stop strings count are

@@ -110,6 +110,7 @@ def p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "ngram", "eagle"])
 def test_speculative_sampling_matches_target_distribution(pair, method):
     first, second = exact_two_token_marginals(pair[0].model)
@@ -118,6 +119,7 @@ def test_speculative_sampling_matches_target_distribution(pair, method):
     assert p_value(got_second, second) > P_VALUE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_always_accept_rule_is_detected(pair, monkeypatch, method):
     """Accepting every draft token returns the draft's distribution: the same check must fail. The

@@ -82,6 +82,7 @@ def empirical(pair, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     return first_two_token_counts(engine, PROMPT, method, lambda i: SamplingParams(**{**PARAMS.__dict__, "seed": i}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "ngram", "none"])
 def test_processed_sampling_matches_plain_decoding(pair, method):
     first, second = exact_marginals(pair[0].model)

@@ -53,6 +53,7 @@ def random_samples(model, count: int, seed: int) -> list[Sample]:
     ]
 
 
+@pytest.mark.slow
 def test_training_beats_an_untrained_head(tmp_path):
     torch.manual_seed(0)
     target = token_driven_target()
@@ -156,6 +157,7 @@ def test_choose_vocab_keeps_stop_tokens_and_only_emitted_tokens():
     assert choose_vocab(samples, 16, 2, {2}) == [4, 2]
 
 
+@pytest.mark.slow
 def test_distill_command_trains_exports_and_resumes(tmp_path, tokenizer):
     from server.__main__ import main
 
@@ -200,6 +202,7 @@ def test_draft_head_setting(tmp_path):
         Settings.load(draft_head=str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_shipped_head_loads_for_the_builtin_target():
     from server.config import Settings
@@ -281,6 +284,7 @@ def test_answering_stops_at_its_time_limit_and_resumes(tmp_path, tokenizer):
     assert [s.ids.tolist() for s in mixed[2:4]] != [s.ids.tolist() for s in whole[2:4]]
 
 
+@pytest.mark.slow
 def test_the_target_writes_prompts(tokenizer):
     """Magpie: fed its chat template up to the user's text, the target writes user messages; only whole
     (self-ended), new ones count, and writing ends when batches stop yielding any."""

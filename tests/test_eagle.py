@@ -34,6 +34,7 @@ def eagle_engine(tiny_target, tiny_draft, head_dir):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_eagle_equals_target_greedy(eagle_engine, prompt_ids, greedy_reference, k):
     engine = eagle_engine()
@@ -127,6 +128,7 @@ def test_no_head_means_no_eagle_method(tiny_target, tiny_draft):
     assert resolve_head("auto", None) == BUILTIN_HEAD and (BUILTIN_HEAD / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine, prompt_ids):
     """A prompt read from the prefix cache drafts with the head, and the output is the target's greedy
     output all the same."""
@@ -145,6 +147,7 @@ def test_a_prompt_whose_prefix_is_cached_still_drafts_with_the_head(eagle_engine
     assert got == want
 
 
+@pytest.mark.slow
 def test_a_cached_conversation_hands_the_head_the_pairs_a_prefill_gives(eagle_engine, prompt_ids):
     """Chat clients resend the conversation every turn, so most of a prompt comes from the prefix cache
     (the last turn's prompt, stored at join, and its answer, stored at leave). The cache keeps the
@@ -191,6 +194,7 @@ def test_the_heads_backlog_is_its_prompt_pairs_then_nothing_while_it_drafts(eagl
     assert proposer.backlog(["r"]) == len(proposer.pending["r"].tokens) >= 2
 
 
+@pytest.mark.slow
 def test_the_heads_keys_and_values_of_a_cached_prompt_come_back_from_the_prefix_cache(eagle_engine, prompt_ids):
     """An agent's system prompt and tools, or a chat's earlier turns, come with every request. The prefix
     cache keeps the head's own keys and values of them beside the target's (stored when a request that

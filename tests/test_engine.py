@@ -8,6 +8,7 @@ import torch
 from tests.engine_helpers import assert_same_draws, request, run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_speculation_equals_target_greedy(tiny_engine_factory, prompt_ids, greedy_reference, method, k):
@@ -116,6 +117,7 @@ def test_eos_stops_and_later_accepted_tokens_are_dropped(tiny_target, tokenizer,
     assert out == ref[: ref.index(ref[2]) + 1]
 
 
+@pytest.mark.slow
 def test_seed_reproduces_sampled_output(tiny_engine_factory, prompt_ids):
     reqs = lambda: [request(f"r{i}", p, "draft", 3, temperature=1.0, seed=7 + i) for i, p in enumerate(prompt_ids)]  # noqa: E731
     first = run(tiny_engine_factory(), reqs())
@@ -125,6 +127,7 @@ def test_seed_reproduces_sampled_output(tiny_engine_factory, prompt_ids):
     assert alone["r2"] == first["r2"]
 
 
+@pytest.mark.slow
 def test_a_seed_samples_the_same_text_whatever_the_ngram_drafts(tiny_engine_factory, tiny_target, prompt_ids):
     """N-gram drafts never change what a seeded request samples. Exactly: the same seed, method and
     batch give the same text. Across verify widths (none, ngram at any K, auto, alone or batched) the

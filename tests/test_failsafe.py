@@ -149,6 +149,7 @@ def clean_run(tiny_target, tiny_draft, head_dir, prompt_ids):
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", list(TARGETS))
 def test_an_optional_part_that_raises_at_random_costs_no_answer(make_engine, prompt_ids, clean_run, monkeypatch, part):
     engine = make_engine()
@@ -164,6 +165,7 @@ def test_an_optional_part_that_raises_at_random_costs_no_answer(make_engine, pro
         assert runner is None or not runner.rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["planner", "prefix_cache", "cost_model", "threads"])
 def test_a_part_that_always_raises_is_switched_off_and_answers_stay_the_same(
     make_engine, prompt_ids, clean_run, monkeypatch, part
@@ -176,6 +178,7 @@ def test_a_part_that_always_raises_is_switched_off_and_answers_stay_the_same(
     assert engine.parts.report()[part] == {"failures": SWITCH_OFF_AFTER, "off": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "eagle", "draft"])
 def test_a_proposer_that_always_raises_loses_its_rows_and_answers_stay_the_same(
     make_engine, prompt_ids, clean_run, monkeypatch, name
@@ -210,6 +213,7 @@ def test_a_failing_proposer_is_dropped_for_its_rows_only(make_engine, prompt_ids
     assert stats["bad"].draft_tokens == 0 and stats["good"].draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_a_calibration_that_raises_leaves_a_serving_engine(tiny_target, monkeypatch, tmp_path):
     """build_engine goes on without calibration (auto learns step costs from traffic)."""
 

@@ -99,6 +99,7 @@ def _exchange(port: int, request: bytes) -> Answer:
 # ---- deadlines ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after_a_request", [False, True])
 def test_a_head_sent_a_byte_at_a_time_gets_408_at_header_timeout_s(edge, after_a_request):
     """Slowloris: header bytes keep coming (4 a second), yet the head is cut at its deadline, on a fresh
@@ -115,6 +116,7 @@ def test_a_head_sent_a_byte_at_a_time_gets_408_at_header_timeout_s(edge, after_a
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
+@pytest.mark.slow
 def test_an_idle_connection_is_closed_at_header_timeout_s_without_an_answer(edge):
     _, port = edge
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -124,6 +126,7 @@ def test_an_idle_connection_is_closed_at_header_timeout_s_without_an_answer(edge
         assert HEAD_TIMEOUT_S - 0.1 < time.monotonic() - started < HEAD_TIMEOUT_S + 1.0
 
 
+@pytest.mark.slow
 def test_an_authenticated_body_sent_a_byte_at_a_time_gets_408_at_body_timeout_s(edge):
     url, port = edge
     head = (
@@ -139,6 +142,7 @@ def test_an_authenticated_body_sent_a_byte_at_a_time_gets_408_at_body_timeout_s(
     assert 'specula_request_errors_total{status="500"}' not in metrics  # the app saw a client gone, not a bug
 
 
+@pytest.mark.slow
 def test_an_unauthenticated_body_is_answered_401_and_its_connection_closed_at_body_timeout_s(edge):
     """The 401 goes out at once; the body still trickling after it does not keep the connection."""
     _, port = edge
@@ -155,6 +159,7 @@ def test_an_unauthenticated_body_is_answered_401_and_its_connection_closed_at_bo
         assert time.monotonic() - started < BODY_TIMEOUT_S + 1.0
 
 
+@pytest.mark.slow
 def test_a_slow_upload_within_body_timeout_s_is_served(edge):
     """About 200 KB in 8 pieces over ~0.9 s: slower than any client here, within the deadline."""
     url, _ = edge
@@ -173,6 +178,7 @@ def test_a_slow_upload_within_body_timeout_s_is_served(edge):
     assert time.monotonic() - started > 0.8
 
 
+@pytest.mark.slow
 def test_a_stream_runs_longer_than_both_deadlines_and_its_connection_serves_the_next_request(edge):
     url, _ = edge
     body = {"model": "fake-model", "prompt": "Hello", "max_tokens": 60, "stream": True}
@@ -252,6 +258,7 @@ def test_a_malformed_request_is_a_400_in_openai_shape(edge):
 # ---- open connections -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_connections_past_max_connections_get_503_at_once(tokenizer):
     settings = Settings.load(max_connections=2)
     with serve_app(create_app(settings, lambda _: FakeEngine(tokenizer))) as url:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # what each leaf may import from server/ (a package's __init__ that imports nothing itself is a leaf too)
 LEAVES = {
@@ -87,6 +89,7 @@ def test_the_leaves_import_nothing_above_them():
         assert edges[leaf] <= allowed, (leaf, edges[leaf] - allowed)
 
 
+@pytest.mark.slow
 def test_the_api_imports_no_torch():
     names = sorted(m for m in modules() if m.startswith("server.api"))
     code = "import sys\n" + "".join(f"import {m}\n" for m in names) + "print('torch' in sys.modules)"

@@ -77,6 +77,7 @@ def assert_no_trace(engine: Engine, rid: str) -> None:
         assert rid not in getattr(proposer, "pending", {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 @pytest.mark.parametrize("bad_method", ["none", "draft", "eagle", "auto"])
 def test_a_row_the_sampler_cannot_take_fails_alone(make_engine, prompt_ids, mode, bad_method):
@@ -94,6 +95,7 @@ def test_a_row_the_sampler_cannot_take_fails_alone(make_engine, prompt_ids, mode
     assert_no_trace(engine, "bad")
 
 
+@pytest.mark.slow
 def test_a_row_whose_commit_raises_fails_alone_after_its_earlier_tokens(make_engine, prompt_ids):
     reference, _ = drive(make_engine(), good_requests(prompt_ids, "greedy"), {})
     engine = make_engine()

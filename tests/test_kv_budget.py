@@ -64,6 +64,7 @@ def test_greedy_text_is_the_same_within_a_budget(tiny_target, tiny_draft, prompt
     assert run(engine, reqs) == greedy_reference
 
 
+@pytest.mark.slow
 def test_admission_waits_for_room_and_usage_is_the_budget_held(tiny_target, tiny_draft, prompt_ids):
     engine = Engine(tiny_target, tiny_draft, settings(budget(tiny_target, tiny_draft)))
     # Each row reserves prompt + max_tokens + ROW_SLACK columns: two of 150 fit 400 slots, three do not.
@@ -101,6 +102,7 @@ def test_admission_waits_for_room_and_usage_is_the_budget_held(tiny_target, tiny
     assert tokens == run(Engine(tiny_target, tiny_draft, Settings.load()), reqs)  # all served, text unchanged
 
 
+@pytest.mark.slow
 def test_a_request_that_could_never_fit_is_a_400_naming_the_field(tiny_target, tiny_draft):
     memory = budget(tiny_target, tiny_draft)
     with live_server(tiny_target, tiny_draft, served_model_name="tiny", kv_cache_memory=memory,

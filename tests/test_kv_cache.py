@@ -97,6 +97,7 @@ def test_chunked_prefill_equals_one_forward(tiny_target):
         torch.testing.assert_close(logits[b, 0], clean_logits(model, p + [last]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_holes_from_rollbacks_stay_bounded(tiny_target):
     """Every step rolls back most of what it fed (as a draft cache does): compaction keeps the
     column space within about twice the live tokens instead of growing with the steps."""
@@ -163,6 +164,7 @@ def test_restoring_a_checkpoint_undoes_forwards_rollbacks_joins_growth_and_compa
     torch.testing.assert_close(target.forward([[11], [12]]).logits, before)
 
 
+@pytest.mark.slow
 def test_a_budgeted_cache_is_allocated_once_and_stays_exact_through_joins_leaves_and_compaction(tiny_target):
     """With a budget (token slots), storage is allocated up front and never reallocated: joins, leaves,
     capacity changes and compaction move rows and columns inside it, and logits stay exact."""

@@ -80,6 +80,7 @@ def every_part_measured(engine: Engine) -> dict[str, int]:
     return parts
 
 
+@pytest.mark.slow
 def test_the_gauges_are_the_tensors_bytes_and_hold_every_tensor_the_engine_keeps(
     tiny_target, tiny_draft, head_dir, prompt_ids
 ):
@@ -231,6 +232,7 @@ def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized_whole
         encode(info, english, "prompt")  # ~4.5 characters a token: refused from its first 2,056
 
 
+@pytest.mark.slow
 def test_a_server_caps_the_heap_arenas_unless_the_environment_says(monkeypatch):
     import subprocess
     import sys
@@ -264,6 +266,7 @@ print((rss_bytes() - before) / 2**20)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's kernels are a CPU build's")
 def test_a_server_caps_the_kernel_caches_so_new_shapes_do_not_grow_its_memory(monkeypatch):
     import subprocess

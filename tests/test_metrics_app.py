@@ -22,6 +22,9 @@ from tests.live_server import serve_app
 from tests.metrics_helpers import REQUIRED_FAMILIES, family_names, sum_samples
 from tests.prometheus_server import PROMETHEUS, Prometheus, run_prometheus
 
+pytestmark = pytest.mark.slow  # left out of make test-fast (seconds each)
+
+
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -11,6 +11,7 @@ from server.model.loading import check_same_tokenizer, load_draft_like, load_mod
 from tests.models import as_loaded, tiny_llama
 
 
+@pytest.mark.slow
 def test_local_directory_loads_in_the_requested_dtype(tmp_path, tokenizer):
     model = tiny_llama(len(tokenizer))
     model.save_pretrained(tmp_path)

@@ -158,6 +158,7 @@ def _fuzz(operation: Any, url: str, statuses: set[int]) -> None:
     )(test)()
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(tiny_target, tiny_draft):
     started = time.monotonic()
     with live_server(tiny_target, tiny_draft, max_batch_size=4, max_waiting=8) as (url, _app):

@@ -143,6 +143,7 @@ async def test_stream_chunks_carry_origins_only_when_asked(cycling_factory):
         assert last_spec["decode_steps"] == usage["speculation"]["decode_steps"] == entries[-1]["step"] + 1
 
 
+@pytest.mark.slow
 async def test_non_streaming_choices_carry_origins_when_asked(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
         spec = {"method": "draft", "num_tokens": 3}

@@ -17,6 +17,9 @@ import pytest
 
 from tests.live_server import live_server
 
+pytestmark = pytest.mark.slow  # left out of make test-fast (seconds each)
+
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; Playwright cannot download browsers here
 ARTIFACTS = Path(__file__).parent / "artifacts"
 KEY = "playground-test-key"

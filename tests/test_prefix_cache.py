@@ -3,6 +3,7 @@ and what follows is exactly what a full prefill gives (to float rounding)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.config import Settings
@@ -131,6 +132,7 @@ def test_a_proposers_state_is_kept_per_block_and_added_to_blocks_stored_without_
     assert calls == [3]  # both blocks hold it: not read again
 
 
+@pytest.mark.slow
 def test_a_draft_model_starts_from_the_keys_and_values_it_computed_for_an_earlier_prompt(tiny_target, tiny_draft,
                                                                                        prompt_ids):
     """The draft model's cache is filled when a row first drafts with it: a prompt's blocks that an earlier

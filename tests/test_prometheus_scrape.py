@@ -54,6 +54,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Metrics,
         server.server_close()
 
 
+@pytest.mark.slow
 def test_promql_acceptance_rate_equals_fed_data(scraped: tuple[Metrics, Prometheus]) -> None:
     metrics, prom = scraped
     draft = 'sum(specula_spec_decode_draft_tokens_total{method="ngram"})'

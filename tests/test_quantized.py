@@ -148,6 +148,7 @@ def test_gguf_file_served_as_it_is(tmp_path, quant):
     assert (got - want_logits).abs().max() < 0.1 * want_logits.abs().max()
 
 
+@pytest.mark.slow
 def test_weights_cache_has_an_entry_per_format(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant="Q4_1")
     cache = tmp_path / "cache"
@@ -215,6 +216,7 @@ def quantized_reference(quantized_pair, prompt_ids):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_greedy_output_on_a_quantized_target_is_the_same_for_every_proposer(
     quantized_pair, quantized_reference, prompt_ids, method

@@ -10,7 +10,7 @@ from server.config import Settings
 from server.engine.engine import Engine, build_engine
 from tests.engine_helpers import request, run
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # slow: left out of make test-fast
 
 PROMPTS = [
     "Fix the typos: Teh quick brwon fox jumsp over teh lazy dgo.",

@@ -139,6 +139,7 @@ def _first_token_histogram(p: torch.Tensor, q: torch.Tensor, n: int, accept_all:
     return counts
 
 
+@pytest.mark.slow
 def test_output_converges_to_target_distribution_and_a_wrong_rule_is_caught():
     torch.manual_seed(3)
     p = torch.softmax(torch.randn(1, 2, V) * 1.5, -1)

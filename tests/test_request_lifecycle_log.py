@@ -25,6 +25,7 @@ async def wait_idle(scheduler, timeout_s: float = 5.0) -> None:
     assert scheduler.num_running == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_goes_away_is_logged_not_counted_as_an_error(tiny_target, caplog, stream):
     caplog.set_level("INFO", logger="specula.request")

@@ -166,6 +166,7 @@ class Answer(BaseModel):
     sure: bool
 
 
+@pytest.mark.slow
 def test_text_format_follows_the_schema_through_the_chat_routes_grammar(tiny):
     client, _ = tiny
     parsed = client.responses.parse(model=MODEL, input="Pick a colour.", text_format=Answer, temperature=0,
@@ -182,6 +183,7 @@ def test_text_format_follows_the_schema_through_the_chat_routes_grammar(tiny):
     assert loose.status == "incomplete" or isinstance(json.loads(loose.output_text), dict)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "auto"])
 def test_greedy_text_is_the_same_under_every_method(tiny, method):
     client, _ = tiny
@@ -226,6 +228,7 @@ def test_bad_input_is_a_4xx_naming_the_field(tiny, body, status, param):
     assert streamed.status_code == status  # refused before the stream starts
 
 
+@pytest.mark.slow
 def test_the_store_keeps_the_newest_within_its_bytes():
     store = ResponseStore(max_bytes=100)
 

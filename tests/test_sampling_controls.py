@@ -133,6 +133,7 @@ def _params(engine: Engine, prompt: list[int], spec: dict, reference: list[int])
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", CONTROLS)
 def test_greedy_output_is_identical_with_and_without_speculation(
     tiny_target, tiny_draft, prompt_ids, greedy_reference, spec

@@ -9,6 +9,7 @@ extreme magnitude.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +42,7 @@ params = st.builds(
 logit_scales = st.sampled_from([1e-6, 1.0, 30.0, 1e4])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(rows=st.lists(params, min_size=1, max_size=3), scale=logit_scales, seed=st.integers(0, 2**16))
 def test_p_is_a_distribution_and_the_limits_hold(rows, scale, seed):

@@ -44,6 +44,7 @@ async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, m
     return text
 
 
+@pytest.mark.slow
 async def test_eight_concurrent_streams_equal_their_solo_greedy_output(tiny_target, tiny_draft):
     with live_server(tiny_target, tiny_draft, max_batch_size=8) as (url, app):
         scheduler = app.state.specula.scheduler
@@ -66,6 +67,7 @@ async def test_eight_concurrent_streams_equal_their_solo_greedy_output(tiny_targ
     assert peak > 1  # they really shared the batch
 
 
+@pytest.mark.slow
 async def test_disconnect_mid_stream_frees_the_slot(tiny_target):
     with live_server(tiny_target, None, max_batch_size=1, speculation="none") as (url, app):
         scheduler = app.state.specula.scheduler
@@ -92,6 +94,7 @@ async def test_disconnect_mid_stream_frees_the_slot(tiny_target):
             assert time.monotonic() - t0 < solo_s * 3 + 0.5  # not queued behind the 1000-token request
 
 
+@pytest.mark.slow
 async def test_disconnect_of_a_non_streaming_request_aborts_it(tiny_target):
     with live_server(tiny_target, None, max_batch_size=1, speculation="none") as (url, app):
         scheduler = app.state.specula.scheduler

@@ -16,6 +16,7 @@ from bench.soak import FRESH_CHATS, FRESH_CLIENTS, MAX_RSS_RATIO, MIX, cpu_hogs,
 from server.model.runner import ModelRunner
 
 
+@pytest.mark.slow
 def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp_path: Path, monkeypatch):
     # A KV budget of 1500 tokens: two long prompts (300-512 words) fill it, so admission waits at times.
     per_token = ModelRunner.kv_shape(tiny_target.model).bytes_per_token
@@ -53,6 +54,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_hogs_keep_a_core_busy_and_stop_with_the_soak():
     with pytest.raises(KeyboardInterrupt), cpu_hogs(2) as procs:  # Ctrl-C in the middle of a soak
         pids = [p.pid for p in procs]

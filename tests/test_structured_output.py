@@ -51,6 +51,7 @@ TIME = {
 
 
 # ---- tiny models: the request path ----------------------------------------------------------------
+@pytest.mark.slow
 async def test_json_schema_reply_validates_streamed_and_not(tiny_engine_factory):
     fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
     async with running_app(tiny_engine_factory) as (_, client):
@@ -65,6 +66,7 @@ async def test_json_schema_reply_validates_streamed_and_not(tiny_engine_factory)
         assert text == choice["message"]["content"]
 
 
+@pytest.mark.slow
 async def test_sampled_json_object_replies_parse(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
         body = chat_body(max_tokens=200, temperature=1.0, seed=5, n=4, response_format={"type": "json_object"})
@@ -77,6 +79,7 @@ async def test_sampled_json_object_replies_parse(tiny_engine_factory):
                 assert choice["message"]["content"].startswith("{")
 
 
+@pytest.mark.slow
 async def test_guided_choice_and_regex_on_completions(tiny_engine_factory):
     async with running_app(tiny_engine_factory) as (_, client):
         base = {"model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 1.0, "seed": 1, "n": 3}
@@ -88,6 +91,7 @@ async def test_guided_choice_and_regex_on_completions(tiny_engine_factory):
             assert len(c["text"]) == 6 and c["text"][:3].isdigit() and c["text"][3] == "-", c["text"]
 
 
+@pytest.mark.slow
 async def test_required_tool_choice_returns_calls_that_validate_streamed_and_not(tiny_engine_factory):
     colour = {
         "type": "function",
@@ -133,6 +137,7 @@ def ask(client: openai.OpenAI, method: str, **kwargs):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_sdk_parse_returns_a_validated_object_with_speculation(real_client):
     messages = [{"role": "user", "content": "Tell me about Paris as JSON."}]
@@ -150,6 +155,7 @@ def test_sdk_parse_returns_a_validated_object_with_speculation(real_client):
     assert spec["accepted_tokens"] > 0, spec  # the schema's keys and separators are drafted for free
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.parametrize("parallel", [None, False])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -183,6 +189,7 @@ def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice
     assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_the_responses_api_decodes_as_chat_does_with_and_without_speculation(real_client):
     """`/v1/responses` is the chat route underneath: `text_format` and `tool_choice: required` give what chat
@@ -218,6 +225,7 @@ def test_the_responses_api_decodes_as_chat_does_with_and_without_speculation(rea
     assert len(distinct) == len(calls["auto"])  # here: Paris in celsius, then in fahrenheit; no repeat
 
 
+@pytest.mark.slow
 async def test_a_grammar_that_cannot_be_followed_is_a_400_for_that_request_only(tiny_engine_factory):
     """llguidance accepts `a{99999999}` and then hits its lexer limit mid-decode: bad input, so those
     requests get a 400 (even all of a batch at once) while a free request beside them finishes."""

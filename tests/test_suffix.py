@@ -133,6 +133,7 @@ def reference_walk(hay: list[int], ends: list[int], limit: int, stop: int) -> tu
     limit=st.integers(0, 9),
     cut=st.floats(0.0, 1.0),
 )
+@pytest.mark.slow
 def test_the_walk_follows_the_most_frequent_child_as_a_suffix_tree_would(hay, token, limit, cut):
     # A small alphabet over up to 400 tokens: nodes with hundreds of occurrences (counted with numpy),
     # a few (counted in Python), copied runs, ties and separators.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,6 +127,7 @@ _timing = st.one_of(
         max_size=80,
     ),
 )
+@pytest.mark.slow
 def test_any_order_of_timings_and_probes_never_raises(threads, events):
     """Random sequences of steps, timings (None, zero, negative, infinite, NaN and huge), observations
     with or without a step before them, and clock jumps: the governor never raises, and always runs at
@@ -143,6 +145,7 @@ def test_any_order_of_timings_and_probes_never_raises(threads, events):
     assert all(c in gov.options for c in calls)
 
 
+@pytest.mark.slow
 def test_the_engine_runs_its_steps_at_the_thread_count_that_is_faster(tiny_engine_factory, monkeypatch):
     """A target whose forward is slow whenever torch has two threads (as under contention): the engine
     moves its steps to one thread, and the text is the same as with no governor at all."""
@@ -173,6 +176,7 @@ def test_the_engine_runs_its_steps_at_the_thread_count_that_is_faster(tiny_engin
     assert ids == _generate(plain, request)
 
 
+@pytest.mark.slow
 def test_probe_steps_do_not_teach_the_cost_model(tiny_engine_factory, monkeypatch):
     """A probe runs one step at the other thread count: the governor compares its time, but `auto`'s
     cost model, which predicts the steps run at the current count, never sees it (a probe of a wide

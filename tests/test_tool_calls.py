@@ -328,6 +328,7 @@ def looping(tokenizer):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60), engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_reply_that_repeats_its_call_ends_after_the_first(looping, tokenizer, stream):
     """The repeat is not a parallel call: one call, finish_reason tool_calls, and the engine stops generating
@@ -357,6 +358,7 @@ def test_a_reply_that_repeats_its_call_ends_after_the_first(looping, tokenizer, 
     assert len(engine.aborted) == before + 1 and engine.aborted[-1][1] < len(script)  # stopped, not run out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_call_cut_by_max_tokens_is_dropped_and_the_choice_says_length(looping, stream):
     client, _ = looping

@@ -87,6 +87,7 @@ def check_vllm_shape(metrics: dict, usage: dict) -> None:
     assert spec["draft_acceptance_rate"] == pytest.approx(usage["speculation"]["acceptance_rate"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 async def test_per_request_speculation_in_vllms_shape(client, route):
     base = chat_body(max_tokens=12, temperature=0) if "chat" in route else {

@@ -196,6 +196,7 @@ torch.save(load_model(gguf, device="cpu", cache_dir=pathlib.Path(cache)).model.s
 """
 
 
+@pytest.mark.slow
 def test_two_replicas_racing_on_an_empty_cache_both_load(gguf_file, reference, tmp_path, caplog):
     """Two replicas (processes) on one empty shared volume: both convert the GGUF and write the cache at
     the same moment; one entry wins, the other replica loads the winner's; no temporaries are left."""
@@ -254,6 +255,7 @@ def test_a_failed_load_reports_503_and_asks_to_exit(tmp_path):
         assert "the target cannot be read" not in health.json()["error"]  # internals stay in the log
 
 
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_the_model_cannot_load(tmp_path):
     """The real process with a target that is no GGUF: it logs why and exits 1 for its supervisor, instead
     of answering 503 forever."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server.api.state import PUBLIC_ERRORS
 from server.engine.engine import Engine
@@ -36,6 +37,7 @@ def stream_events(url: str, body: dict, started: threading.Event) -> list[str]:
     return events
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_what_is_in_flight_and_health_turns_503(tiny_target, tiny_draft, monkeypatch):
     kill = threading.Event()
     with live_server(tiny_target, tiny_draft, served_model_name="tiny", speculation="ngram") as (url, app):
@@ -104,6 +106,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_the_worker_dies(tiny_target, tmp_path: Path):
     """The real process: the stream in flight gets its error event, then the server exits with status 1."""
     model_dir = tmp_path / "tiny"
