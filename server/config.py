@@ -24,7 +24,7 @@ _yaml_file_var: ContextVar[Path | None] = ContextVar("specula_yaml_file", defaul
 
 # `max_num_batched_tokens` when the settings give none: the step's token budget on a CPU, measured on 2 cores
 # (docs/bench.md, "Chunked prefill"), and on a GPU, where a step is host-bound until a few thousand tokens
-STEP_TOKENS_CPU = 256
+STEP_TOKENS_CPU = 128
 STEP_TOKENS_GPU = 2048
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
