@@ -34,17 +34,13 @@ from unittest import mock
 import httpx
 
 from bench import ledger
+from bench.fresh import OPEN
 from bench.server_proc import live_server
 
 SUITE = "longprompt"
 
-CHATS = [
-    "What are three good habits for staying focused while working from home?",
-    "Explain in simple terms why the sky looks blue during the day.",
-    "Write a short poem about a lighthouse in winter.",
-    "What should I consider when choosing a first programming language?",
-    "Give me a few ideas for a vegetarian dinner that is quick to cook.",
-    "Why do cats purr?",
+CHATS = [  # the held-out open questions (bench/fresh.py), and four more
+    *OPEN,
     "How does a bicycle stay upright when it moves?",
     "Describe a calm morning at the beach in a few sentences.",
     "What is the difference between weather and climate?",
