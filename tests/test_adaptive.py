@@ -8,6 +8,7 @@ import random
 import pytest
 
 from server.speculation.acceptance import AcceptanceModel, _Counts, best_k, expected_tokens_upto, speedup
+from server.speculation.budget import Room
 from server.speculation.cost import CostModel
 from server.speculation.draft_model import DraftModelProposer
 from server.speculation.ngram import NgramProposer, confidence_level
@@ -624,3 +625,26 @@ def test_tuning_constants_are_overridden_by_the_setting_and_unknown_names_refuse
     assert engine.cost.tuning == AutoTuning(min_gain=1.5, max_idle_gap=4)
     with pytest.raises(ValueError, match="auto_tuning: unknown constant"):
         tiny_engine_factory(auto_tuning={"min_gian": 1.5})
+
+
+class FlatThenSteep(FixedCosts):
+    """A pass costs almost nothing more up to 16 more tokens, then a lot (a CPU's curve, exaggerated)."""
+
+    def ratios(self, rows: int) -> tuple[list[int], list[float]]:
+        return [rows, rows + 16, rows + 128], [1.0, 1.01, 4.0]
+
+
+def test_drafts_that_displace_prompt_tokens_cost_what_those_tokens_cost():
+    """Within the step's free room a draft token adds nearly nothing to the pass; once drafts displace a
+    prompt chunk's tokens (budget.py), each costs a prompt token computed later: `auto` drafts less."""
+    policy = AutoPolicy(TRAITS, FlatThenSteep(), AcceptanceModel())
+    for rid in ("free", "roomy", "displacing"):
+        feed(policy, rid, "ngram", 0.25)
+
+    def k(rid: str, room: Room | None) -> int:
+        return policy.decide([Candidate(rid, 8, offers=ngram(3))], room)[0].k
+
+    free = k("free", None)
+    assert free > 0
+    assert k("roomy", Room(tokens=60, free=60)) == free  # a room that displaces nothing changes nothing
+    assert k("displacing", Room(tokens=60, free=0)) < free
