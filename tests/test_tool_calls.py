@@ -282,6 +282,24 @@ def test_sdk_tool_calls_streamed(scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_finishes_with_stop_as_openai_answers(scripted, stream):
+    """OpenAI ends a choice forced to call a named function with finish_reason "stop" (required and auto:
+    "tool_calls"), streamed or not; vLLM answers the same. The calls are there either way."""
+    client, _ = scripted
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, reason in ((named, "stop"), ("required", "tool_calls"), ("auto", "tool_calls")):
+        if stream:
+            chunks = list(ask(client, tools=[WEATHER], tool_choice=choice, stream=True))
+            calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            resp = ask(client, tools=[WEATHER], tool_choice=choice)
+            calls, finish = resp.choices[0].message.tool_calls, resp.choices[0].finish_reason
+        assert calls and all(c.function.name == "get_weather" for c in calls), choice
+        assert finish == reason, choice
+
+
 def test_parallel_tool_calls_false_stops_after_the_first_call(scripted):
     client, engine = scripted
     resp = ask(client, tools=[WEATHER], parallel_tool_calls=False)

@@ -14,6 +14,12 @@ from server.api.tool_calls import Reply, ToolCall, parse_whole
 from server.types import RequestOutput, RequestStats, TokenLogprob, total_stats
 
 
+def called(named: bool) -> str:
+    """The finish reason of a choice that ended with tool calls: "tool_calls", but "stop" under a named
+    `tool_choice` (what OpenAI answers, streamed or not)."""
+    return "stop" if named else "tool_calls"
+
+
 @dataclass
 class Choice:
     """What one choice (one engine sequence) produced so far."""
@@ -34,16 +40,17 @@ class Choice:
         if out.finished:
             self.finish_reason = out.finish_reason
 
-    def take_tool_calls(self, names: set[str]) -> Reply:
+    def take_tool_calls(self, names: set[str], named: bool = False) -> Reply:
         """Move the tool calls in `text` (of functions in `names`) to `tool_calls` (server/api/tool_calls.py).
         A choice that stopped by itself after calling, or whose reply ended at a repeated call, finishes
-        with "tool_calls"; a call cut short by max_tokens is dropped and the choice stays "length"."""
+        with "tool_calls", or "stop" when the request named the function (`named`: OpenAI's rule, which
+        vLLM follows); a call cut short by max_tokens is dropped and the choice stays "length"."""
         reply = parse_whole(self.text, names, self.finish_reason)
         self.text, self.tool_calls = reply.content or "", reply.calls
         if reply.end is not None:
             self.finish_reason = "stop"
         if self.tool_calls and self.finish_reason == "stop":
-            self.finish_reason = "tool_calls"
+            self.finish_reason = called(named)
         return reply
 
     def keep_tokens(self, n: int) -> None:

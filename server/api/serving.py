@@ -5,9 +5,10 @@
 disconnects has its sequences aborted (the scheduler frees their batch slots at the next step) and
 the request still gets its log line (finish_reason "abort"). With `tools`, each choice's text goes
 through a `ToolCallParser` (server/api/tool_calls.py) as it is written: calls become `tool_calls` (each
-streamed whole as `delta.tool_calls`), a choice that called and then stopped finishes with "tool_calls",
-and a choice that repeats one of its calls is ended there (`Scheduler.finish`: the engine stops
-generating it; usage counts its tokens up to the end of the repeat).
+streamed whole as `delta.tool_calls`), a choice that called and then stopped finishes with "tool_calls"
+("stop" under a named `tool_choice`, as OpenAI answers), and a choice that repeats one of its calls is
+ended there (`Scheduler.finish`: the engine stops generating it; usage counts its tokens up to the end of
+the repeat).
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ class OpenAIServing:
         created = int(time.time())
         fmt = self._formatter(body) if logprobs is not None else None
         tool_names = {t.function.name for t in body.active_tools}
+        named = tool_names and not isinstance(body.tool_choice, str | None)  # a named function: "stop" (R.called)
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, len(prompt), started, ttft, finish_reason)
@@ -273,7 +275,7 @@ class OpenAIServing:
 
             def build() -> dict[str, Any]:  # decodes every logprob token: off the loop
                 for c in choices if tool_names else ():
-                    reply = c.take_tool_calls(tool_names)
+                    reply = c.take_tool_calls(tool_names, named)
                     if reply.end is not None:
                         self._keep_tokens(c, prompt, reply.end)
                 response = R.chat_completion(
@@ -333,9 +335,9 @@ class OpenAIServing:
                     if out.finished or ended:
                         if ended:
                             self._keep_tokens(choices[index], prompt, parser.end or 0)
-                            choices[index].finish_reason = "tool_calls"
+                            choices[index].finish_reason = R.called(named)
                         elif parser is not None and parser.calls and out.finish_reason == "stop":
-                            choices[index].finish_reason = "tool_calls"
+                            choices[index].finish_reason = R.called(named)
                         reason = choices[index].finish_reason
                         yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
                 log(ttft)
