@@ -260,7 +260,7 @@ class OpenAIServing:
         created = int(time.time())
         fmt = self._formatter(body) if logprobs is not None else None
         tool_names = {t.function.name for t in body.active_tools}
-        named = tool_names and not isinstance(body.tool_choice, str | None)  # a named function: "stop" (R.called)
+        named = bool(tool_names) and not isinstance(body.tool_choice, str | None)  # a named function: "stop" (R.called)
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             self._log(response_id, body.user, choices, method, len(prompt), started, ttft, finish_reason)
