@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from typing import Any
 import httpx
 
 from bench import ledger
-from bench.server_proc import REPO, free_port, live_server
+from bench.server_proc import REPO, free_port, live_server, running
 
 SUITE = "cluster"
 AGENT_SYSTEM = (
@@ -110,31 +108,16 @@ async def traffic(url: str, clients: int, turns: int, max_tokens: int, salt: str
 
 def run_cluster_arm(router: str, args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "server", "cluster", "--host", "127.0.0.1", "--port", str(port), "--replicas", "2",
            "--replica-num-cpus", str(args.replica_cpus), "--request-router", router, *args.server_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                assert proc.poll() is None, f"cluster exited with {proc.returncode}; see {log_path}"
-                try:
-                    body = httpx.get(f"{url}/health", timeout=5).json()
-                    if sum(r.get("status") == "ready" for r in body.get("replicas", [])) == 2:
-                        break
-                except (httpx.HTTPError, ValueError):
-                    pass
-                assert time.monotonic() < deadline, f"cluster not ready; see {log_path}"
-                time.sleep(1)
-            return asyncio.run(traffic(url, args.clients, args.turns, args.max_tokens, f"cluster-{router}"))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+
+    def both_ready(r: httpx.Response) -> bool:
+        return sum(x.get("status") == "ready" for x in r.json().get("replicas", [])) == 2
+
+    # Ray's processes in a session of their own: killed together if the cluster does not stop
+    with running(cmd, "cluster", port, log_path, 600, ready=both_ready, stop_s=120, cwd=REPO,
+                 start_new_session=True) as url:
+        return asyncio.run(traffic(url, args.clients, args.turns, args.max_tokens, f"cluster-{router}"))
 
 
 def main(argv: list[str] | None = None) -> int:

