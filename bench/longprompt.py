@@ -6,14 +6,16 @@ One server (the default model and settings; `--budget` sets `max_num_batched_tok
 budget: server/speculation/budget.py). Three phases, one after another, each prompt sent once (every
 request has its own `cache_salt`, so neither the prefix cache nor `suffix` sees a prompt twice):
 
-1. `alone`: the long prompt with nothing else running, `max_tokens` 1: its prefill alone (time to first token).
+1. `alone`: two long prompts (different documents) one after the other with nothing else running, `max_tokens`
+   1: the prefill alone is the mean of their times to first token.
 2. `unloaded`: `--clients` clients stream short greedy chats in closed loops for `--seconds`.
 3. `loaded`: the same clients again, and a long prompt (about `--long-tokens` tokens, different text each
    time) arrives every `--every` seconds from the phase's second second.
 
 Reported, for the short streams: tokens/s (completion tokens over the phase's seconds) and p50/p95 of the
 gaps between a stream's chunks (inter-token latency as a client sees it: a chunk may carry several
-accepted tokens); for the long prompts: their times to first token against the prefill alone.
+accepted tokens) and of their times to first token (a new chat that waits behind a long prompt stalls
+before its first gap); for the long prompts: their times to first token against the prefill alone.
 Run it with `--budget 8192` for what computing each prompt whole (no chunking) gives. The figures go to
 `--out` (default bench/results/latest/longprompt/longprompt.json, with the server's log beside it) and the
 run to the ledger (bench/ledger.py) as suite `longprompt` (`--no-record`: neither).
@@ -124,12 +126,16 @@ async def chats(client: httpx.AsyncClient, url: str, model: str, clients: int, s
 
 
 def summary(streams: list[Stream], started: float, ended: float) -> dict:
-    """Tokens/s of the short streams in [started, ended] and their chunk gaps' p50/p95 (seconds)."""
+    """Tokens/s of the short streams in [started, ended], their chunk gaps' p50/p95 and their times to first
+    token's p50/p95 (seconds: a stream that waits to start is a stall the gaps do not show)."""
     gaps = sorted(g for s in streams for g in s.gaps)
     q = statistics.quantiles(gaps, n=20) if len(gaps) >= 20 else [float("nan")] * 19
+    ttfts = sorted(s.ttft for s in streams if s.chunks)
+    t = statistics.quantiles(ttfts, n=20) if len(ttfts) >= 2 else [float("nan")] * 19
     return {"requests": len(streams), "tokens": sum(s.tokens for s in streams),
             "tokens_per_s": sum(s.tokens for s in streams) / (ended - started),
-            "itl_p50_s": statistics.median(gaps) if gaps else float("nan"), "itl_p95_s": q[18]}
+            "itl_p50_s": statistics.median(gaps) if gaps else float("nan"), "itl_p95_s": q[18],
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"), "ttft_p95_s": t[18]}
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict:
@@ -140,8 +146,11 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         alone_body = await long_body(client, url, model, 0, args.long_tokens)
         prompt_tokens = (await client.post(f"{url}/tokenize", json={"model": model, "messages":
                                                                     alone_body["messages"]})).json()["count"]
-        alone = await stream(client, url, {**alone_body, "max_tokens": 1})
-        print(f"long prompt of {prompt_tokens} tokens alone: first token after {alone.ttft:.2f} s", flush=True)
+        alones = [await stream(client, url, {**body, "max_tokens": 1})  # two documents: the mean of two runs
+                  for body in (alone_body, await long_body(client, url, model, 10**6, args.long_tokens))]
+        alone_s = statistics.mean(a.ttft for a in alones)
+        print(f"long prompt of {prompt_tokens} tokens alone: first token after "
+              f"{', '.join(f'{a.ttft:.2f}' for a in alones)} s", flush=True)
 
         started = time.perf_counter()
         unloaded = await chats(client, url, model, args.clients, args.seconds, args.max_tokens, "unloaded")
@@ -172,11 +181,11 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     ttfts = [s.ttft for s in long_streams]
     return {
         "budget": args.budget, "clients": args.clients, "seconds": args.seconds, "every": args.every,
-        "long_prompt_tokens": prompt_tokens, "prefill_alone_s": alone.ttft, "long_ttft_s": ttfts,
+        "long_prompt_tokens": prompt_tokens, "prefill_alone_s": alone_s, "long_ttft_s": ttfts,
         "unloaded": base, "loaded": load,
         "tokens_per_s_ratio": load["tokens_per_s"] / base["tokens_per_s"],
         "itl_p95_ratio": load["itl_p95_s"] / base["itl_p95_s"],
-        "ttft_over_alone": max(ttfts) / alone.ttft if ttfts else float("nan"),
+        "ttft_over_alone": max(ttfts) / alone_s if ttfts else float("nan"),
         "short_streams": {"unloaded": [asdict(s) for s in unloaded], "loaded": [asdict(s) for s in loaded]},
     }
 
@@ -200,7 +209,9 @@ def main() -> None:
     with mock.patch.dict("os.environ", env), live_server([], None, log, timeout_s=600) as url:
         result = asyncio.run(measure(url, args))
     print(f"short streams keep {result['tokens_per_s_ratio']:.0%} of their tokens/s; p95 gap x "
-          f"{result['itl_p95_ratio']:.2f} the unloaded one; long prompts' first token after "
+          f"{result['itl_p95_ratio']:.2f} the unloaded one, their first token's p95 "
+          f"{result['loaded']['ttft_p95_s']:.2f} s "
+          f"({result['unloaded']['ttft_p95_s']:.2f} s unloaded); long prompts' first token after "
           f"{', '.join(f'{t:.1f}' for t in result['long_ttft_s'])} s (alone {result['prefill_alone_s']:.1f} s: "
           f"x {result['ttft_over_alone']:.2f} at worst)")
     args.out.write_text(json.dumps(result, indent=1))
@@ -215,7 +226,7 @@ def ledger_cells(result: dict) -> list[ledger.Cell]:
     values = {k: result[k] for k in ("tokens_per_s_ratio", "itl_p95_ratio", "ttft_over_alone", "prefill_alone_s",
                                      "long_ttft_s")}
     values |= {f"{phase}_{k}": result[phase][k] for phase in ("unloaded", "loaded")
-               for k in ("tokens_per_s", "itl_p50_s", "itl_p95_s")}
+               for k in ("tokens_per_s", "itl_p50_s", "itl_p95_s", "ttft_p95_s")}
     return [ledger.Cell(f"long_prompt_{result['long_prompt_tokens']}", f"budget_{result['budget'] or 'default'}",
                         ratio=result["tokens_per_s_ratio"], baseline="no_long_prompts", clients=result["clients"],
                         values=values)]

@@ -122,8 +122,9 @@ class Settings(BaseSettings):
     # of the device's free memory at start-up, as above. None: every prompt is prefilled in full.
     prefix_cache_memory: str | None = "512MiB"
     # The most tokens one step's target pass computes (vLLM's name): every running row's last token and drafts
-    # first, then the prompts of joining rows in chunks, oldest first (server/speculation/budget.py). A long
-    # prompt is computed over several steps, so the streams already running never wait for it. None: the
+    # first, then the prompts that end within what is left, then a chunk of the oldest prompt left, its tokens
+    # weighted by their depth while rows decode (server/speculation/budget.py). A long prompt is computed over
+    # several steps, so the streams already running never wait for it, nor short prompts behind it. None: the
     # device's default (`step_token_budget`), raised to what a full batch's verify passes need (`max_batch_size`
     # rows of K + 1 tokens); a value given must hold every row's last token and one row's widest drafts + 1.
     max_num_batched_tokens: int | None = Field(default=None, ge=1)

@@ -6,6 +6,8 @@ cancellation stay right."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import llguidance
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from server.config import Settings
 from server.engine.engine import Engine
 from server.model.prefix_cache import BLOCK
-from server.speculation.budget import Room, entering, fit, split
+from server.speculation.budget import Room, StepBudget, attention_span, entering, fit, split
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import assert_same_draws, request, run, run_with_stats
 from tests.test_eagle import head_dir  # noqa: F401 - the fixture
@@ -42,14 +44,16 @@ def long_prompts(prompt_ids: list[list[int]]) -> list[list[int]]:
 
 def test_the_budget_split_serves_decoding_rows_then_prompts_oldest_first():
     """The module docstring's example: budget 64, three decoding rows, an older 1,000-token prompt (prefilling)
-    and a new 20-token one waiting behind it."""
+    and a new 20-token one that finishes beside it (a short prompt never waits behind a long one)."""
     shares = split(64, [0, 0, 1000, 0, 19])
-    assert shares.verify == [True, True, False, True, False] and shares.room == Room(61, 0)
-    assert shares.with_drafts(10) == [0, 0, 51, 0, 0]  # drafts displace the prompt's tokens
+    assert shares.verify == [True, True, False, True, True] and shares.room == Room(41, 0)
+    assert shares.chunks == [0, 0, 0, 0, 19]
+    assert shares.with_drafts(10) == [0, 0, 31, 0, 19]  # drafts displace the long prompt's tokens
+    assert split(64, [0, 1000, 70, 19]).with_drafts(0) == [0, 43, 0, 19]  # the oldest that does not fit
     finishing = split(64, [0, 30, 0])  # a prompt that ends this step also decodes
     assert finishing.chunks == [0, 30, 0] and finishing.verify == [True, True, True]
     assert finishing.room == Room(64 - 3 - 30, 64 - 3 - 30)  # nothing waits: no draft displaces a prompt token
-    assert entering(64, [0, 0, 30]) == 64 - 2 - 31 and entering(8, [0, 100]) == 0
+    assert entering(64, [0, 0, 30]) == 64 - 2 - 31 and entering(8, [0, 100]) == 7 and entering(8, [0] * 8) == 0
     assert fit([8, 2, 5], 9) == [3, 2, 4] and fit([1, 1], 0) == [0, 0]
 
 
@@ -79,14 +83,66 @@ def test_a_long_prompt_never_stalls_the_running_rows(make, prompt_ids):
     engine.add_requests([request("short", prompt_ids[0], "none", max_tokens=40)])
     engine.step()
     engine.add_requests([request("long", (prompt_ids[3] * 20)[:300], "none", max_tokens=4)])
-    steps, waiting = 0, []
+    chunks, waiting = [], []
     while "long" in engine.running and not engine.running["long"].output_ids:
         result = engine.step()
-        steps += 1
         assert [o.request_id for o in result.outputs if o.request_id == "short"] == ["short"]
-        assert 0 < result.prefill_tokens <= BLOCK  # the budget less the short row's token
+        chunks.append(result.prefill_tokens)
         waiting.append(result.prompt_tokens_waiting)
-    assert steps == -(-299 // BLOCK) and waiting[-1] == 0 and waiting == sorted(waiting, reverse=True)
+    assert sum(chunks) == 299 and waiting[-1] == 0 and waiting == sorted(waiting, reverse=True)
+    # the budget less the short row's token, prompt tokens counted by depth (StepBudget): each chunk as long
+    # as that allows (the last one also holds the prompt's last token), shorter the deeper it goes
+    budget, done = engine.step_budget, 0
+    for chunk in chunks[:-1]:
+        assert budget.cost(done, chunk) <= BLOCK < budget.cost(done, chunk + 1)
+        done += chunk
+    assert budget.cost(done, chunks[-1] + 1) <= BLOCK
+    assert 0 < chunks[-2] < chunks[0] <= BLOCK and chunks[:-1] == sorted(chunks[:-1], reverse=True)
+
+
+def test_a_short_prompt_never_waits_behind_a_long_one(make, prompt_ids):
+    """A short request that arrives while a 300-token prompt is being computed enters the batch and computes
+    its whole prompt in the next step (the long prompt's chunk is what is left): its first token comes then,
+    not after the long prompt's; both give what each alone gives."""
+    long_prompt, short_prompt = (prompt_ids[3] * 20)[:300], prompt_ids[0][:BLOCK // 2]
+    want = run(make(WHOLE), [request("long", long_prompt, max_tokens=6)]) | run(
+        make(WHOLE), [request("short", short_prompt, max_tokens=6)])
+    engine = make(BLOCK + 1)
+    got = {"long": [], "short": []}
+    engine.add_requests([request("long", long_prompt, max_tokens=6)])
+    engine.step()
+    engine.add_requests([request("short", short_prompt, max_tokens=6)])
+    result = engine.step()
+    assert [o.request_id for o in result.outputs] == ["short"]  # its first token, the long prompt mid-way
+    assert engine.running["long"].prompt_left > 0 and 0 < result.prefill_tokens
+    for out in result.outputs:
+        got[out.request_id] += out.token_ids
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            got[out.request_id] += out.token_ids
+    assert got == want
+
+
+def test_prompt_tokens_deep_in_a_long_context_take_more_of_the_budget():
+    """A prompt token's attention reads every earlier token: past the model's attention span it costs more
+    than its linear layers, so a chunk deep into a long prompt is shorter and a step costs about the same
+    wherever its chunk sits (budget.py `StepBudget`)."""
+    smol = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    assert attention_span(smol) == 3072 and attention_span(SimpleNamespace()) is None
+    budget = StepBudget(128, 3072)
+    first = split(budget, [0, 0, 8000], [0, 0, 0]).with_drafts(0)[2]  # two decoding rows take 2 tokens
+    deep = split(budget, [0, 0, 100], [0, 0, 7900]).with_drafts(0)[2]
+    for start, chunk in ((0, first), (7900, deep)):
+        assert budget.cost(start, chunk) <= 126 < budget.cost(start, chunk + 1)
+    assert first == 123 and 34 <= deep <= 36  # 8,000 tokens in: each costs 1 + 7,900 / 3,072 ~ 3.6
+    # a prompt that would finish unweighted waits for its last chunk when it sits deep
+    assert split(64, [0, 30], [0, 200]).verify == [True, True]
+    assert split(StepBudget(64, 100), [0, 30], [0, 200]).verify == [True, False]
+    # with no row decoding nobody waits: a prompt alone is computed in chunks of the whole budget
+    assert split(budget, [7000], [1000]).with_drafts(0) == [128]
+    # however deep a prompt, a step with room for a token computes one: it always moves
+    assert StepBudget(8, 10).within(10**6, 50, 3) == 1 and StepBudget(8, 10).within(0, 50, 0.5) == 0
+    assert StepBudget(64).within(5000, 50, 20) == 20  # no span: every token counts 1
 
 
 def test_a_prompt_computed_in_chunks_inside_the_cached_prefix_reads_and_stores_it_exactly(make, prompt_ids):
@@ -182,10 +238,12 @@ def test_cancelling_mid_prefill_frees_everything_and_keeps_the_blocks_computed(m
     for _ in range(3):
         engine.step()
     assert engine.running["gone"].prompt_left > 0  # mid-prefill
+    computed = engine.running["gone"].prompt_computed
+    assert computed >= 2 * BLOCK
     engine.abort_request("gone")
     assert not engine.running and engine.runner.rows == [] and engine.kv_cache_usage() == 0  # no KV left held
     assert all(not ids for ids in engine.planner.members.values())
     assert engine.admission.prompt_waiting() == 0
     engine.add_requests([request("retry", prompt, "eagle", K, max_tokens=8)])
     engine.step()
-    assert engine.running["retry"].stats.cached_tokens == 3 * BLOCK  # the whole blocks its chunks computed
+    assert engine.running["retry"].stats.cached_tokens == computed // BLOCK * BLOCK  # the whole blocks computed

@@ -133,7 +133,8 @@ class Admission:
 
     def enter(self, budget: int) -> dict[str, Exception]:
         """Joining rows enter the target's batch, in the order they joined, while the step's `budget` has
-        tokens left after the batch's rows (budget.py `entering`): the longest prefix of each prompt the
+        tokens left after the batch's decoding rows and the prompts that finish (budget.py `entering`: a
+        prompt too long for this step leaves the rest to short ones): the longest prefix of each prompt the
         prefix cache holds now is loaded (so a prompt that starts like one computed a moment ago reads it:
         blocks are stored as chunks are computed), the rest is left to the steps' passes, and the planner
         tells the proposers. A row whose prompt starts with the same first block as one whose whole blocks are

@@ -36,6 +36,7 @@ from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.memory import HeapTrimmer, budget_bytes, rss_bytes
 from server.model.runner import ModelRunner
 from server.speculation.acceptance import AcceptanceModel
+from server.speculation.budget import StepBudget, attention_span
 from server.speculation.cost import CostModel, elapsed_since
 from server.speculation.planner import Planner
 from server.speculation.policy import DraftPolicy
@@ -82,6 +83,7 @@ class Engine:
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
         self.budget = settings.step_token_budget(self.device.type)  # tokens a step's pass computes at most
+        self.step_budget = StepBudget(self.budget, attention_span(target.model.config))  # prompt tokens by depth
         slack = row_slack(self.budget)
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
         self.runner = ModelRunner(target.model, self.kv_slots)
@@ -173,7 +175,7 @@ class Engine:
     def _verify(self, seqs: list[Sequence], hold: frozenset[str]) -> Verified:
         """Plan, verify in one target pass and sample, for the rows not in `hold`; the pass's timing
         teaches the cost model and the thread governor. Changes only what isolation's checkpoint restores."""
-        plan = self.planner.plan(seqs, hold, self.budget)
+        plan = self.planner.plan(seqs, hold, self.step_budget)
         started = time.perf_counter()
         verified = self.verifier(seqs, plan, hold, hidden=self.planner.needs_hidden)
         self._learn(verified, elapsed_since(started, self.device))

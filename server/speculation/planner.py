@@ -29,7 +29,7 @@ from server.model.kv_shape import KVShape
 from server.model.prefix_cache import Block, StateReader, leading_states
 from server.model.runner import ModelRunner
 from server.speculation.acceptance import AcceptanceModel
-from server.speculation.budget import Split, fit, split
+from server.speculation.budget import Split, StepBudget, fit, split
 from server.speculation.constrain import Constraint, constrain, until_stop
 from server.speculation.cost import CostModel, elapsed_since
 from server.speculation.model_proposer import ModelProposer
@@ -56,6 +56,8 @@ class PlannedSequence(SequenceView, Protocol):
     def grammar(self) -> Constraint | None: ...  # the request's grammar (constrained decoding), or None
     @property
     def prompt_left(self) -> int: ...  # prompt tokens (before its last) not computed yet: no target features
+    @property
+    def prompt_computed(self) -> int: ...  # prompt tokens computed (or read from the prefix cache) so far
     @property
     def stop_ids(self) -> frozenset[int]: ...  # token ids that end the request when emitted
 
@@ -168,22 +170,22 @@ class Planner:
             self.parts.call("acceptance", self.policy.forget, s.request_id, default=None)
 
     # ---- one step ------------------------------------------------------------------------------
-    def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset(), budget: int | None = None
-             ) -> StepPlan:
+    def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset(),
+             budget: StepBudget | int | None = None) -> StepPlan:
         """The step's token budget split over the rows (budget.py: decoding rows, prompts that finish, drafts,
         then a chunk of the oldest prompt left; None: no limit), then lookahead proposers (nearly free), the
         policy's choice for every row that decodes, and the drafts of the model proposers chosen. Rows in
         `hold` (request ids) take no part: no proposer looks at them (model proposers ask them for K = 0) and
         they feed nothing, like rows whose prompt the budget does not reach. An `auto` row the policy says
         is not due sits out the step as a plain row. A plan that raises is a plain step (module doc)."""
-        shares = split(budget if budget is not None else 2**31, [
-            None if s.request_id in hold else s.prompt_left for s in seqs])
-        plain = shares.plan([PLAIN_ROW if v else IDLE_ROW for v in shares.verify], budget)
+        shares = split(budget, [None if s.request_id in hold else s.prompt_left for s in seqs],
+                       [s.prompt_computed for s in seqs])
+        plain = shares.plan([PLAIN_ROW if v else IDLE_ROW for v in shares.verify])
         if not self.parts.on("planner"):
             return plain
         try:
             return shares.plan(self._plan(seqs, hold | {s.request_id for s, v in zip(
-                seqs, shares.verify, strict=True) if not v}, shares), budget)
+                seqs, shares.verify, strict=True) if not v}, shares))
         except Exception as exc:
             self.parts.failed("planner", exc)
             if self._step_start is not None:  # what the failed plan's proposer calls changed
