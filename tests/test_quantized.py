@@ -15,8 +15,10 @@ from torch import nn
 
 from server.config import Settings
 from server.model import gguf_weights
+from server.model.attention import WIDE, use_gqa_attention
 from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import PrefixCache
+from server.model.runner import ModelRunner
 from server.model.quantized import (
     GROUP,
     Fp16Table,
@@ -227,6 +229,25 @@ def test_greedy_output_on_a_quantized_target_is_the_same_for_every_proposer(
     assert engine.runner.call.fused[0] is not None  # the quantized kernels, fused, are what runs
     out = run(engine, [request(f"r{i}", p, method, 3) for i, p in enumerate(prompt_ids)])
     assert out == quantized_reference
+
+
+def test_a_position_gets_the_same_logits_in_a_call_of_any_width_on_a_quantized_target(quantized_pair, tiny_target):
+    """The quantized kernels round their inputs to bfloat16, so attention's last bits would reach the logits:
+    a quantized model attends in float64 (attention.py), and a position's logits are the same bits fed one token
+    at a time beside a longer row as fed within a 10-token pass alone. A dense model keeps float32 attention."""
+    model = quantized_pair[0].model
+    use_gqa_attention(model)
+    assert all(getattr(m, WIDE) for m in model.modules() if hasattr(m, "q_proj"))
+    use_gqa_attention(tiny_target.model)
+    assert not any(getattr(m, WIDE, False) for m in tiny_target.model.modules())
+    tokens = [(37 * i) % 900 + 50 for i in range(40)]
+    one = ModelRunner(model)
+    one.join(["a", "long"], [tokens[:30], [(11 * i) % 700 + 60 for i in range(90)]])
+    singly = torch.cat([one.forward([[t], [7]]).logits[0, :1] for t in tokens[30:]])
+    wide = ModelRunner(model)
+    wide.join(["a"], [tokens[:30]])
+    together = wide.forward([tokens[30:]]).logits[0]
+    assert torch.equal(singly, together)
 
 
 def test_mixed_methods_in_one_batch_on_a_quantized_target(quantized_pair, quantized_reference, prompt_ids):

@@ -18,6 +18,19 @@ call and only the rows that feed more run their other queries, one call per row 
 The packed order puts every row's first token ahead of the others, so that batched call reads a slice
 of the queries and the outputs are one concatenation: at 8 rows on 2 cores, a pass where one row
 drafts one token costs ~8% more than the plain pass where gathering and scattering per layer cost ~15%.
+
+Wide attention. Greedy output must not depend on the proposer, so a position's logits must be the same
+bits whether it is the one token of a step, one of a verify pass's K + 1, or one of a prompt chunk; the
+linear layers and norms are (each row alone), attention is not: PyTorch's CPU SDPA takes another path for
+1-3 queries than for more, and blocks the key columns by the call's length, so a query gets other last bits
+in calls of other widths or beside longer rows. In float32 those differences stay ~1e-7 of a logit. The
+quantized layers' CPU kernels (quantized.py) round their inputs to bfloat16, where a last-bit difference
+sometimes crosses a rounding boundary and becomes a 2^-8 step: on the built-in model with `--weights
+as-file` that changed greedy text with the proposer within 8-18 tokens on 2 of 4 prompts. A model with such
+layers therefore attends in float64 (`use_gqa_attention` marks it): each call's differences are then ~1e-16
+and vanish when the output is rounded back to float32 (the same 4 prompts, 64 tokens, `none`, `ngram`,
+`suffix`, `eagle` and `auto`: identical). Measured on 2 cores, as-file: decoding 6-7% slower (1 and 4 rows),
+a 2,000-token prompt's prefill 1.39x (attention is ~40% of a chunk's cost there; float64 halves its speed).
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+
+from server.model.quantized import QuantLinear
 
 NAME = "specula_gqa_sdpa"
 
@@ -84,6 +99,9 @@ class Packing:
         return [inputs[b][:1] for b in self.fed] + [inputs[b][1:] for b, _, _ in self.rests]
 
 
+WIDE = "specula_wide_attention"  # the attention module's flag: attend in float64 (module doc)
+
+
 def gqa_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [batch, heads, q_len, head_dim]; packed: [1, heads, N, head_dim]
@@ -96,6 +114,12 @@ def gqa_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     gqa = key.shape[1] != query.shape[1]
+    if getattr(module, WIDE, False) and query.dtype != torch.float64:
+        mask = attention_mask.double() if attention_mask is not None and attention_mask.is_floating_point() \
+            else attention_mask
+        out, _ = gqa_sdpa_attention(module, query.double(), key.double(), value.double(), mask, dropout, scaling,
+                                    packing, **kwargs)
+        return out.to(query.dtype), None
     if packing is not None:
         return _packed(query, key, value, attention_mask, scaling, gqa, packing), None
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
@@ -141,9 +165,14 @@ AttentionInterface.register(NAME, gqa_sdpa_attention)
 
 
 def use_gqa_attention(model: PreTrainedModel) -> None:
-    """Switch a model running plain `sdpa` to the grouped-head SDPA above."""
+    """Switch a model running plain `sdpa` to the grouped-head SDPA above; a model whose linear layers round
+    their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc)."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(NAME)
+    rounds = any(isinstance(m, QuantLinear) and m.runs_kernel() for m in model.modules())  # bf16 inputs
+    for module in model.modules():
+        if hasattr(module, "q_proj"):  # a decoder layer's attention
+            setattr(module, WIDE, rounds)
 
 
 def packs(model: PreTrainedModel) -> bool:
