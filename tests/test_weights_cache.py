@@ -1,7 +1,8 @@
-"""The dequantized-weights cache (server/model/loading.py) never serves garbage and never wedges a start:
+"""The converted-weights cache (server/model/loading.py) never serves garbage and never wedges a start:
 an unwritable directory, a truncated or corrupted file, and replicas racing on one empty directory all
 end in a served model with the GGUF's weights; a load that cannot succeed makes `serve` exit non-zero.
-Every fault is made for real on a tiny GGUF file (tests/models.py)."""
+Every fault is made for real on a tiny GGUF file (tests/models.py), in both kinds of entry: the file's own
+tensors (`as-file`, the default on CPU) and the dequantized fp32 weights (what the other formats start from)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,42 @@ def gguf_file(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-model.gguf")
 
 
+# weights format -> (its entry's weights file, what a conversion logs)
+FORMATS = {"as-file": ("quantized.safetensors", "reading the quantized tensors"),
+           "fp32": ("model.safetensors", "dequantizing")}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def fmt(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(gguf_file) -> dict[str, torch.Tensor]:
-    """The GGUF's weights, dequantized without any cache."""
-    model = load_model(str(gguf_file), device="cpu", cache_dir=None).model
+def reference(gguf_file, fmt) -> dict[str, torch.Tensor]:
+    """The GGUF's weights in the format, converted without any cache."""
+    model = load_model(str(gguf_file), device="cpu", cache_dir=None, weights=fmt).model
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def load(gguf: Path, cache_dir: Path):
-    return load_model(str(gguf), device="cpu", cache_dir=cache_dir)
+@pytest.fixture
+def load(fmt):
+    return lambda gguf, cache_dir: load_model(str(gguf), device="cpu", cache_dir=cache_dir, weights=fmt)
+
+
+@pytest.fixture
+def entry(fmt):
+    return lambda gguf, cache_dir: weights_cache.entry_path(gguf, cache_dir, fmt)
+
+
+@pytest.fixture
+def weights_file(fmt) -> str:
+    return FORMATS[fmt][0]
+
+
+@pytest.fixture
+def dequantized(fmt):
+    """How many loads logged converting the GGUF (a cache miss) since the last `caplog.clear()`."""
+    return lambda caplog: sum(FORMATS[fmt][1] in r.getMessage() for r in caplog.records)
 
 
 def assert_weights(model, reference: dict[str, torch.Tensor]) -> None:
@@ -52,23 +80,15 @@ def assert_weights(model, reference: dict[str, torch.Tensor]) -> None:
     assert not bad, f"weights differ from the GGUF's: {bad[:5]}"
 
 
-def entry(gguf: Path, cache_dir: Path) -> Path:
-    return weights_cache.entry_path(gguf, cache_dir)
-
-
-def dequantized(caplog) -> int:
-    """How many loads logged converting the GGUF (a cache miss) since the last `caplog.clear()`."""
-    return sum("dequantizing" in r.getMessage() for r in caplog.records)
-
-
 @pytest.fixture(autouse=True)
 def _logs(caplog):
     caplog.set_level(logging.INFO, logger="server.model.loading")
 
 
-def test_a_warm_cache_is_read_not_converted_again(gguf_file, reference, tmp_path, caplog):
+def test_a_warm_cache_is_read_not_converted_again(gguf_file, reference, tmp_path, caplog, load, entry, dequantized,
+                                                   weights_file):
     assert_weights(load(gguf_file, tmp_path).model, reference)
-    assert dequantized(caplog) == 1 and (entry(gguf_file, tmp_path) / "model.safetensors").is_file()
+    assert dequantized(caplog) == 1 and (entry(gguf_file, tmp_path) / weights_file).is_file()
     caplog.clear()
     assert_weights(load(gguf_file, tmp_path).model, reference)
     assert dequantized(caplog) == 0
@@ -110,7 +130,7 @@ def file_in_the_way(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("fault", ["read-only", "file-in-the-way"])
-def test_an_unwritable_cache_serves_from_memory(fault, gguf_file, reference, tmp_path, caplog):
+def test_an_unwritable_cache_serves_from_memory(fault, gguf_file, reference, tmp_path, caplog, load):
     with ExitStack() as stack:
         if fault == "read-only":
             cache = stack.enter_context(read_only(tmp_path / "cache"))
@@ -122,10 +142,11 @@ def test_an_unwritable_cache_serves_from_memory(fault, gguf_file, reference, tmp
     assert any(r.levelno == logging.WARNING and "serving from memory" in r.getMessage() for r in caplog.records)
 
 
-def test_a_damaged_entry_in_a_read_only_directory_serves_from_memory(gguf_file, reference, tmp_path, caplog):
+def test_a_damaged_entry_in_a_read_only_directory_serves_from_memory(gguf_file, reference, tmp_path, caplog, load,
+                                                                     entry, weights_file):
     cache = tmp_path / "cache"
     load(gguf_file, cache)
-    weights = entry(gguf_file, cache) / "model.safetensors"
+    weights = entry(gguf_file, cache) / weights_file
     size = weights.stat().st_size
     os.truncate(weights, size // 2)
     caplog.clear()
@@ -135,7 +156,8 @@ def test_a_damaged_entry_in_a_read_only_directory_serves_from_memory(gguf_file, 
     assert weights.stat().st_size == size // 2  # left as it was: the directory could not be written
 
 
-def test_an_entry_without_its_manifest_is_converted_again(gguf_file, reference, tmp_path, caplog):
+def test_an_entry_without_its_manifest_is_converted_again(gguf_file, reference, tmp_path, caplog, load, entry,
+                                                          dequantized):
     """A write killed before its manifest, or a cache from a version before checked entries."""
     load(gguf_file, tmp_path)
     (entry(gguf_file, tmp_path) / weights_cache.MANIFEST).unlink()
@@ -144,9 +166,10 @@ def test_an_entry_without_its_manifest_is_converted_again(gguf_file, reference, 
     assert dequantized(caplog) == 1 and (entry(gguf_file, tmp_path) / weights_cache.MANIFEST).is_file()
 
 
-def test_a_truncated_file_is_converted_again_and_replaced(gguf_file, reference, tmp_path, caplog):
+def test_a_truncated_file_is_converted_again_and_replaced(gguf_file, reference, tmp_path, caplog, load, entry,
+                                                          dequantized, weights_file):
     load(gguf_file, tmp_path)
-    weights = entry(gguf_file, tmp_path) / "model.safetensors"
+    weights = entry(gguf_file, tmp_path) / weights_file
     size = weights.stat().st_size
     os.truncate(weights, size // 2)  # a full disk, a killed copy
     caplog.clear()
@@ -158,9 +181,10 @@ def test_a_truncated_file_is_converted_again_and_replaced(gguf_file, reference, 
     assert dequantized(caplog) == 0  # ... so the next start reads it again
 
 
-def test_a_flipped_byte_is_caught_and_the_file_replaced(gguf_file, reference, tmp_path, caplog):
+def test_a_flipped_byte_is_caught_and_the_file_replaced(gguf_file, reference, tmp_path, caplog, load, entry,
+                                                        dequantized, weights_file):
     load(gguf_file, tmp_path)
-    weights = entry(gguf_file, tmp_path) / "model.safetensors"
+    weights = entry(gguf_file, tmp_path) / weights_file
     data = bytearray(weights.read_bytes())
     data[len(data) * 3 // 4] ^= 0xFF  # inside a tensor: the file still parses, same size, wrong weights
     weights.write_bytes(bytes(data))
@@ -178,26 +202,28 @@ import logging, pathlib, sys, time
 import torch
 from transformers import PreTrainedModel
 
-gguf, cache, ready, name, out = sys.argv[1:]
-real_save = PreTrainedModel.save_pretrained
+gguf, cache, ready, name, out, fmt = sys.argv[1:]
+from server.model import weights_cache
+real_manifest = weights_cache._write_manifest
 
-def save(self, *args, **kwargs):  # both replicas write at once: each waits here until the other is here too
+def manifest(*args, **kwargs):  # both replicas write at once: each waits here until the other is here too
     pathlib.Path(ready, name).touch()
     deadline = time.monotonic() + 60
     while len(list(pathlib.Path(ready).iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    return real_save(self, *args, **kwargs)
+    return real_manifest(*args, **kwargs)
 
-PreTrainedModel.save_pretrained = save
+weights_cache._write_manifest = manifest
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 from server.model.loading import load_model
 
-torch.save(load_model(gguf, device="cpu", cache_dir=pathlib.Path(cache)).model.state_dict(), out)
+torch.save(load_model(gguf, device="cpu", cache_dir=pathlib.Path(cache), weights=fmt).model.state_dict(), out)
 """
 
 
 @pytest.mark.slow
-def test_two_replicas_racing_on_an_empty_cache_both_load(gguf_file, reference, tmp_path, caplog):
+def test_two_replicas_racing_on_an_empty_cache_both_load(gguf_file, reference, tmp_path, caplog, fmt, load, entry,
+                                                         dequantized):
     """Two replicas (processes) on one empty shared volume: both convert the GGUF and write the cache at
     the same moment; one entry wins, the other replica loads the winner's; no temporaries are left."""
     cache, ready = tmp_path / "cache", tmp_path / "ready"
@@ -205,7 +231,8 @@ def test_two_replicas_racing_on_an_empty_cache_both_load(gguf_file, reference, t
     root = Path(__file__).resolve().parents[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", REPLICA, str(gguf_file), str(cache), str(ready), str(i), str(tmp_path / f"{i}.pt")],
+            [sys.executable, "-c", REPLICA, str(gguf_file), str(cache), str(ready), str(i), str(tmp_path / f"{i}.pt"),
+             fmt],
             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for i in range(2)
@@ -223,7 +250,7 @@ def test_two_replicas_racing_on_an_empty_cache_both_load(gguf_file, reference, t
     assert dequantized(caplog) == 0
 
 
-def test_temporaries_of_writers_that_died_are_swept(gguf_file, reference, tmp_path):
+def test_temporaries_of_writers_that_died_are_swept(gguf_file, reference, tmp_path, load, entry):
     """A replica killed mid-write leaves `<entry>.tmp-<pid>-<random>` (540 MB for SmolLM2): the next
     write removes those an hour old, never a live writer's."""
     name = entry(gguf_file, tmp_path).name

@@ -208,8 +208,11 @@ def weights_of(model: PreTrainedModel) -> QuantizedWeights:
     head = model.get_output_embeddings()
     if isinstance(head, TableHead) and head.table is not model.get_input_embeddings():
         out.kinds["lm_head"] = "table"
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
     for name, tensor in model.state_dict().items():
         if name.startswith("lm_head.table.") and head.table is model.get_input_embeddings():
             continue  # tied: the table is stored once, under the embeddings
+        if name == "lm_head.weight" and embedding is not None and tensor.data_ptr() == embedding.data_ptr():
+            continue  # a dense head tied to the embeddings (a file without quantized tables): `assemble` ties it
         out.tensors[name.replace("lm_head.table.", "lm_head.")] = tensor
     return out

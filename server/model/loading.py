@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from server.model import gguf_weights
-from server.model.quantized import quantize_linears
+from server.model.quantized import has_int4_kernel, quantize_linears
 from server.model.weights_cache import (
     KINDS_FILE,
     QUANTIZED_FILE,
@@ -93,15 +93,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_weights(weights: str | None, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
-    """The weights format to serve. "auto" and None: dense in `dtype`. `as-file` is the fastest measured on
-    CPU for a GGUF, but not the default yet: its kernels round activations to bf16, which turns the last-bit
-    differences attention's sums have between verify widths (PyTorch's CPU SDPA rounds a row differently
-    with 1-3 queries in a call, or with more masked key columns) into different greedy tokens on the
-    built-in model within 64 tokens, and greedy text must not depend on the proposer (docs/bench.md). The
-    quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
+    """The weights format to serve. "auto" and None: a GGUF's own tensors (`as-file`) on a CPU with the int4
+    kernel when `dtype` is float32 (the fastest measured: 1.9x fp32 for `none`, 1.3x for `auto`, over HTTP,
+    at 0.54x the peak RSS; docs/bench-journal.md), else dense in `dtype`. Its kernels round activations to
+    bf16, so the model attends in float64 (attention.py) and greedy text stays the same for every proposer.
+    The quantized formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
     dense = _DTYPE_FORMATS.get(dtype, "fp32")
     if weights is None or weights == "auto":
-        return dense
+        cpu_kernel = device.type == "cpu" and dtype == torch.float32 and has_int4_kernel()
+        return "as-file" if gguf and cpu_kernel else dense
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
     if weights in QUANTIZED_FORMATS and device.type != "cpu":
