@@ -169,7 +169,7 @@ def test_weights_cache_has_an_entry_per_format(tmp_path):
 
 def test_which_weights_are_served():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "as-file"  # the file's own
+    assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.float32) == "fp32"  # prompts cost less
     assert resolve_weights("auto", gguf=True, device=cpu, dtype=torch.bfloat16) == "bf16"  # a dtype asked for
     assert resolve_weights("as-file", gguf=True, device=cpu, dtype=torch.float32) == "as-file"
     assert resolve_weights("auto", gguf=False, device=cpu, dtype=torch.float32) == "fp32"
