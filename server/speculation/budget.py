@@ -7,7 +7,8 @@ are served in the batch's order, which is the order they entered it (oldest firs
 2. a row whose prompt is still being computed *finishes* it when what is left of the budget holds the
    rest of its prompt and its last token: its pass computes them and it starts decoding (and drafting) in
    this very step, as a decoding row does. A short prompt finishes so even behind a long one: a chat's
-   title request never waits for the 7,000-token prompt that came just before it;
+   title request never waits for the 7,000-token prompt that came just before it (the long one gets what
+   the short ones leave, every step);
 3. the first row whose prompt does not fit is *prefilling*: it gets a chunk of its prompt, and the other
    rows that do not fit nothing (a prompt longer than the budget is computed over several steps).
 4. drafts come before that chunk: they may take what step 3 would have given it (`room`). A draft then
