@@ -144,7 +144,7 @@ def test_a_draft_model_starts_from_the_keys_and_values_it_computed_for_an_earlie
     turn = shared + prompt_ids[2]
     for e in (engine, fresh):
         e.add_requests([request("b", turn, "draft", 4, max_tokens=24)])
-        e.admission.enter(e.budget)  # the row enters the batch (the first step's start): its prefix is loaded
+        e.admission.enter(e.step_budget.tokens)  # the row enters the batch (the first step's start): prefix loaded
     drafts = [e.proposer("draft") for e in (engine, fresh)]
     assert sum(s[0].shape[2] for s in drafts[0]._loaded["b"]) == len(shared) // BLOCK * BLOCK
     out: list[list[int]] = [[], []]

@@ -82,9 +82,9 @@ class Engine:
                                              namespace=f"{target.name}:{target.weights}")  # differ per weights format
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
-        self.budget = settings.step_token_budget(self.device.type)  # tokens a step's pass computes at most
-        self.step_budget = StepBudget(self.budget, attention_span(target.model.config))  # prompt tokens by depth
-        slack = row_slack(self.budget)
+        # the most tokens a step's pass computes, prompt tokens weighted by their depth (budget.py)
+        self.step_budget = StepBudget(settings.step_token_budget(self.device.type), attention_span(target.model.config))
+        slack = row_slack(self.step_budget.tokens)
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
         self.runner = ModelRunner(target.model, self.kv_slots)
         max_context = settings.max_model_len or target.max_context
@@ -156,7 +156,7 @@ class Engine:
         its neighbours' step goes through as if it had never been there. Raises `EngineFault` when a
         failure cannot be pinned on rows (the engine itself is broken: the scheduler stops serving)."""
         started = time.perf_counter()
-        failures: dict[str, Exception] = self.admission.enter(self.budget)  # joined rows the budget reaches
+        failures: dict[str, Exception] = self.admission.enter(self.step_budget.tokens)  # rows the budget reaches
         self.memory.observe_join()
         seqs = [self.running[rid] for rid in self.runner.rows]  # the target cache's row order: oldest first
         outputs, stats = [], []

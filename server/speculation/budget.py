@@ -111,8 +111,8 @@ class Split:
     verify: list[bool]
     prompt_left: list[int]
     room: Room
-    budget: StepBudget | None = None  # None: no limit
-    prompt_done: list[int] | None = None  # each row's prompt tokens computed before this step (positions)
+    budget: StepBudget | None  # None: no limit
+    prompt_done: list[int]  # each row's prompt tokens computed before this step (positions)
 
     def with_drafts(self, drafts: int) -> list[int]:
         """Every row's chunk once the step's drafts take `drafts` tokens of the room: the prefilling row
@@ -120,10 +120,9 @@ class Split:
         rows behind it nothing."""
         left = self.room.tokens - drafts
         chunks = list(self.chunks)
-        done = self.prompt_done or [0] * len(chunks)
         for b, (verify, need) in enumerate(zip(self.verify, self.prompt_left, strict=True)):
             if not verify and need:
-                chunks[b] = (self.budget or UNLIMITED).within(done[b], need, left)
+                chunks[b] = (self.budget or UNLIMITED).within(self.prompt_done[b], need, left)
                 break
         return chunks
 
@@ -172,11 +171,7 @@ def entering(tokens: int, prompt_left: list[int]) -> int:
     """What the budget leaves for rows not in the batch yet, after the batch's decoding rows and the prompts
     that finish (`prompt_left` as in `split`; a prompt that does not fit leaves room to short ones, as in
     `split`): joining rows enter the batch while this is positive (server/engine/admission.py)."""
-    left = tokens - sum(1 for need in prompt_left if need == 0)
-    for need in prompt_left:
-        if need and need + 1 <= left:
-            left -= need + 1
-    return max(left, 0)
+    return split(tokens, list(prompt_left)).room.tokens  # counted as `split` counts them, by token
 
 
 def fit(ks: list[int], room: int) -> list[int]:
