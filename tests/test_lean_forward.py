@@ -245,3 +245,21 @@ def test_dropping_pages_of_weights_read_from_a_file_keeps_every_value(tmp_path):
     assert drop_file_pages([mapped]) >= values.numel() * 4 - 2 * os.sysconf("SC_PAGE_SIZE")
     assert drop_file_pages([heap]) == 0
     assert torch.equal(mapped, values) and torch.equal(heap, values)
+
+
+@pytest.mark.parametrize("width", [1, 5, 33])
+def test_the_lean_rotary_embedding_is_transformers_bit_for_bit(width):
+    """The lean forward rotates q and k (side by side, one call) as x*cos + roll(x)*signed sin: the same products
+    as transformers' rotate_half form, so the same bits, not merely close ones (greedy exactness needs them)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from server.model.lean_forward import _rotate, _signed
+
+    g = torch.Generator().manual_seed(width)
+    q, k = torch.randn(2, 9, width, 64, generator=g), torch.randn(2, 3, width, 64, generator=g)
+    angles = torch.rand(2, width, 32, generator=g) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [batch, W, d]
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    qk = torch.cat([q, k], dim=1).transpose(1, 2)  # [batch, W, heads, d] as the projection gives them
+    got_q, got_k = _rotate(qk, cos[:, :, None], _signed(sin[:, :, None])).transpose(1, 2).split([9, 3], dim=1)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
