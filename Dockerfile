@@ -23,6 +23,10 @@ RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c "import venv, ensure
     fi \
     && python3 -m venv /opt/venv
 
+# A C compiler: the float32 kernels for a GGUF's block weights are built on the host at first use
+# (server/model/cpu_kernels.py; without one, torch's int4 kernel serves `--weights as-file`, slower).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
 # torch first, pinned, from the index of the chosen variant: a bare `torch` would pull a CUDA build.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 

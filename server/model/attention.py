@@ -23,9 +23,10 @@ Wide attention. Greedy output must not depend on the proposer, so a position's l
 bits whether it is the one token of a step, one of a verify pass's K + 1, or one of a prompt chunk; the
 linear layers and norms are (each row alone), attention is not: PyTorch's CPU SDPA takes another path for
 1-3 queries than for more, and blocks the key columns by the call's length, so a query gets other last bits
-in calls of other widths or beside longer rows. In float32 those differences stay ~1e-7 of a logit. The
-quantized layers' CPU kernels (quantized.py) round their inputs to bfloat16, where a last-bit difference
-sometimes crosses a rounding boundary and becomes a 2^-8 step: on the built-in model with `--weights
+in calls of other widths or beside longer rows. In float32 those differences stay ~1e-7 of a logit (and
+greedy text held across proposers on dense float32 weights and on the float32 block kernels of
+cpu_kernels.py). torch's int4 kernel (quantized.py's fallback) rounds its inputs to bfloat16, where a
+last-bit difference sometimes crosses a rounding boundary and becomes a 2^-8 step: on the built-in model with `--weights
 as-file` that changed greedy text with the proposer within 8-18 tokens on 2 of 4 prompts. A model with such
 layers therefore attends in float64 (`use_gqa_attention` marks it): each call's differences are then ~1e-16
 and vanish when the output is rounded back to float32 (the same 4 prompts, 64 tokens, `none`, `ngram`,
@@ -169,7 +170,7 @@ def use_gqa_attention(model: PreTrainedModel) -> None:
     their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc)."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(NAME)
-    rounds = any(isinstance(m, QuantLinear) and m.runs_kernel() for m in model.modules())  # bf16 inputs
+    rounds = any(isinstance(m, QuantLinear) and m.rounds_inputs() for m in model.modules())  # bf16 inputs
     for module in model.modules():
         if hasattr(module, "q_proj"):  # a decoder layer's attention
             setattr(module, WIDE, rounds)

@@ -1,5 +1,10 @@
 """Weight-only quantized linear layers: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors served as they are.
 
+On an x86 CPU with a C compiler the blocks multiply through the float32 block kernels (cpu_kernels.py):
+float32 activations and outputs, w = s q + m per weight in float32 (the file's own arithmetic), a row's result
+the same bits in any batch, faster than torch's int4 kernel at every row count measured. Elsewhere, and with
+`SPECULA_CPU_KERNELS=0`, they run through torch's int4 kernel as described below (`rounds_inputs`).
+
 A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes: SmolLM2-135M
 dequantized to fp32 is 540 MB a step, its Q4_1 file about 80 MB. These modules keep the file's quantized
 blocks and multiply through torch's weight-only kernels, never through an fp32 copy of the weights.
@@ -50,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.model import cpu_kernels
 from server.model.memory import drop_file_pages
 
 GROUP = 32  # weights per ggml block (Q4_0, Q4_1, Q8_0)
@@ -139,8 +145,18 @@ class QuantLinear(nn.Module):
         return self._kernel
 
     def runs_kernel(self) -> bool:
-        """Whether `kernel` is the quantized kernel (on CPU, in a torch that has it), not `dense`."""
-        return all(t.device.type == "cpu" for t in self.buffers()) and self._supported()
+        """Whether `kernel` is a quantized kernel (on CPU, where one runs), not `dense`."""
+        return all(t.device.type == "cpu" for t in self.buffers()) and (self._supported() or self._floats())
+
+    def rounds_inputs(self) -> bool:
+        """Whether its kernel rounds activations (and outputs) to bf16: torch's int4 / int8 kernels do, the
+        float32 block kernels (cpu_kernels.py) do not. A model with such a layer attends in float64
+        (attention.py)."""
+        return self.runs_kernel() and not self._floats()
+
+    def _floats(self) -> bool:
+        """Whether this layer multiplies through the float32 block kernels (GGUF blocks, where they built)."""
+        return False
 
     def release(self) -> list[torch.Tensor]:
         """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
@@ -184,6 +200,12 @@ def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, out: int, bias:
     return call
 
 
+def _with_bias(call: Kernel, bias: torch.Tensor | None) -> Kernel:
+    if bias is None:
+        return call
+    return lambda x: (lambda y: y + bias.to(y.dtype))(call(x))
+
+
 class Q4Linear(QuantLinear):
     """Q4_0 / Q4_1 weights: per group of 32 inputs a scale s and a zero z, w = s (q - 8) + z (see the module doc).
 
@@ -221,9 +243,16 @@ class Q4Linear(QuantLinear):
         q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
         return (s[..., None] * (q - 8) + z[..., None]).reshape(self.out_features, self.in_features)
 
+    def _floats(self) -> bool:
+        return cpu_kernels.library() is not None
+
     def _build(self) -> Kernel:
-        packed = _int4_pack(unpack_nibbles(self.qweight))
-        return _int4_call(packed, self.scales_zeros, self.out_features, self.bias)
+        q = unpack_nibbles(self.qweight)
+        lib = cpu_kernels.library()
+        if lib is not None:  # float32 in and out, w = s q + m with m = z - 8 s (the file's d q + m)
+            s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
+            return _with_bias(cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib), self.bias)
+        return _int4_call(_int4_pack(q), self.scales_zeros, self.out_features, self.bias)
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight, the most the kernel's weight (bf16 s and z) can differ from the file's: u(|s||q-8| + |z|)."""
@@ -259,7 +288,13 @@ class Q8Linear(QuantLinear):
         q = self.qweight.float().view(self.out_features, -1, GROUP)
         return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
 
+    def _floats(self) -> bool:
+        return cpu_kernels.library() is not None
+
     def _build(self) -> Kernel:
+        lib = cpu_kernels.library()
+        if lib is not None:  # float32 in and out, w = d q
+            return _with_bias(cpu_kernels.Tiles.q8(self.qweight, self.scales, lib), self.bias)
         u = self.qweight.to(torch.int32) + 128  # [out, in] in [0, 255]
         hi, lo = u >> 4, u & 15
         packed = _int4_pack(torch.cat([hi, lo], dim=1))  # [out, 2 in]: the high halves' groups, then the low
@@ -315,10 +350,16 @@ class Int8Linear(QuantLinear):
 def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The most `layer.kernel()(x)` may differ from x @ dequantize().T in exact arithmetic, from the format:
     the weights' bf16 error, x's bf16 rounding (u |x| |w|), the output's bf16 rounding (u |y|) and fp32
-    accumulation (K 2^-24 sum |x w|, generously)."""
+    accumulation (K 2^-24 sum |x w|, generously). A layer on the float32 block kernels (cpu_kernels.py) rounds
+    nothing to bf16: each weight once to fp32 (w = s q + m, with m recomputed from the stored zero: a few units
+    in the last place of |s q| + |m|) and the fp32 accumulation."""
     w = layer.dequantize().double()
     xa = x.double().abs()
     exact = x.double() @ w.t()
+    if not layer.rounds_inputs():
+        accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
+        magnitude = w.abs() + 8 * layer.weight_error_bound().double() / BF16_U  # covers |s q| + |m|, generously
+        return 2.0**-23 * (xa @ magnitude.t()) + accumulate
     weights = xa @ layer.weight_error_bound().double().t()
     inputs = BF16_U * (xa @ w.abs().t())
     accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
@@ -335,14 +376,12 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
         return None
     if not isinstance(first, Q4Linear | Q8Linear) or not first.runs_kernel():
         return None
-    out = sum(layer.out_features for layer in layers)
     if isinstance(first, Q4Linear):
-        q = torch.cat([unpack_nibbles(layer.qweight) for layer in layers])
-        sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)
-        call = _int4_call(_int4_pack(q), sz, out, None)
+        merged: QuantLinear = Q4Linear(torch.cat([layer.qweight for layer in layers]),
+                                       torch.cat([layer.scales_zeros for layer in layers], dim=1))
     else:
         merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
-        call = merged.kernel()
+    call = merged.kernel()
     _packed_from(*layers)
     return call
 

@@ -24,6 +24,7 @@ from server.model.kv_cache import BatchKV
 from server.model.kv_shape import KVShape
 from server.model.lean_forward import LeanForward
 from server.model.memory import tensor_bytes
+from server.model.quantized import QuantLinear
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -101,6 +102,9 @@ class ModelRunner:
         # which forward runs (part of the calibration's key: each prices passes differently)
         lean_call = isinstance(self.call, LeanForward)
         self.forward_kind = "transformers" if not lean_call else "lean-onednn" if self.call.packed else "lean"
+        if any(isinstance(m, QuantLinear) and m.runs_kernel() for m in model.modules()):  # which block kernels
+            self.forward_kind += "+bf16-kernels" if any(isinstance(m, QuantLinear) and m.rounds_inputs()
+                                                      for m in model.modules()) else "+f32-blocks"
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
