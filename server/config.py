@@ -69,10 +69,10 @@ class Settings(BaseSettings):
     target: str | None = None
     target_dtype: DType = "float32"
     # How the target's weights are served (server/model/loading.py): "as-file" = a GGUF's quantized tensors as
-    # they are (Q4_0 / Q4_1 / Q8_0 through weight-only int4 kernels on CPU); "int8" = every linear layer
+    # they are (Q4_0 / Q4_1 / Q8_0 through weight-only kernels on CPU); "int8" = every linear layer
     # per-channel int8 weight-only (any checkpoint, on request); "fp32" / "bf16" = dense in that dtype
-    # (target_dtype is then ignored). "auto": dense in the target dtype (as-file decodes 1.3-1.9x faster on CPU
-    # at half the memory, but computes long prompts 1.4-1.7x slower: loading.resolve_weights).
+    # (target_dtype is then ignored). "auto": a GGUF on CPU in float32 as-file where its float32 block kernels
+    # build (a C compiler), else dense in the target dtype (loading.resolve_weights).
     # The quantized kernels are CPU-only: elsewhere they give way to dense weights in the target dtype.
     weights: Literal["auto", "as-file", "int8", "fp32", "bf16"] = "auto"
     # `draft`: a draft model for method `draft` (None = none: the method is then unavailable); "target" =

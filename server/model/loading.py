@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from server.model import gguf_weights
+from server.model import cpu_kernels, gguf_weights
 from server.model.quantized import quantize_linears
 from server.model.weights_cache import (
     KINDS_FILE,
@@ -93,15 +93,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_weights(weights: str | None, *, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
-    """The weights format to serve. "auto" and None: dense in `dtype`. `as-file` decodes fastest on a CPU
-    (over HTTP, one client: 1.9x fp32 for `none`, 1.3x for `auto`, at 0.54x the peak RSS) but computes
-    prompts 1.4-1.7x slower: its kernels round activations to bf16, so its model attends in float64 to keep
-    greedy text the same for every proposer (attention.py), and attention is most of a long prompt's cost.
-    With long prompts beside streaming chats (bench.longprompt) the short streams kept 37% of their tokens/s
-    on it against 71-75% on fp32, so the default stays dense (docs/bench-journal.md). The quantized formats
-    need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
+    """The weights format to serve. "auto" and None: a GGUF on a CPU in float32 is served `as-file` where the
+    float32 block kernels build (cpu_kernels.py): it streams 1.6x the tokens/s of fp32 weights and computes
+    prompts as fast (bench.longprompt, docs/bench-journal.md), at about half the memory. Without those kernels
+    `as-file` runs torch's int4 kernel, whose bf16 activations make its model attend in float64 and its prompts
+    cost 1.4-1.7x more, so "auto" stays dense there; and anything else is dense in `dtype`. The quantized
+    formats need CPU kernels: elsewhere they give way to the dense `dtype` (logged)."""
     dense = _DTYPE_FORMATS.get(dtype, "fp32")
     if weights is None or weights == "auto":
+        if gguf and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None:
+            return "as-file"
         return dense
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
