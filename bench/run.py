@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     requested = args.methods or list(SPEC_METHODS)
     notes: list[str] = []
 
-    # In-process: the same weights the server loads (the default model in fp32, the draft in bf16).
+    # In-process: the same weights the server loads (the default model's default weights, the draft in bf16).
     settings = Settings.load()
     print("loading the default model in-process (cost ratio, peer) ...", flush=True)
     target = load_model(None, dtype="float32", device="cpu", cache_dir=settings.cache_dir)

@@ -1,0 +1,85 @@
+"""The float32 block kernels (server/model/cpu_kernels.py): built on the host, reused, refused safely.
+
+What quantized.py relies on is tested in tests/test_quantized.py over both kernels (error bounds, a row's
+result in any batch, greedy text across proposers); here: the build itself, the AVX2 variant on a host that
+has AVX-512, and what happens without a compiler.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.model import cpu_kernels
+from server.model.quantized import Q4Linear, Q8Linear, unpack_nibbles
+
+build = cpu_kernels.library.__wrapped__  # the uncached builder: each call builds or finds a library anew
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None and not os.environ.get("CI"),
+                                   reason="the float32 block kernels do not build here")
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_a_library_is_built_once_per_source_compiler_and_cpu_and_then_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
+    assert build() is not None
+    built = list(tmp_path.glob("block_gemm-*.so"))
+    assert len(built) == 1 and not [p for p in tmp_path.iterdir() if p.is_dir()]  # no temporaries left
+    stamp = built[0].stat().st_mtime_ns
+    assert build() is not None
+    assert list(tmp_path.glob("block_gemm-*.so")) == built and built[0].stat().st_mtime_ns == stamp
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")
+    assert build() is not None
+    assert len(list(tmp_path.glob("block_gemm-*.so"))) == 2  # never loads a library built for other flags
+
+
+def test_without_a_compiler_quantized_layers_keep_torchs_kernel(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert build() is None
+    assert "unavailable" in caplog.text
+    monkeypatch.setattr(cpu_kernels, "library", build)
+    layer = Q4Linear.quantize(torch.randn(32, 64))
+    assert layer.runs_kernel() == hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    assert layer.rounds_inputs() == layer.runs_kernel()  # torch's kernel: bf16 inputs, float64 attention
+
+
+def test_the_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SPECULA_CPU_KERNELS", "0")
+    assert build() is None
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="an AVX2 CPU builds the AVX2 variant")
+def test_the_avx2_variant_gives_the_same_results_within_float32_and_rows_in_any_batch(tmp_path, monkeypatch):
+    """Most laptops have AVX2 and no AVX-512: the kernels' other branch, built here for a Haswell."""
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
+                                                    for f in cpu_kernels.FLAGS))
+    lib = build()
+    assert lib is not None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g)
+    q4 = Q4Linear.quantize(torch.randn(40, 96, generator=g) * 0.05)
+    s, z = q4.scales_zeros[..., 0].t(), q4.scales_zeros[..., 1].t()
+    q8 = Q8Linear.quantize(torch.randn(40, 96, generator=g) * 0.05)
+    for tiles, layer in ((cpu_kernels.Tiles.q4(unpack_nibbles(q4.qweight), s, z - 8 * s, lib), q4),
+                         (cpu_kernels.Tiles.q8(q8.qweight, q8.scales, lib), q8)):
+        got = tiles(x)
+        exact = x.double() @ layer.dequantize().double().t()
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+        assert all(torch.equal(tiles(x[i : i + 1])[0], got[i]) for i in range(7))
