@@ -318,3 +318,20 @@ def test_calibration_and_prefix_cache_keys_name_the_weights_format(quantized_pai
     tokens = list(range(40))
     names = [PrefixCache(1 << 20, namespace=ns).names(tokens, None) for ns in ("m:as-file", "m:fp32", "m:as-file")]
     assert names[0] != names[1] and names[0] == names[2]
+
+
+def test_a_servers_quantized_weights_are_counted_once_their_buffers_are_dropped(tokenizer, backend):
+    """`specula_memory_bytes{part="weights"}` counts what the kernels hold once the layers' own buffers are
+    dropped (a server's model): about the file's bytes, not only the embedding table."""
+    from server.model.memory import tensor_bytes
+
+    model = _quantized(tiny_llama(len(tokenizer), seed=3), "q4")
+    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    held = sum(m.qweight.numel() for m in layers)  # bytes of the 4-bit values alone
+    use_gqa_attention(model)
+    runner = ModelRunner(model)
+    runner.release_dense()
+    assert all(b.numel() == 0 for m in layers for b in m.buffers())
+    counted = tensor_bytes(runner.weight_tensors(), set())
+    kernels = counted - tensor_bytes([*model.parameters(), *model.buffers()], set())
+    assert kernels >= held  # the kernels' copies (values, scales) are counted where the buffers were

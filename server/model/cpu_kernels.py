@@ -7,11 +7,12 @@ w = s * q + m in float32 (Q4_0 / Q4_1: q in [0, 15], Q8_0: q in [-128, 127], m =
 float32 sum over its row of activations, in four interleaved chains (k mod 4) combined as (c0 + c1) +
 (c2 + c3): the same operations in the same order whatever rows share the call and however many threads
 split the outputs, so a row's result is the same bits alone or in any batch (tests check it). The weights
-are dequantized once per tile of 16 outputs and applied to 4 rows at a time.
+are dequantized once per tile of 16 outputs and applied to 6 rows at a time (then 4, 2, 1).
 
 Measured on the 2-core development machine (AVX-512, 2 threads, us a call for 576 x 960 / 576 x 3072 /
-1536 x 576, this kernel against torch's int4 kernel): 1 row 14/41/22 against 29/64/40, 5 rows 39/116/59
-against 68/185/99, 64 rows 390/1223/608 against 440/1380/686.
+1536 x 576; docs/bench-journal.md): 1 row 14-20 / 41-49 / 22-28 against torch's int4 kernel's 29 / 64 / 40,
+2 rows 22 / 56 / 31, 5 rows 39-45 / 116-126 / 59-67 against 68 / 185 / 99, 64 rows 390-408 / 1205-1223 /
+608-613 against 440 / 1380 / 686.
 
 Built with the host's C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp`, AVX2 or AVX-512 needed)
 into `~/.cache/specula/kernels/` (or `SPECULA_KERNEL_DIR`) under a name hashed from the source, the compiler,
@@ -88,43 +89,40 @@ static inline v16 load16(const float* p) { v16 r; memcpy(&r, p, 64); return r; }
     w[0] = s * sbyte(p) + m; w[1] = s * sbyte(p + 16) + m; w[2] = s * sbyte(p + 32) + m; w[3] = s * sbyte(p + 48) + m; \
   }
 
+/* R rows of x [R, K] against one tile: each row's 4 chains over k, combined as (c0 + c1) + (c2 + c3). The
+   same operations per row for every R, so a row's result does not depend on the block it falls in. */
+#define ROWS(R)                                                                                         \
+  static void rows##R(int kind, const float* x0, int64_t K, const uint8_t* q, const float* s,          \
+                      const float* m, float* y, int64_t ldy) {                                          \
+    v16 a[R][4];                                                                                        \
+    memset(a, 0, sizeof a);                                                                             \
+    for (int64_t g = 0; g < K / 32; g++) {                                                              \
+      const v16 sg = load16(s + g * 16), mg = load16(m + g * 16);                                       \
+      for (int64_t k = g * 32; k < g * 32 + 32; k += 4) {                                               \
+        v16 w[4];                                                                                       \
+        WEIGHTS4(kind, q, k, sg, mg, w)                                                                 \
+        for (int r = 0; r < R; r++)                                                                     \
+          for (int c = 0; c < 4; c++) a[r][c] += x0[r * K + k + c] * w[c];                              \
+      }                                                                                                 \
+    }                                                                                                   \
+    for (int r = 0; r < R; r++) {                                                                       \
+      v16 o = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);                                                \
+      memcpy(y + r * ldy, &o, 64);                                                                      \
+    }                                                                                                   \
+  }
+ROWS(6)
+ROWS(4)
+ROWS(2)
+ROWS(1)
+
+/* One tile's 16 outputs for all M rows: blocks of 6 rows (the weights dequantized once per block), then 4, 2, 1. */
 static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                  const float* m, float* y, int64_t ldy) {
-  const int64_t G = K / 32;
-  int64_t r0 = 0;
-  for (; r0 + 4 <= M; r0 += 4) {
-    v16 a[4][4];
-    memset(a, 0, sizeof a);
-    const float* x0 = x + r0 * K;
-    for (int64_t g = 0; g < G; g++) {
-      const v16 sg = load16(s + g * 16), mg = load16(m + g * 16);
-      for (int64_t k = g * 32; k < g * 32 + 32; k += 4) {
-        v16 w[4];
-        WEIGHTS4(kind, q, k, sg, mg, w)
-        for (int r = 0; r < 4; r++)
-          for (int c = 0; c < 4; c++) a[r][c] += x0[r * K + k + c] * w[c];
-      }
-    }
-    for (int r = 0; r < 4; r++) {
-      v16 o = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
-      memcpy(y + (r0 + r) * ldy, &o, 64);
-    }
-  }
-  for (; r0 < M; r0++) {
-    v16 a[4];
-    memset(a, 0, sizeof a);
-    const float* x0 = x + r0 * K;
-    for (int64_t g = 0; g < G; g++) {
-      const v16 sg = load16(s + g * 16), mg = load16(m + g * 16);
-      for (int64_t k = g * 32; k < g * 32 + 32; k += 4) {
-        v16 w[4];
-        WEIGHTS4(kind, q, k, sg, mg, w)
-        for (int c = 0; c < 4; c++) a[c] += x0[k + c] * w[c];
-      }
-    }
-    v16 o = (a[0] + a[1]) + (a[2] + a[3]);
-    memcpy(y + r0 * ldy, &o, 64);
-  }
+  int64_t r = 0;
+  for (; r + 6 <= M; r += 6) rows6(kind, x + r * K, K, q, s, m, y + r * ldy, ldy);
+  if (M - r >= 4) { rows4(kind, x + r * K, K, q, s, m, y + r * ldy, ldy); r += 4; }
+  if (M - r >= 2) { rows2(kind, x + r * K, K, q, s, m, y + r * ldy, ldy); r += 2; }
+  if (M - r >= 1) rows1(kind, x + r * K, K, q, s, m, y + r * ldy, ldy);
 }
 
 /* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes, s and m
@@ -204,6 +202,11 @@ class Tiles:
         self.kind, self.out, self.lib = kind, out, lib
         self.q, self.s, self.m = q.contiguous(), s.contiguous(), m.contiguous()
         self.tiles, self.in_features = q.shape[0], s.shape[1] * 32
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds (memory accounting)."""
+        return self.q, self.s, self.m
 
     @classmethod
     def q4(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, lib: ctypes.CDLL) -> Tiles:

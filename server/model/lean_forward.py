@@ -288,9 +288,13 @@ class LeanForward:
         return found
 
     def packed_weights(self) -> list[torch.Tensor]:
-        """The reordered copies its packed kernels multiply (none when it runs `F.linear`)."""
+        """The copies its kernels multiply: oneDNN's reordered weights (none when it runs `F.linear`) and the
+        quantized kernels' own layouts (`tensors` of a quantized.py kernel; a server's model holds nothing else
+        of those layers once `release_dense` ran)."""
         kernels = [k for layer in self.linears for k in layer] + [self.lm_head]
-        return [k.packed for k in kernels if isinstance(k, PackedLinear)]
+        kernels += [k for both in self.fused if both is not None for k in (both.qkv, both.gate_up)]
+        packed = [k.packed for k in kernels if isinstance(k, PackedLinear)]
+        return packed + [t for k in kernels for t in getattr(k, "tensors", ())]
 
     def release_dense(self) -> int:
         """Drop the dense weights the packed kernels were reordered from (`PackedLinear.release`): on CPU

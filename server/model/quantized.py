@@ -197,13 +197,20 @@ def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, out: int, bias:
         y = y.view(*shape[:-1], out).to(x.dtype)
         return y + bias.to(y.dtype) if bias is not None else y
 
+    call.tensors = (packed, sz)  # type: ignore[attr-defined]  # what it holds (memory accounting)
     return call
 
 
 def _with_bias(call: Kernel, bias: torch.Tensor | None) -> Kernel:
     if bias is None:
         return call
-    return lambda x: (lambda y: y + bias.to(y.dtype))(call(x))
+
+    def biased(x: torch.Tensor) -> torch.Tensor:
+        y = call(x)
+        return y + bias.to(y.dtype)
+
+    biased.tensors = (*getattr(call, "tensors", ()), bias)  # type: ignore[attr-defined]
+    return biased
 
 
 class Q4Linear(QuantLinear):
@@ -341,6 +348,7 @@ class Int8Linear(QuantLinear):
             y = torch.ops.aten._weight_int8pack_mm(flat, qweight, scales).view(*shape[:-1], out).to(x.dtype)
             return y + bias.to(y.dtype) if bias is not None else y
 
+        call.tensors = (qweight, scales)  # type: ignore[attr-defined]
         return call
 
     def weight_error_bound(self) -> torch.Tensor:
