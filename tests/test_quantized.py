@@ -335,3 +335,11 @@ def test_a_servers_quantized_weights_are_counted_once_their_buffers_are_dropped(
     counted = tensor_bytes(runner.weight_tensors(), set())
     kernels = counted - tensor_bytes([*model.parameters(), *model.buffers()], set())
     assert kernels >= held  # the kernels' copies (values, scales) are counted where the buffers were
+
+
+def test_the_start_up_log_names_the_kernel_each_block_layer_runs(tokenizer, backend):
+    from server.model.loading import describe_weights
+
+    model = _quantized(tiny_llama(len(tokenizer), seed=4), "q4")
+    kernel = "bf16 kernel" if backend == "torch-int4" else "float32 kernel"
+    assert f"q4 ({kernel})" in describe_weights(model, "as-file")

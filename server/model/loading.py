@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from server.model import cpu_kernels, gguf_weights
-from server.model.quantized import quantize_linears
+from server.model.quantized import QuantLinear, quantize_linears
 from server.model.weights_cache import (
     KINDS_FILE,
     QUANTIZED_FILE,
@@ -265,6 +265,8 @@ def describe_weights(model: PreTrainedModel, weights: str) -> str:
     kinds: dict[str, int] = {}
     for module in model.modules():
         kind = getattr(module, "kind", None) or ("fp16 table" if type(module).__name__ == "Fp16Table" else None)
+        if isinstance(module, QuantLinear) and module.runs_kernel():  # which kernel multiplies it
+            kind += " (bf16 kernel)" if module.rounds_inputs() else " (float32 kernel)"
         if kind is None and type(module).__name__ == "Linear":
             kind = f"dense {str(module.weight.dtype).removeprefix('torch.')}"
         if kind is not None:
