@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from server.model.quantized import QuantLinear
+from server.model.quantized import block_kernels
 
 NAME = "specula_gqa_sdpa"
 
@@ -170,10 +170,16 @@ def use_gqa_attention(model: PreTrainedModel) -> None:
     their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc)."""
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(NAME)
-    rounds = any(isinstance(m, QuantLinear) and m.rounds_inputs() for m in model.modules())  # bf16 inputs
+    rounds = block_kernels(model) == "bf16"
     for module in model.modules():
         if hasattr(module, "q_proj"):  # a decoder layer's attention
             setattr(module, WIDE, rounds)
+
+
+def attends_wide(model: PreTrainedModel) -> bool:
+    """Whether `use_gqa_attention` made the model attend in float64 (its first attention module says)."""
+    first = next((m for m in model.modules() if hasattr(m, "q_proj")), None)
+    return bool(getattr(first, WIDE, False))
 
 
 def packs(model: PreTrainedModel) -> bool:

@@ -49,7 +49,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from server.model.attention import WIDE, Packing, gqa_sdpa_attention, packs
+from server.model.attention import Packing, gqa_sdpa_attention, packs
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, TableHead, fused
 
@@ -333,8 +333,6 @@ class LeanForward:
         batch, width = x.shape[:2]
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
-        if getattr(base.layers[0].self_attn, WIDE, False) and attention_mask.dtype != torch.float64:
-            attention_mask = attention_mask.double()  # once, not in every layer's attention
         states = [x] if output_hidden_states else None
         for i, (layer, (q_proj, k_proj, v_proj, o_proj, gate, up, down), both) in enumerate(
             zip(base.layers, self.linears, self.fused, strict=True)

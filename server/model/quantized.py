@@ -110,6 +110,7 @@ class QuantLinear(nn.Module):
     in_features: int
     out_features: int
     kind: str  # "q4" | "q8" | "int8": also the weights-cache's record of each layer's format
+    blocks = False  # ggml blocks the float32 block kernels (cpu_kernels.py) multiply
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -156,7 +157,7 @@ class QuantLinear(nn.Module):
 
     def _floats(self) -> bool:
         """Whether this layer multiplies through the float32 block kernels (GGUF blocks, where they built)."""
-        return False
+        return self.blocks and cpu_kernels.library() is not None
 
     def release(self) -> list[torch.Tensor]:
         """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
@@ -220,6 +221,7 @@ class Q4Linear(QuantLinear):
     [in/32, out, 2] fp32 (the kernel's own layout)."""
 
     kind = "q4"
+    blocks = True
 
     def __init__(self, qweight: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         out_features, half = qweight.shape
@@ -250,9 +252,6 @@ class Q4Linear(QuantLinear):
         q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
         return (s[..., None] * (q - 8) + z[..., None]).reshape(self.out_features, self.in_features)
 
-    def _floats(self) -> bool:
-        return cpu_kernels.library() is not None
-
     def _build(self) -> Kernel:
         q = unpack_nibbles(self.qweight)
         lib = cpu_kernels.library()
@@ -275,6 +274,7 @@ class Q8Linear(QuantLinear):
     Buffers: `qweight` [out, in] int8, `scales` [out, in/32] fp32."""
 
     kind = "q8"
+    blocks = True
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = qweight.shape
@@ -294,9 +294,6 @@ class Q8Linear(QuantLinear):
     def dequantize(self) -> torch.Tensor:
         q = self.qweight.float().view(self.out_features, -1, GROUP)
         return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
-
-    def _floats(self) -> bool:
-        return cpu_kernels.library() is not None
 
     def _build(self) -> Kernel:
         lib = cpu_kernels.library()
@@ -372,6 +369,16 @@ def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     inputs = BF16_U * (xa @ w.abs().t())
     accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
     return weights + inputs + BF16_U * (exact.abs() + weights + inputs) + accumulate
+
+
+def block_kernels(model: nn.Module) -> str | None:
+    """Which kernels a model's quantized layers multiply through: "bf16" when any rounds its inputs to bf16
+    (torch's; the model then attends in float64: attention.py), "float32" when they all run the float32 block
+    kernels, None when no layer runs a quantized kernel."""
+    running = [m for m in model.modules() if isinstance(m, QuantLinear) and m.runs_kernel()]
+    if not running:
+        return None
+    return "bf16" if any(m.rounds_inputs() for m in running) else "float32"
 
 
 def fused(layers: list[QuantLinear]) -> Kernel | None:

@@ -19,12 +19,12 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedModel
 
-from server.model.attention import Packing, packs
+from server.model.attention import Packing, attends_wide, packs
 from server.model.kv_cache import BatchKV
 from server.model.kv_shape import KVShape
 from server.model.lean_forward import LeanForward
 from server.model.memory import tensor_bytes
-from server.model.quantized import QuantLinear
+from server.model.quantized import block_kernels
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -102,9 +102,9 @@ class ModelRunner:
         # which forward runs (part of the calibration's key: each prices passes differently)
         lean_call = isinstance(self.call, LeanForward)
         self.forward_kind = "transformers" if not lean_call else "lean-onednn" if self.call.packed else "lean"
-        if any(isinstance(m, QuantLinear) and m.runs_kernel() for m in model.modules()):  # which block kernels
-            self.forward_kind += "+bf16-kernels" if any(isinstance(m, QuantLinear) and m.rounds_inputs()
-                                                      for m in model.modules()) else "+f32-blocks"
+        kernels = block_kernels(model)  # which quantized kernels
+        if kernels is not None:
+            self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks"}[kernels]
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
@@ -263,7 +263,10 @@ class ModelRunner:
         new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
         dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        # a model attending in float64 (attention.py) gets its mask in float64 here, once per forward, rather
+        # than converted in every layer; the same values (the model dtype's most negative)
+        mask = torch.zeros(allowed.shape, dtype=torch.float64 if attends_wide(self.model) else dtype,
+                           device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     # ---- batch membership ------------------------------------------------------------------------
