@@ -133,6 +133,190 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < tiles; t++) tile(kind, x, M, K, q + t * qb, s + t * sb, m + t * sb, y + t * 16, tiles * 16);
 }
+
+/* ---- the decoder stack of a Llama model on these weights, in one call (cpu_decoder.py) ---------------- */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 splat(float a) { v16 r = {a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; return r; }
+static inline void store16(float* p, v16 v) { memcpy(p, &v, 64); }
+static inline v16 pick(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+/* The 16 lanes' sum in one fixed order (halves folded 16 -> 8 -> 4 -> 2 -> 1). */
+static inline float hsum(v16 v) {
+  v8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char*)&v + 32, 32); a += b;
+  v4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char*)&a + 16, 16); c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* exp of 16 floats (Cephes' range reduction and polynomial, about 1 ulp); 0 below -87.3. */
+static inline v16 vexp(v16 x) {
+  const v16i under = x < splat(-87.3f);
+  x = pick(x > splat(88.7f), splat(88.7f), x);
+  x = pick(under, splat(-87.3f), x);
+  const v16 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v16i n = __builtin_convertvector(fx, v16i);
+  n += (v16i)(__builtin_convertvector(n, v16) > fx);  /* truncation to floor: true is -1 */
+  const v16 nf = __builtin_convertvector(n, v16);
+  v16 r = x - nf * splat(0.693359375f);
+  r = r - nf * splat(-2.12194440e-4f);
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.0f);
+  y = y * (v16)((n + 127) << 23);
+  return pick(under, splat(0.0f), y);
+}
+
+struct weights { const uint8_t* q; const float* s; const float* m; int64_t tiles, K; int32_t kind, unused; };
+struct layer { const float* norm1; const float* norm2; struct weights qkv, o, gate_up, down; };
+struct dims {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  int64_t qkv_ld, k_off, v_off, gu_ld, u_off, o_ld, down_ld;
+  float eps, scale;
+};
+
+/* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
+static void gemm_in(const struct weights* w, const float* x, int64_t M, float* y) {
+  const int64_t qb = w->kind == 4 ? w->K / 2 * 16 : w->K * 16, sb = w->K / 32 * 16;
+  #pragma omp for schedule(static)
+  for (int64_t t = 0; t < w->tiles; t++)
+    tile(w->kind, x, M, w->K, w->q + t * qb, w->s + t * sb, w->m + t * sb, y + t * 16, w->tiles * 16);
+}
+
+/* transformers' RMSNorm in float32: h = (x * rsqrt(mean(x^2) + eps)) * w, the mean summed in one fixed order. */
+static void rms_row(const float* x, const float* w, float* h, int64_t n, float eps) {
+  v16 acc = splat(0.0f);
+  for (int64_t i = 0; i < n; i += 16) { const v16 v = load16(x + i); acc += v * v; }
+  const float r = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
+  for (int64_t i = 0; i < n; i += 16) store16(h + i, (load16(x + i) * splat(r)) * load16(w + i));
+}
+
+/* RoPE in place: v = v * cos + roll(v, d/2) * signed_sin (lean_forward.py's `_rotate`). */
+static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
+  float t[256];
+  memcpy(t, v, d * sizeof(float));
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; i++) v[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * ssin[i];
+}
+
+/* One query head against its row's live keys, in the keys' order: the same operations however many holes
+   and other rows the cache holds and however many queries share the call. */
+static void attend(const float* q, const float* K, const float* V, const int32_t* live, int32_t n,
+                   const float* mrow, int64_t d, float scale, float* sc, float* out) {
+  if (n == 0) { memset(out, 0, d * sizeof(float)); return; }
+  float top = -INFINITY;
+  for (int32_t i = 0; i < n; i++) {
+    const float* k = K + (int64_t)live[i] * d;
+    v16 acc = splat(0.0f);
+    for (int64_t j = 0; j < d; j += 16) acc += load16(q + j) * load16(k + j);
+    const float s = hsum(acc) * scale + mrow[live[i]];
+    sc[i] = s;
+    top = s > top ? s : top;
+  }
+  const int32_t n16 = (n + 15) & ~15;
+  for (int32_t i = n; i < n16; i++) sc[i] = -INFINITY;
+  v16 total = splat(0.0f);
+  for (int32_t i = 0; i < n16; i += 16) {
+    const v16 p = vexp(load16(sc + i) - splat(top));
+    store16(sc + i, p);
+    total += p;
+  }
+  v16 o[16];
+  for (int64_t j = 0; j < d / 16; j++) o[j] = splat(0.0f);
+  for (int32_t i = 0; i < n; i++) {
+    const float* v = V + (int64_t)live[i] * d;
+    const v16 p = splat(sc[i]);
+    for (int64_t j = 0; j < d / 16; j++) o[j] += p * load16(v + 16 * j);
+  }
+  const v16 inv = splat(1.0f / hsum(total));
+  for (int64_t j = 0; j < d / 16; j++) store16(out + 16 * j, o[j] * inv);
+}
+
+/* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
+   to cache row row[t], is written at column col[t], and attends with mask row mask + mrow[t] * Lk (additive;
+   -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim].
+   states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
+   applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
+   live: int32 [N, Lk + 1]. */
+void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, float* const* keys,
+                     float* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
+                     const int64_t* row, const int64_t* col, const int64_t* mrow, const float* mask, int64_t Lk,
+                     float* states, const float* final_norm, float* work, int32_t* live, int threads) {
+  const int64_t H = D->hidden, d = D->head_dim, nh = D->heads, nkv = D->kv_heads, group = nh / nkv, qd = nh * d;
+  const int64_t wide = D->o_ld > D->down_ld ? D->o_ld : D->down_ld;
+  float* h = work;
+  float* qkv = h + N * H;
+  float* att = qkv + N * D->qkv_ld;
+  float* o = att + N * qd;
+  float* gu = o + N * wide;
+  float* act = gu + N * D->gu_ld;
+  float* scores = act + N * D->inter;  /* [threads][Lk + 16] */
+  int32_t* count = live + N * Lk;
+  #pragma omp parallel num_threads(threads)
+  {
+    float* sc = scores + (int64_t)omp_get_thread_num() * (Lk + 16);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < N; t++) {
+      const float* m = mask + mrow[t] * Lk;
+      int32_t n = 0;
+      for (int64_t c = 0; c < Lk; c++) if (m[c] > -FLT_MAX) live[t * Lk + n++] = (int32_t)c;
+      count[t] = n;
+    }
+    for (int64_t l = 0; l < n_layers; l++) {
+      const struct layer* L = layers + l;
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; r++) rms_row(x + r * H, L->norm1, h + r * H, H, D->eps);
+      gemm_in(&L->qkv, h, N, qkv);
+      #pragma omp for schedule(static)
+      for (int64_t t = 0; t < N; t++) {
+        float* y = qkv + t * D->qkv_ld;
+        for (int64_t i = 0; i < nh; i++) rope(y + i * d, cos + t * d, ssin + t * d, d);
+        for (int64_t g = 0; g < nkv; g++) {
+          float* k = y + D->k_off + g * d;
+          rope(k, cos + t * d, ssin + t * d, d);
+          const int64_t at = ((row[t] * nkv + g) * cap + col[t]) * d;
+          memcpy(keys[l] + at, k, d * sizeof(float));
+          memcpy(values[l] + at, y + D->v_off + g * d, d * sizeof(float));
+        }
+      }
+      #pragma omp for schedule(static)
+      for (int64_t it = 0; it < N * nh; it++) {
+        const int64_t t = it / nh, i = it % nh, base = (row[t] * nkv + i / group) * cap * d;
+        attend(qkv + t * D->qkv_ld + i * d, keys[l] + base, values[l] + base, live + t * Lk, count[t],
+               mask + mrow[t] * Lk, d, D->scale, sc, att + t * qd + i * d);
+      }
+      gemm_in(&L->o, att, N, o);
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; r++) {
+        for (int64_t i = 0; i < H; i += 16) store16(x + r * H + i, load16(x + r * H + i) + load16(o + r * D->o_ld + i));
+        rms_row(x + r * H, L->norm2, h + r * H, H, D->eps);
+      }
+      gemm_in(&L->gate_up, h, N, gu);
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; r++)
+        for (int64_t i = 0; i < D->inter; i += 16) {
+          const v16 g = load16(gu + r * D->gu_ld + i), u = load16(gu + r * D->gu_ld + D->u_off + i);
+          store16(act + r * D->inter + i, g / (splat(1.0f) + vexp(-g)) * u);
+        }
+      gemm_in(&L->down, act, N, o);
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; r++) {
+        for (int64_t i = 0; i < H; i += 16)
+          store16(x + r * H + i, load16(x + r * H + i) + load16(o + r * D->down_ld + i));
+        if (states) memcpy(states + (l * N + r) * H, x + r * H, H * sizeof(float));
+        if (final_norm && l == n_layers - 1) rms_row(x + r * H, final_norm, x + r * H, H, D->eps);
+      }
+    }
+  }
+}
 """
 
 
@@ -174,6 +358,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.block_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.block_gemm.restype = None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.decoder_forward.argtypes = [p, p, i64, p, p, i64, p, i64, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_int]
+    lib.decoder_forward.restype = None
     return lib
 
 

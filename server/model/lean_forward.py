@@ -50,6 +50,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from server.model.attention import Packing, gqa_sdpa_attention, packs
+from server.model.cpu_decoder import CpuDecoder
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, TableHead, fused
 
@@ -243,6 +244,8 @@ class LeanForward:
                   for j, p in enumerate(_projections(layer)))
             for layer, both in zip(base.layers, self.fused, strict=True)
         ]
+        # every layer in one C call for steps and verify passes, where the layers allow it (cpu_decoder.py)
+        self.decoder = CpuDecoder.of(base, self.fused, self.linears)
         self.made_for = _made_for(model, base)  # `of` shares this forward while the model still matches it
         # an LM head tied to the input embeddings keeps its dense weight: the embedding lookup reads it
         embeddings = base.get_input_embeddings() if lm_head is not None else None
@@ -334,6 +337,31 @@ class LeanForward:
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
         states = [x] if output_hidden_states else None
+        if self.decoder is not None and self.decoder.takes(x, packing.width if packing is not None else width):
+            x, after = self.decoder(x, cos, sin, attention_mask, cache, packing, output_hidden_states)
+            if states is not None:
+                states += after[:-1]
+            if self.decoder.final is None:
+                x = self.final_norm(x)
+        else:
+            x = self.final_norm(self._layers(x, cos, sin, attention_mask, cache, packing, states))
+        if states is not None:
+            states.append(x)
+        logits = None
+        if self.lm_head is not None and logits_index is not None:
+            logits = self.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, logits_index))[None]
+        elif self.lm_head is not None and logits_to_keep is not None:
+            logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return LeanOutput(logits, tuple(states) if states is not None else None, x)
+
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor, cache: Cache,
+        packing: Packing | None, states: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The decoder layers one torch operation at a time; appends each layer's output to `states` (all but the
+        last's)."""
+        base = self.base
+        batch, width = x.shape[:2]
         for i, (layer, (q_proj, k_proj, v_proj, o_proj, gate, up, down), both) in enumerate(
             zip(base.layers, self.linears, self.fused, strict=True)
         ):
@@ -359,12 +387,4 @@ class LeanForward:
                 x = x + down(F.silu(gate(h)) * up(h))
             if states is not None and i < len(base.layers) - 1:
                 states.append(x)
-        x = self.final_norm(x)
-        if states is not None:
-            states.append(x)
-        logits = None
-        if self.lm_head is not None and logits_index is not None:
-            logits = self.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, logits_index))[None]
-        elif self.lm_head is not None and logits_to_keep is not None:
-            logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
-        return LeanOutput(logits, tuple(states) if states is not None else None, x)
+        return x

@@ -105,6 +105,8 @@ class ModelRunner:
         kernels = block_kernels(model)  # which quantized kernels
         if kernels is not None:
             self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks"}[kernels]
+        if lean_call and self.call.decoder is not None:
+            self.forward_kind += "+c-decoder"  # steps and verify passes in one C call (cpu_decoder.py)
         shape = self.kv_shape(model) if kv_slots is not None else None
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape)
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most

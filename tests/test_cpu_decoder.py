@@ -1,0 +1,116 @@
+"""The decoder stack in one C call (server/model/cpu_decoder.py) on a block-quantized model.
+
+It must compute the lean forward's function (the torch path agrees to float32 rounding), write the cache
+where the torch path would (a step after either path reads the same keys), and give a position the same
+bits whatever else the forward holds: fed alone or in a verify pass, beside other rows, after holes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from server.model import cpu_kernels
+from server.model.attention import use_gqa_attention
+from server.model.cpu_decoder import MAX_ROW_TOKENS, CpuDecoder
+from server.model.lean_forward import LeanForward
+from server.model.quantized import quantize_linears
+from server.model.runner import ModelRunner
+from tests.models import tiny_llama
+
+PROMPT = [(37 * i) % 900 + 50 for i in range(40)]
+OTHER = [(11 * i) % 700 + 60 for i in range(90)]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    if cpu_kernels.library() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the float32 block kernels did not build (see the log for why)")
+        pytest.skip("the float32 block kernels do not build here")
+    m = tiny_llama(len(tokenizer), seed=3)
+    quantize_linears(m, "q4")
+    use_gqa_attention(m)
+    return m
+
+
+def _runner(model, decoder: bool) -> ModelRunner:
+    runner = ModelRunner(model)
+    forward = runner.call
+    assert isinstance(forward, LeanForward) and forward.decoder is not None
+    if not decoder:  # the same forward's torch path: a copy without the decoder
+        forward = LeanForward(model, forward.base)
+        forward.decoder = None
+        runner.call = forward
+    return runner
+
+
+def _steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Logits of a sequence of forwards covering padded and packed passes, holes and a second row."""
+    runner.join(["a", "b"], [PROMPT, OTHER])
+    out = [runner.forward([[5], [6]]).logits]
+    out.append(runner.forward([[7, 8, 9], [10]]).logits)  # packed
+    runner.rollback(0, 2)  # holes in row a
+    out.append(runner.forward([[11, 12], [13, 14]]).logits)  # padded
+    out.append(runner.forward([[15] * 6, [16] * 6], hidden=True, layers=(1,)).layers[1])
+    return out
+
+
+def test_the_decoder_computes_the_lean_forwards_function(model):
+    fast, slow = _steps(_runner(model, True)), _steps(_runner(model, False))
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=2e-5 * float(b.abs().max()))
+
+
+def test_steps_run_the_decoder_and_prompt_chunks_the_torch_path(model, monkeypatch):
+    runner = _runner(model, True)
+    calls = []
+    original = CpuDecoder.__call__
+    monkeypatch.setattr(CpuDecoder, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    runner.join(["a"], [PROMPT])  # a 40-token chunk: more than a step's rows feed
+    assert calls == [] and len(PROMPT) > MAX_ROW_TOKENS
+    runner.forward([[5, 6, 7]])
+    assert len(calls) == 1
+
+
+def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model):
+    """Fed one token at a time beside a longer row, or in one pass alone, or after holes and a compaction:
+    each position's logits are the same bits (what greedy exactness across proposers rests on)."""
+    tail = [(13 * i) % 800 + 70 for i in range(12)]
+    # prompts are prefilled one by one here: a prompt chunk's attention (the torch path) is not invariant
+    singly = _runner(model, True)
+    singly.join(["a"], [PROMPT])
+    singly.join(["long"], [OTHER])
+    one = torch.cat([singly.forward([[t], [7]]).logits[0, :1] for t in tail])
+
+    together = _runner(model, True)
+    together.join(["a"], [PROMPT])
+    wide = together.forward([tail]).logits[0]
+    assert torch.equal(one, wide)
+
+    holes = _runner(model, True)
+    holes.join(["a"], [PROMPT])
+    holes.join(["long"], [OTHER])
+    got = []
+    for t in tail:  # every token first fed beside 3 rejected drafts, then kept alone
+        holes.forward([[t, 1, 2, 3], [9]])
+        holes.rollback(0, 4)
+        holes.rollback(1, 1)
+        got.append(holes.forward([[t], [9, 9]]).logits[0, :1])
+    holes.kv.compact()
+    assert torch.equal(torch.cat(got), one)
+    after = holes.forward([[4], [9]]).logits[0, :1]
+    singly.leave({"long"})
+    assert torch.equal(after, singly.forward([[4]]).logits[0])
+
+
+def test_the_decoder_can_be_turned_off_and_calibration_tells_the_forwards_apart(model, tokenizer, monkeypatch):
+    assert "+c-decoder" in ModelRunner(model).forward_kind
+    monkeypatch.setenv("SPECULA_CPU_DECODER", "0")
+    other = tiny_llama(len(tokenizer), seed=3)
+    quantize_linears(other, "q4")
+    use_gqa_attention(other)
+    runner = ModelRunner(other)
+    assert runner.call.decoder is None and "+c-decoder" not in runner.forward_kind
