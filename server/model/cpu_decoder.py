@@ -98,7 +98,8 @@ class CpuDecoder:
             self.final = norm.weight.detach().float().contiguous()
             self.keep.append(self.final)
         self.scratch = self.hidden + self.dims.qkv_ld + self.heads * self.head_dim + \
-            max(self.dims.o_ld, self.dims.down_ld) + self.dims.gu_ld + self.inter  # floats per token
+            max(self.dims.o_ld, self.dims.down_ld) + self.dims.gu_ld + self.inter + \
+            max(self.inter, self.heads * self.head_dim, self.hidden) // 32  # floats per token
 
     @classmethod
     def of(cls, base: nn.Module, fused: list, linears: list) -> CpuDecoder | None:

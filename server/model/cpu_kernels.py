@@ -2,17 +2,21 @@
 
 torch's int4 kernel (the other way quantized.py multiplies) rounds activations and outputs to bfloat16, so a
 model on it must attend in float64 to keep greedy text independent of a pass's width (attention.py), and it
-dequantizes the weights again for every block of 4 rows. The kernel here takes and gives float32: per weight
-w = s * q + m in float32 (Q4_0 / Q4_1: q in [0, 15], Q8_0: q in [-128, 127], m = 0), and each output is one
-float32 sum over its row of activations, in four interleaved chains (k mod 4) combined as (c0 + c1) +
-(c2 + c3): the same operations in the same order whatever rows share the call and however many threads
-split the outputs, so a row's result is the same bits alone or in any batch (tests check it). The weights
-are dequantized once per tile of 16 outputs and applied to 6 rows at a time (then 4, 2, 1).
+dequantizes the weights again for every block of 4 rows. The kernel here takes and gives float32: with w = s q + m
+(Q4_0 / Q4_1: q in [0, 15], Q8_0: q in [-128, 127], m = 0), each output sums, per group of 32 inputs, s times
+the group's sum of x q (four interleaved chains, k mod 4, combined as (c0 + c1) + (c2 + c3)) plus m times the
+group's sum of x (computed once per row and call), in float32, group after group: the scale and minimum are
+applied once per group instead of once per weight. The same operations in the same order whatever rows share
+the call and however many threads split the outputs, so a row's result is the same bits alone or in any batch
+(tests check it). The quantized values are decoded once per tile of 16 outputs and applied to 4 rows at a time
+(then 2, 1).
 
-Measured on the 2-core development machine (AVX-512, 2 threads, us a call for 576 x 960 / 576 x 3072 /
-1536 x 576; docs/bench-journal.md): 1 row 14-20 / 41-49 / 22-28 against torch's int4 kernel's 29 / 64 / 40,
-2 rows 22 / 56 / 31, 5 rows 39-45 / 116-126 / 59-67 against 68 / 185 / 99, 64 rows 390-408 / 1205-1223 /
-608-613 against 440 / 1380 / 686.
+Measured on the 2-core development machine (AMD EPYC, AVX-512, 2 threads; docs/bench-journal.md): 3072 x 576 at
+8 / 32 / 128 / 512 rows 0.15 / 0.56 / 2.2 / 9.0 ms, 94-103 GMAC/s, as fast as MKL's float32 GEMM on dense
+weights from 128 rows on (88-90 GMAC/s) and 2x it at 8 rows; torch's int4 kernel was 1.5-2x slower at every
+row count.
+
+`decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
 
 Built with the host's C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp`, AVX2 or AVX-512 needed)
 into `~/.cache/specula/kernels/` (or `SPECULA_KERNEL_DIR`) under a name hashed from the source, the compiler,
@@ -78,60 +82,87 @@ static inline v16 sbyte(const uint8_t* p) { return join(_mm256_cvtepi32_ps(s8x8(
 
 static inline v16 load16(const float* p) { v16 r; memcpy(&r, p, 64); return r; }
 
-/* The weights of 4 consecutive inputs k..k+3 of a tile's 16 outputs. Q4: byte j of the 16 at pair (k, k+1)
-   holds q[k][j] in its low nibble and q[k+1][j] in its high one; Q8: 16 signed bytes per input. */
-#define WEIGHTS4(kind, q, k, s, m, w)                                                                   \
+/* The quantized values (as floats, unscaled) of 4 consecutive inputs k..k+3 of a tile's 16 outputs. Q4: byte j
+   of the 16 at pair (k, k+1) holds q[k][j] in its low nibble and q[k+1][j] in its high one; Q8: 16 signed bytes
+   per input. */
+#define VALUES4(kind, q, k, w)                                                                          \
   if (kind == 4) {                                                                                      \
     const uint8_t* p = q + ((k) / 2) * 16;                                                              \
-    w[0] = s * nib_lo(p) + m; w[1] = s * nib_hi(p) + m; w[2] = s * nib_lo(p + 16) + m; w[3] = s * nib_hi(p + 16) + m; \
+    w[0] = nib_lo(p); w[1] = nib_hi(p); w[2] = nib_lo(p + 16); w[3] = nib_hi(p + 16);                   \
   } else {                                                                                              \
     const uint8_t* p = q + (k) * 16;                                                                    \
-    w[0] = s * sbyte(p) + m; w[1] = s * sbyte(p + 16) + m; w[2] = s * sbyte(p + 32) + m; w[3] = s * sbyte(p + 48) + m; \
+    w[0] = sbyte(p); w[1] = sbyte(p + 16); w[2] = sbyte(p + 32); w[3] = sbyte(p + 48);                  \
   }
 
-/* R rows of x [R, K] against one tile: each row's 4 chains over k, combined as (c0 + c1) + (c2 + c3). The
-   same operations per row for every R, so a row's result does not depend on the block it falls in. */
+/* R rows of x [R, K] against one tile. Per group of 32 inputs and row: four chains (k mod 4) of x * q over the
+   group's 8 inputs each, combined as (c0 + c1) + (c2 + c3) = t; then y += s t, and for Q4 y += m xs with xs the
+   row's sum over the group (`group_sums`): w = s q + m summed as s (sum x q) + m (sum x), the scale and minimum
+   applied once per group rather than once per weight. The same operations per row for every R, so a row's
+   result does not depend on the block it falls in. */
 #define ROWS(R)                                                                                         \
   static void rows##R(int kind, const float* x0, int64_t K, const uint8_t* q, const float* s,          \
-                      const float* m, float* y, int64_t ldy) {                                          \
-    v16 a[R][4];                                                                                        \
+                      const float* m, const float* xs, float* y, int64_t ldy) {                         \
+    v16 a[R];                                                                                           \
     memset(a, 0, sizeof a);                                                                             \
     for (int64_t g = 0; g < K / 32; g++) {                                                              \
-      const v16 sg = load16(s + g * 16), mg = load16(m + g * 16);                                       \
+      v16 p[R][4];                                                                                      \
+      memset(p, 0, sizeof p);                                                                           \
       for (int64_t k = g * 32; k < g * 32 + 32; k += 4) {                                               \
         v16 w[4];                                                                                       \
-        WEIGHTS4(kind, q, k, sg, mg, w)                                                                 \
+        VALUES4(kind, q, k, w)                                                                          \
         for (int r = 0; r < R; r++)                                                                     \
-          for (int c = 0; c < 4; c++) a[r][c] += x0[r * K + k + c] * w[c];                              \
+          for (int c = 0; c < 4; c++) p[r][c] += x0[r * K + k + c] * w[c];                              \
+      }                                                                                                 \
+      const v16 sg = load16(s + g * 16);                                                                \
+      for (int r = 0; r < R; r++) a[r] += sg * ((p[r][0] + p[r][1]) + (p[r][2] + p[r][3]));            \
+      if (kind == 4) {                                                                                  \
+        const v16 mg = load16(m + g * 16);                                                              \
+        for (int r = 0; r < R; r++) a[r] += mg * xs[r * (K / 32) + g];                                  \
       }                                                                                                 \
     }                                                                                                   \
-    for (int r = 0; r < R; r++) {                                                                       \
-      v16 o = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);                                                \
-      memcpy(y + r * ldy, &o, 64);                                                                      \
-    }                                                                                                   \
+    for (int r = 0; r < R; r++) memcpy(y + r * ldy, &a[r], 64);                                         \
   }
-ROWS(6)
 ROWS(4)
 ROWS(2)
 ROWS(1)
 
-/* One tile's 16 outputs for all M rows: blocks of 6 rows (the weights dequantized once per block), then 4, 2, 1. */
+/* One tile's 16 outputs for all M rows: blocks of 4 rows (the values decoded once per block), then 2, 1. */
 static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
-                 const float* m, float* y, int64_t ldy) {
+                 const float* m, const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
   int64_t r = 0;
-  for (; r + 6 <= M; r += 6) rows6(kind, x + r * K, K, q, s, m, y + r * ldy, ldy);
-  if (M - r >= 4) { rows4(kind, x + r * K, K, q, s, m, y + r * ldy, ldy); r += 4; }
-  if (M - r >= 2) { rows2(kind, x + r * K, K, q, s, m, y + r * ldy, ldy); r += 2; }
-  if (M - r >= 1) rows1(kind, x + r * K, K, q, s, m, y + r * ldy, ldy);
+  for (; r + 4 <= M; r += 4) rows4(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy);
+  if (M - r >= 2) { rows2(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy); r += 2; }
+  if (M - r >= 1) rows1(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy);
+}
+
+/* Each row's sum over each group of 32 inputs, in one fixed order: xs [M, K/32]. */
+static void group_sums(const float* x, int64_t K, float* xs) {
+  for (int64_t g = 0; g < K / 32; g++) {
+    const v16 lo = load16(x + g * 32), hi = load16(x + g * 32 + 16);
+    v16 t = lo + hi;
+    float u[16];
+    memcpy(u, &t, 64);
+    xs[g] = (((u[0] + u[1]) + (u[2] + u[3])) + ((u[4] + u[5]) + (u[6] + u[7]))) +
+            (((u[8] + u[9]) + (u[10] + u[11])) + ((u[12] + u[13]) + (u[14] + u[15])));
+  }
 }
 
 /* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes, s and m
-   [tiles][K/32][16] float32. */
+   [tiles][K/32][16] float32 (m unread for Q8). xs: scratch of M * K/32 floats. */
 void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
-                const float* m, float* y, int64_t tiles, int threads) {
+                const float* m, float* xs, float* y, int64_t tiles, int threads) {
   const int64_t qb = kind == 4 ? K / 2 * 16 : K * 16, sb = K / 32 * 16;
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < tiles; t++) tile(kind, x, M, K, q + t * qb, s + t * sb, m + t * sb, y + t * 16, tiles * 16);
+  #pragma omp parallel num_threads(threads)
+  {
+    if (kind == 4) {
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, xs + r * (K / 32));
+    }
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+      tile(kind, x, M, K, q + t * qb, s + t * sb, m + t * sb, xs, y + t * 16, tiles * 16);
+  }
 }
 
 /* ---- the decoder stack of a Llama model on these weights, in one call (cpu_decoder.py) ---------------- */
@@ -184,11 +215,15 @@ struct dims {
 };
 
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
-static void gemm_in(const struct weights* w, const float* x, int64_t M, float* y) {
+static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
   const int64_t qb = w->kind == 4 ? w->K / 2 * 16 : w->K * 16, sb = w->K / 32 * 16;
+  if (w->kind == 4) {
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++) group_sums(x + r * w->K, w->K, xs + r * (w->K / 32));
+  }
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < w->tiles; t++)
-    tile(w->kind, x, M, w->K, w->q + t * qb, w->s + t * sb, w->m + t * sb, y + t * 16, w->tiles * 16);
+    tile(w->kind, x, M, w->K, w->q + t * qb, w->s + t * sb, w->m + t * sb, xs, y + t * 16, w->tiles * 16);
 }
 
 /* transformers' RMSNorm in float32: h = (x * rsqrt(mean(x^2) + eps)) * w, the mean summed in one fixed order. */
@@ -258,7 +293,9 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
   float* o = att + N * qd;
   float* gu = o + N * wide;
   float* act = gu + N * D->gu_ld;
-  float* scores = act + N * D->inter;  /* [threads][Lk + 16] */
+  const int64_t widest = D->inter > qd ? (D->inter > H ? D->inter : H) : (qd > H ? qd : H);
+  float* xs = act + N * D->inter;  /* [N, widest / 32]: group sums */
+  float* scores = xs + N * (widest / 32);  /* [threads][Lk + 16] */
   int32_t* count = live + N * Lk;
   #pragma omp parallel num_threads(threads)
   {
@@ -274,7 +311,7 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
       const struct layer* L = layers + l;
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++) rms_row(x + r * H, L->norm1, h + r * H, H, D->eps);
-      gemm_in(&L->qkv, h, N, qkv);
+      gemm_in(&L->qkv, h, N, xs, qkv);
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < N; t++) {
         float* y = qkv + t * D->qkv_ld;
@@ -293,20 +330,20 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
         attend(qkv + t * D->qkv_ld + i * d, keys[l] + base, values[l] + base, live + t * Lk, count[t],
                mask + mrow[t] * Lk, d, D->scale, sc, att + t * qd + i * d);
       }
-      gemm_in(&L->o, att, N, o);
+      gemm_in(&L->o, att, N, xs, o);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++) {
         for (int64_t i = 0; i < H; i += 16) store16(x + r * H + i, load16(x + r * H + i) + load16(o + r * D->o_ld + i));
         rms_row(x + r * H, L->norm2, h + r * H, H, D->eps);
       }
-      gemm_in(&L->gate_up, h, N, gu);
+      gemm_in(&L->gate_up, h, N, xs, gu);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++)
         for (int64_t i = 0; i < D->inter; i += 16) {
           const v16 g = load16(gu + r * D->gu_ld + i), u = load16(gu + r * D->gu_ld + D->u_off + i);
           store16(act + r * D->inter + i, g / (splat(1.0f) + vexp(-g)) * u);
         }
-      gemm_in(&L->down, act, N, o);
+      gemm_in(&L->down, act, N, xs, o);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++) {
         for (int64_t i = 0; i < H; i += 16)
@@ -356,7 +393,8 @@ def _build(directory: Path) -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.block_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int]
     lib.block_gemm.restype = None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.decoder_forward.argtypes = [p, p, i64, p, p, i64, p, i64, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_int]
@@ -421,8 +459,9 @@ class Tiles:
         rows = flat.shape[0]
         y = torch.empty(rows, self.tiles * TILE)
         if rows:
+            sums = torch.empty(rows * self.in_features // 32)  # each row's sum per group of 32 inputs (Q4)
             self.lib.block_gemm(self.kind, flat.data_ptr(), rows, self.in_features, self.q.data_ptr(),
-                                self.s.data_ptr(), self.m.data_ptr(), y.data_ptr(), self.tiles,
+                                self.s.data_ptr(), self.m.data_ptr(), sums.data_ptr(), y.data_ptr(), self.tiles,
                                 torch.get_num_threads())
         if self.tiles * TILE != self.out:
             y = y[:, : self.out]

@@ -1,8 +1,8 @@
 """Weight-only quantized linear layers: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors served as they are.
 
 On an x86 CPU with a C compiler the blocks multiply through the float32 block kernels (cpu_kernels.py):
-float32 activations and outputs, w = s q + m per weight in float32 (the file's own arithmetic), a row's result
-the same bits in any batch, faster than torch's int4 kernel at every row count measured. Elsewhere, and with
+float32 activations and outputs, the file's w = s q + m summed as s (sum x q) + m (sum x) per group of 32, a row's
+result the same bits in any batch, faster than torch's int4 kernel at every row count measured. Elsewhere, and with
 `SPECULA_CPU_KERNELS=0`, they run through torch's int4 kernel as described below (`rounds_inputs`).
 
 A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes: SmolLM2-135M
@@ -260,6 +260,13 @@ class Q4Linear(QuantLinear):
             return _with_bias(cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib), self.bias)
         return _int4_call(_int4_pack(q), self.scales_zeros, self.out_features, self.bias)
 
+    def block_magnitude(self) -> torch.Tensor:
+        """Per weight, |s| q + |z| + 8 |s| >= |s q| + |m| (m = z - 8s): the size of the terms the float32 block
+        kernel sums for it (`output_error_bound`)."""
+        s, z = self.scales_zeros[..., 0].t().abs(), self.scales_zeros[..., 1].t().abs()
+        q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
+        return (s[..., None] * q + (z + 8 * s)[..., None]).reshape(self.out_features, self.in_features)
+
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight, the most the kernel's weight (bf16 s and z) can differ from the file's: u(|s||q-8| + |z|)."""
         s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
@@ -305,6 +312,10 @@ class Q8Linear(QuantLinear):
         d = self.scales.t()  # [in/32, out]
         sz = torch.cat([torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)], dim=0)
         return _int4_call(packed, sz, self.out_features, self.bias, doubled=True)
+
+    def block_magnitude(self) -> torch.Tensor:
+        """Per weight |d q| (`Q4Linear.block_magnitude`)."""
+        return self.dequantize().abs()
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight: u |d q| (bf16 d; 16d and 8d are exact multiples of it)."""
@@ -356,15 +367,15 @@ def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The most `layer.kernel()(x)` may differ from x @ dequantize().T in exact arithmetic, from the format:
     the weights' bf16 error, x's bf16 rounding (u |x| |w|), the output's bf16 rounding (u |y|) and fp32
     accumulation (K 2^-24 sum |x w|, generously). A layer on the float32 block kernels (cpu_kernels.py) rounds
-    nothing to bf16: each weight once to fp32 (w = s q + m, with m recomputed from the stored zero: a few units
-    in the last place of |s q| + |m|) and the fp32 accumulation."""
+    nothing to bf16: it sums s (sum x q) + m (sum x) per group of 32 in fp32 (chains of 8 products, a 32-term sum
+    of x, one product each, then K/32 groups; m recomputed from the stored zero), so its error is at most about
+    (K/32 + 16) 2^-24 sum |x| (|s| q + |m|), taken twice as generously."""
     w = layer.dequantize().double()
     xa = x.double().abs()
     exact = x.double() @ w.t()
     if not layer.rounds_inputs():
-        accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
-        magnitude = w.abs() + 8 * layer.weight_error_bound().double() / BF16_U  # covers |s q| + |m|, generously
-        return 2.0**-23 * (xa @ magnitude.t()) + accumulate
+        magnitude = layer.block_magnitude().double()
+        return (layer.in_features / GROUP + 16) * 2.0**-23 * (xa @ magnitude.t())
     weights = xa @ layer.weight_error_bound().double().t()
     inputs = BF16_U * (xa @ w.abs().t())
     accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
