@@ -22,6 +22,7 @@ from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import PrefixCache
 from server.model.quantized import (
     GROUP,
+    BlockTable,
     Fp16Table,
     Int8Linear,
     Q4Linear,
@@ -153,9 +154,9 @@ def test_gguf_blocks_decode_to_ggmls_own_dequantization(kind):
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_file_served_as_it_is(tmp_path, quant):
-    """A tiny GGUF in each type: linear layers stay quantized, the Q8_0 table becomes the fp16 table and LM
-    head, the dequantized weights equal transformers' dequantization of the same file (q/k permutation
-    undone), and the logits agree with the fp32 model within bf16 arithmetic."""
+    """A tiny GGUF in each type: linear layers stay quantized, the Q8_0 table stays Q8_0 blocks (the input
+    embeddings and the tied LM head), the dequantized weights and the table's rows equal transformers'
+    dequantization of the same file (q/k permutation undone), and the logits agree with the fp32 model."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant=quant)
     served = load_model(str(path), device="cpu", weights="as-file")
     dense = load_model(str(path), device="cpu", weights="fp32").model
@@ -168,10 +169,36 @@ def test_gguf_file_served_as_it_is(tmp_path, quant):
             assert type(module) is want, name
             assert torch.equal(module.dequantize(), reference[name].weight), name
     assert isinstance(model.lm_head, TableHead) and model.lm_head.table is model.get_input_embeddings()
+    table = model.get_input_embeddings()
+    assert isinstance(table, BlockTable) and table.qweight.dtype == torch.int8
+    assert torch.equal(table.dequantize(), dense.get_input_embeddings().weight)
     ids = torch.tensor([[5, 17, 40, 99, 120, 3, 77, 8]])
     with torch.no_grad():
         got, want_logits = model(ids).logits, dense(ids).logits
     assert (got - want_logits).abs().max() < 0.1 * want_logits.abs().max()
+
+
+def test_a_q8_table_head_gives_the_files_logits_within_the_formats_bound(backend):
+    """The LM head over a Q8_0 table: the float32 block kernel (or, without it, fbgemm's fp16 GEMM of its values)
+    against the dequantized table in float64; a row's logits the same bits beside any rows; lookups exact."""
+    layer = _random_layer("Q8_0", out=160, inputs=IN)
+    table = BlockTable(layer.qweight, layer.scales)
+    head = TableHead(table)
+    x = _x(7)
+    got = head(x).double()
+    want = x.double() @ table.dequantize().double().t()
+    if backend == "float32":
+        assert (got - want).abs().le(output_error_bound(layer, x)).all()
+    else:  # fp16 values: 2^-11 of each weight
+        assert torch.allclose(got, want, rtol=0, atol=2.0**-10 * float((x.abs() @ layer.dequantize().abs().t()).max()))
+    assert torch.equal(head(x[3:4]), head(x)[3:4])
+    ids = torch.tensor([[3, 150], [7, 0]])
+    assert torch.equal(table(ids), layer.dequantize()[ids])
+    if backend == "float32":  # a server drops the table's own blocks: lookups read the head kernel's
+        assert sum(t.numel() for t in table.release()) == layer.qweight.numel() + layer.scales.numel()
+        assert table.qweight.numel() == 0 and torch.equal(table(ids), layer.dequantize()[ids])
+    with pytest.raises(AttributeError):
+        head.weight  # noqa: B018  no dense copy is built behind a caller's back
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from server.draft_head.data import (
     read_prompts,
     token_counts,
 )
-from server.draft_head.model import EagleHead
+from server.draft_head.model import EagleHead, vocab_rows
 from server.draft_head.options import TrainOptions
 from server.draft_head.train import TrainState, held_out_acceptance, history_json, train_head
 
@@ -132,7 +132,7 @@ def distill(
         answers = sum(len(s.ids) - s.prompt_len for s in train)
         return None, None, {"train_samples": len(train), "train_answer_tokens": answers,
                             "heldout_samples": len(heldout), "data_seconds_this_run": round(data_seconds, 1)}
-    vocab_size = target.get_output_embeddings().weight.shape[0]
+    vocab_size = vocab_rows(target.get_output_embeddings())
     vocab_ids = choose_vocab(train, vocab_size, fr_vocab, _stop_ids(target, tokenizer))
     if target.device.type != "cpu":  # the whole data set fits on an accelerator: batches are made there
         train, heldout = _to_device(train, target.device), _to_device(heldout, target.device)

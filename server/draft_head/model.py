@@ -38,6 +38,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
+from server.model.quantized import BlockTable, table_dtype
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "specula-eagle-head-v1"
@@ -73,12 +75,36 @@ def decoder_config(target_config: Any) -> LlamaConfig:
     return LlamaConfig(**kwargs, num_hidden_layers=1, vocab_size=1, tie_word_embeddings=False, **NO_SPECIAL_TOKENS)
 
 
-def head_dtype(lm_head: torch.Tensor) -> torch.dtype:
+def head_dtype(lm_head: nn.Module) -> torch.dtype:
     """The dtype a head runs in: its target's LM head's, except fp16 on CPU (a quantized target's table,
     quantized.py), which runs as bf16: oneDNN's bf16 kernels serve the head there (fp16 has none on CPU)."""
-    if lm_head.dtype == torch.float16 and lm_head.device.type == "cpu":
+    dtype, device = table_dtype(lm_head)
+    if dtype == torch.float16 and device.type == "cpu":
         return torch.bfloat16
-    return lm_head.dtype
+    return dtype
+
+
+def vocab_rows(module: nn.Module) -> int:
+    """The rows of a target's LM head (its vocabulary), without building a dense copy of a quantized one."""
+    return int(getattr(module, "out_features", 0) or module.weight.shape[0])
+
+
+def _rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table or LM head's matrix (a quantized table's dequantized: quantized.py)."""
+    table = getattr(module, "table", module)
+    if isinstance(table, BlockTable):
+        return table.rows(ids)
+    return module.weight.detach()[ids]
+
+
+class _Borrowed:
+    """A module of the target's a head reads but does not own: shared by copies of the head, never a child."""
+
+    def __init__(self, table: nn.Module | None) -> None:
+        self.table = table
+
+    def __deepcopy__(self, memo: dict) -> _Borrowed:
+        return self
 
 
 class EagleHead(nn.Module):
@@ -101,17 +127,24 @@ class EagleHead(nn.Module):
         dcfg._attn_implementation = target.config._attn_implementation or "sdpa"
         self.decoder = LlamaModel(dcfg)
         self.decoder.norm = nn.Identity()  # predicted features are post-norm already (module docstring)
-        embed = target.get_input_embeddings().weight  # [vocab, H], shared storage, frozen
-        head = target.get_output_embeddings().weight  # [vocab, H]
-        ids = torch.tensor(config.vocab_ids, dtype=torch.long, device=head.device)
+        table = target.get_input_embeddings()  # [vocab, H], shared, frozen
+        head = target.get_output_embeddings()  # [vocab, H]
+        device = table_dtype(head)[1]
+        ids = torch.tensor(config.vocab_ids, dtype=torch.long, device=device)
         self.register_buffer("vocab_ids", ids, persistent=False)  # [N]
-        self.register_buffer("lm_head_fr", head.detach()[ids].clone(), persistent=False)  # [N, H]
-        self.to(device=head.device, dtype=head_dtype(head))
-        # the target's own table, in its own dtype (not a converted copy: 57 MB for SmolLM2): see `embed`
-        self.register_buffer("embed_weight", embed.detach(), persistent=False)  # [vocab, H]
+        self.register_buffer("lm_head_fr", _rows(head, ids).clone(), persistent=False)  # [N, H]
+        self.to(device=device, dtype=head_dtype(head))
+        # the target's own table, in its own dtype (not a converted copy: 57 MB for SmolLM2): see `embed`. A table
+        # held as Q8_0 blocks (quantized.BlockTable) is looked up through its module, kept outside this module's
+        # children (it is the target's, never saved or moved with the head)
+        blocks = table if isinstance(table, BlockTable) else None
+        self.__dict__["_blocks"] = _Borrowed(blocks)
+        self.register_buffer("embed_weight", table.weight.detach() if blocks is None else None, persistent=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings of `ids`, in the head's dtype: [..., H]."""
+        if self._blocks.table is not None:
+            return self._blocks.table.rows(ids).to(self.fc.weight.dtype)
         return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
 
     # ---- construction and files -----------------------------------------------------------------
@@ -125,7 +158,7 @@ class EagleHead(nn.Module):
         cfg = HeadConfig(
             target_name=target_name,
             hidden_size=target.config.hidden_size,
-            vocab_size=target.get_output_embeddings().weight.shape[0],
+            vocab_size=vocab_rows(target.get_output_embeddings()),
             vocab_ids=[int(i) for i in vocab_ids],
             decoder=decoder_config(target.config).to_dict(),
         )
@@ -161,7 +194,7 @@ class EagleHead(nn.Module):
         if raw.get("format") != FORMAT:
             raise ValueError(f"{src / CONFIG_FILE}: not a draft head config (format {raw.get('format')!r})")
         head = cls(HeadConfig(**raw), target)
-        dtype = head_dtype(target.get_output_embeddings().weight)
+        dtype = head_dtype(target.get_output_embeddings())
         state = {k: v.to(dtype) for k, v in load_file(str(src / WEIGHTS_FILE)).items()}
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("decoder.embed_tokens")]
@@ -202,7 +235,7 @@ class EagleHead(nn.Module):
 def check_target(config: HeadConfig, target: PreTrainedModel) -> None:
     """Refuse a head whose shapes or vocabulary do not match `target` (ValueError)."""
     hidden = target.config.hidden_size
-    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_rows(target.get_output_embeddings())
     if config.hidden_size != hidden or config.vocab_size != vocab:
         raise ValueError(
             f"draft head for {config.target_name!r} (hidden {config.hidden_size}, vocab {config.vocab_size}) "

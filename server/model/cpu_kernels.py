@@ -447,10 +447,10 @@ class Tiles:
     def q8(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
         """q [N, K] int8; s [N, K/32]: w = s q."""
         n, k = q.shape
-        q, s, m = _pad(q, s, torch.zeros_like(s))
+        q, s, _ = _pad(q, s, s[:, :0])
         t = q.shape[0] // TILE
         qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous().view(torch.uint8)  # [tiles, K, 16]
-        return cls(8, qt, _tiled(s, t), _tiled(m, t), n, lib)
+        return cls(8, qt, _tiled(s, t), torch.zeros(1), n, lib)  # no minimum: m is never read for Q8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -12,8 +12,9 @@ Two details of llama.cpp's conversion are undone here as transformers' own GGUF 
 * GGUF lists shapes innermost first: a [576, 49152] tensor is 49152 rows of 576 inputs.
 
 Tensors of other types (F32, F16, BF16, K-quants) are dequantized to fp32 with gguf's reference code and served
-dense; the embedding table and the LM head become `Fp16Table` / `TableHead` (fp16 values of the file's weights,
-fp32 logits: quantized.py says why).
+dense. The embedding table and the LM head become a `BlockTable` / `TableHead` when the file holds them as Q8_0
+(SmolLM2's tied table: its blocks as they are, looked up exactly, multiplied by the float32 block kernel), else
+`Fp16Table` / `TableHead` (fp16 values of the file's weights, fp32 logits: quantized.py says why).
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from server.model.quantized import GROUP, QUANT_KINDS, Fp16Table, Q4Linear, Q8Linear, QuantLinear, TableHead
+from server.model.quantized import (
+    GROUP,
+    QUANT_KINDS,
+    BlockTable,
+    Fp16Table,
+    Q4Linear,
+    Q8Linear,
+    QuantLinear,
+    TableHead,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +149,13 @@ def read_gguf(path: Path, config: PretrainedConfig) -> QuantizedWeights:
             out.kinds[module] = layer.kind
             out.tensors.update({f"{module}.{k}": v for k, v in layer.state_dict().items()})
             continue
+        if table and kind == "Q8_0":  # the file's blocks as they are (quantized.BlockTable)
+            q, d = decode_q8(tensor.data, rows)
+            if order is not None:
+                q, d = q[order], d[order]
+            out.kinds[module] = "q8table"
+            out.tensors.update({f"{module}.qweight": q, f"{module}.scales": d})
+            continue
         values = _dequantized(tensor)
         if order is not None:
             values = values[order]
@@ -172,8 +189,9 @@ def assemble(config: PretrainedConfig, weights: QuantizedWeights) -> PreTrainedM
     tensors = dict(weights.tensors)
     for path, kind in weights.kinds.items():
         own = {k.removeprefix(f"{path}."): tensors.pop(k) for k in list(tensors) if k.startswith(f"{path}.")}
-        if kind == "table":
-            module: nn.Module = Fp16Table(own["weight"])
+        if kind in ("table", "q8table"):
+            module: nn.Module = Fp16Table(own["weight"]) if kind == "table" else \
+                BlockTable(own["qweight"], own["scales"])
             if path == "lm_head":
                 module = TableHead(module)
         else:
@@ -182,7 +200,7 @@ def assemble(config: PretrainedConfig, weights: QuantizedWeights) -> PreTrainedM
             module = cls(own["qweight"], own[extra], own.get("bias"))
         _set_module(model, path, module)
     tied = "lm_head" not in weights.kinds and "lm_head.weight" not in tensors  # as SmolLM2's file
-    if tied and isinstance(model.get_input_embeddings(), Fp16Table):
+    if tied and isinstance(model.get_input_embeddings(), Fp16Table | BlockTable):
         model.lm_head = TableHead(model.get_input_embeddings())
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if unexpected:
@@ -203,12 +221,13 @@ def weights_of(model: PreTrainedModel) -> QuantizedWeights:
     for path, module in model.named_modules():
         if isinstance(module, QuantLinear):
             out.kinds[path] = module.kind
-        elif isinstance(module, Fp16Table) and path and not path.endswith(".table"):
-            out.kinds[path] = "table"
+        elif isinstance(module, Fp16Table | BlockTable) and path and not path.endswith(".table"):
+            out.kinds[path] = "table" if isinstance(module, Fp16Table) else "q8table"
     head = model.get_output_embeddings()
     if isinstance(head, TableHead) and head.table is not model.get_input_embeddings():
-        out.kinds["lm_head"] = "table"
-    embedding = getattr(model.get_input_embeddings(), "weight", None)
+        out.kinds["lm_head"] = "table" if isinstance(head.table, Fp16Table) else "q8table"
+    embedding = getattr(model.get_input_embeddings(), "weight", None) \
+        if not isinstance(model.get_input_embeddings(), BlockTable) else None
     for name, tensor in model.state_dict().items():
         if name.startswith("lm_head.table.") and head.table is model.get_input_embeddings():
             continue  # tied: the table is stored once, under the embeddings

@@ -249,7 +249,8 @@ class LeanForward:
         self.made_for = _made_for(model, base)  # `of` shares this forward while the model still matches it
         # an LM head tied to the input embeddings keeps its dense weight: the embedding lookup reads it
         embeddings = base.get_input_embeddings() if lm_head is not None else None
-        self.head_tied = embeddings is not None and lm_head.weight is embeddings.weight
+        self.head_tied = embeddings is not None and (
+            lm_head.table is embeddings if isinstance(lm_head, TableHead) else lm_head.weight is embeddings.weight)
         # the final norm: RMSNorm, or whatever module stands there (a draft head's decoder has an identity)
         rms = hasattr(base.norm, "variance_epsilon")
         self.final_norm = (lambda x: _rms_norm(x, base.norm)) if rms else base.norm
@@ -308,6 +309,10 @@ class LeanForward:
         if not self.head_tied:
             kernels.append(self.lm_head)
         dropped = [w for w in (k.release() for k in kernels if isinstance(k, PackedLinear)) if w is not None]
+        # a Q8_0 table tied to its head: lookups read the head kernel's tiles from here on (quantized.BlockTable)
+        table = getattr(self.base.get_input_embeddings(), "release", None)
+        if self.head_tied and table is not None:
+            dropped.extend(table())
         # quantized layers multiply copies in their kernels' layout: their own buffers are read no more
         for layer in self.base.layers:
             for p in _projections(layer):

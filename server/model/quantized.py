@@ -425,11 +425,70 @@ class Fp16Table(nn.Module):
         return F.embedding(ids, self.weight).float()
 
 
-class TableHead(nn.Module):
-    """The LM head over an `Fp16Table` (tied) or an fp16 matrix of its own: fp32 activations in, fp32 logits
-    out, through fbgemm's fp16 GEMM on CPU (see the module doc), else `F.linear` by the fp32 values."""
+class BlockTable(nn.Module):
+    """An embedding table held as the file's Q8_0 blocks (`qweight` [vocab, hidden] int8, `scales` [vocab,
+    hidden/32] fp32, buffers): looked up exactly (d q in fp32, the file's values) and, tied, multiplied as its LM
+    head (`TableHead`) through the float32 block kernel. Half the bytes of an fp16 copy, which would round d q to
+    11 bits. It has no dense `weight`: `rows(ids)` gives rows of it, `dequantize()` the whole (a copy)."""
 
-    def __init__(self, table: Fp16Table) -> None:
+    kind = "q8 table"  # the start-up log's name (loading.describe_weights)
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once it holds them)."""
+        if self.tiles is not None:
+            q, d = self._from_tiles(ids.reshape(-1))
+            q, d = q.view(*ids.shape, -1), d.view(*ids.shape, -1)
+        else:
+            q, d = self.qweight[ids].float(), self.scales[ids]
+        return (q.view(*q.shape[:-1], -1, GROUP) * d[..., None]).view(q.shape)
+
+    def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
+        tile, lane = (ids // cpu_kernels.TILE)[:, None], (ids % cpu_kernels.TILE)[:, None]
+        q = self.tiles.q.view(torch.int8)[tile, torch.arange(self.embedding_dim)[None], lane]
+        d = self.tiles.s[tile, torch.arange(self.embedding_dim // GROUP)[None], lane]
+        return q.float(), d
+
+    def release(self) -> list[torch.Tensor]:
+        """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):
+        a server's tied table is then held once. Returns what was dropped."""
+        if self.tiles is None or not self.qweight.numel():
+            return []
+        dropped = [self.qweight, self.scales]
+        self.qweight = torch.empty(0, self.embedding_dim, dtype=torch.int8, device=self.qweight.device)
+        self.scales = torch.empty(0, self.embedding_dim // GROUP, device=self.scales.device)
+        return dropped
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
+
+
+def table_dtype(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device an embedding table or LM head holds its values in (a quantized table's: fp16, what
+    a draft head reading it plans for), without building a dense copy."""
+    table = getattr(module, "table", module)
+    if isinstance(table, BlockTable):
+        return torch.float16, table.qweight.device
+    return module.weight.dtype, module.weight.device
+
+
+class TableHead(nn.Module):
+    """The LM head over an `Fp16Table` or a `BlockTable` (tied: the input embeddings'; or a matrix of its own):
+    fp32 activations in, fp32 logits out. A `BlockTable` multiplies through the float32 block kernel
+    (cpu_kernels.py); fp16 values through fbgemm's fp16 GEMM on CPU (see the module doc); elsewhere `F.linear`
+    by the fp32 values."""
+
+    def __init__(self, table: Fp16Table | BlockTable) -> None:
         super().__init__()
         self.table = table  # shared with the input embeddings when tied
         self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
@@ -437,6 +496,8 @@ class TableHead(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
+        if isinstance(self.table, BlockTable):
+            raise AttributeError("a Q8_0 table head holds no dense weight (BlockTable.rows / dequantize)")
         return self.table.weight
 
     def kernel(self) -> Kernel:
@@ -445,7 +506,15 @@ class TableHead(nn.Module):
         return self._kernel
 
     def _build(self) -> Kernel:
-        weight = self.table.weight
+        table = self.table
+        if isinstance(table, BlockTable):
+            lib = cpu_kernels.library() if table.qweight.device.type == "cpu" else None
+            if lib is not None:
+                table.tiles = cpu_kernels.Tiles.q8(table.qweight, table.scales, lib)
+                return table.tiles
+            weight = table.dequantize().half()  # fbgemm's fp16 GEMM below, or F.linear
+        else:
+            weight = table.weight
         if weight.device.type == "cpu" and has_fp16_gemm():
             try:
                 # packed a slice of rows at a time: the fp32 copy fbgemm packs from is a slice's, not the
@@ -453,7 +522,8 @@ class TableHead(nn.Module):
                 slices = [torch.ops.quantized.linear_prepack_fp16(part.float(), None)
                           for part in weight.split(HEAD_SLICE_ROWS)]
                 gemm = torch.ops.quantized.linear_dynamic_fp16
-                _packed_from(self.table)  # the embeddings read it a row per token from here on
+                if not isinstance(table, BlockTable):
+                    _packed_from(table)  # the embeddings read it a row per token from here on
                 if len(slices) == 1:
                     return lambda x: gemm(x.float().contiguous(), slices[0])
                 return lambda x: torch.cat([gemm(x.float().contiguous(), s) for s in slices], dim=-1)

@@ -92,7 +92,7 @@ class EagleProposer(ModelProposer):
         self._drafted_last = set()
         self._loaded = {}
         self.forwards = 0
-        self._empty = torch.zeros(0, head.config.hidden_size, device=head.embed_weight.device)
+        self._empty = torch.zeros(0, head.config.hidden_size, device=head.vocab_ids.device)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The head's weights (its embedding is the target's), fc's and the FR matrix's reordered copies too."""
@@ -164,7 +164,7 @@ class EagleProposer(ModelProposer):
         counts = [len(t) for t in tokens]
         if not any(counts):
             return [self._empty] * len(tokens)
-        ids = torch.tensor([t for row in tokens for t in row], device=head.embed_weight.device)
+        ids = torch.tensor([t for row in tokens for t in row], device=head.vocab_ids.device)
         embeds = head.embed(ids)
         feats = torch.cat([f for f, n in zip(features, counts, strict=True) if n]).to(embeds.dtype)
         return list(self.fc(torch.cat([embeds, feats], dim=-1)).split(counts))
