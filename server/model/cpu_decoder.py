@@ -123,6 +123,8 @@ class CpuDecoder:
                 return None
             if (q_size // head_dim) % (k_size // head_dim) or attn.scaling != attn0.scaling:
                 return None
+            if q_size // k_size > 16:  # query heads per KV head: the C attention holds up to 16
+                return None
             if kernels[3].in_features != q_size or kernels[3].out != config.hidden_size:
                 return None
             inter = kernels[6].in_features
@@ -179,7 +181,7 @@ class CpuDecoder:
         cos = cos.reshape(n, self.head_dim).contiguous()
         signed_sin = signed_sin.reshape(n, self.head_dim).contiguous()
         threads = torch.get_num_threads()
-        work = torch.empty(n * self.scratch + threads * (length + 16))
+        work = torch.empty(n * self.scratch + threads * self.heads // self.kv_heads * (length + 16))
         live = torch.empty(n * (length + 1), dtype=torch.int32)
         out = torch.empty(self.count, n, self.hidden) if states else None
         pointers = ctypes.c_void_p * self.count

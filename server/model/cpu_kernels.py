@@ -242,37 +242,51 @@ static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
   for (int64_t i = 0; i < d; i++) v[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * ssin[i];
 }
 
-/* One query head against its row's live keys, in the keys' order: the same operations however many holes
-   and other rows the cache holds and however many queries share the call. */
-static void attend(const float* q, const float* K, const float* V, const int32_t* live, int32_t n,
+/* The G query heads of one KV head (q: G x d, side by side) against their row's live keys, in the keys' order:
+   the same operations however many holes and other rows the cache holds and however many queries share the
+   call. Each key and value is read once for the G heads (at long contexts attention reads the cache from
+   memory: grouped heads read it once). sc: G x (n + 16) floats; out: G x d. */
+static void attend(const float* q, int64_t G, const float* K, const float* V, const int32_t* live, int32_t n,
                    const float* mrow, int64_t d, float scale, float* sc, float* out) {
-  if (n == 0) { memset(out, 0, d * sizeof(float)); return; }
-  float top = -INFINITY;
+  if (n == 0) { memset(out, 0, G * d * sizeof(float)); return; }
+  const int32_t n16 = (n + 15) & ~15;
+  float top[16];
+  for (int64_t h = 0; h < G; h++) top[h] = -INFINITY;
   for (int32_t i = 0; i < n; i++) {
     const float* k = K + (int64_t)live[i] * d;
-    v16 acc = splat(0.0f);
-    for (int64_t j = 0; j < d; j += 16) acc += load16(q + j) * load16(k + j);
-    const float s = hsum(acc) * scale + mrow[live[i]];
-    sc[i] = s;
-    top = s > top ? s : top;
+    const float m = mrow[live[i]];
+    for (int64_t h = 0; h < G; h++) {
+      v16 acc = splat(0.0f);
+      for (int64_t j = 0; j < d; j += 16) acc += load16(q + h * d + j) * load16(k + j);
+      const float s = hsum(acc) * scale + m;
+      sc[h * n16 + i] = s;
+      top[h] = s > top[h] ? s : top[h];
+    }
   }
-  const int32_t n16 = (n + 15) & ~15;
-  for (int32_t i = n; i < n16; i++) sc[i] = -INFINITY;
-  v16 total = splat(0.0f);
-  for (int32_t i = 0; i < n16; i += 16) {
-    const v16 p = vexp(load16(sc + i) - splat(top));
-    store16(sc + i, p);
-    total += p;
+  float inv[16];
+  for (int64_t h = 0; h < G; h++) {
+    float* row = sc + h * n16;
+    for (int32_t i = n; i < n16; i++) row[i] = -INFINITY;
+    v16 total = splat(0.0f);
+    for (int32_t i = 0; i < n16; i += 16) {
+      const v16 p = vexp(load16(row + i) - splat(top[h]));
+      store16(row + i, p);
+      total += p;
+    }
+    inv[h] = 1.0f / hsum(total);
   }
-  v16 o[16];
-  for (int64_t j = 0; j < d / 16; j++) o[j] = splat(0.0f);
+  v16 o[16][16];
+  for (int64_t h = 0; h < G; h++)
+    for (int64_t j = 0; j < d / 16; j++) o[h][j] = splat(0.0f);
   for (int32_t i = 0; i < n; i++) {
     const float* v = V + (int64_t)live[i] * d;
-    const v16 p = splat(sc[i]);
-    for (int64_t j = 0; j < d / 16; j++) o[j] += p * load16(v + 16 * j);
+    for (int64_t h = 0; h < G; h++) {
+      const v16 p = splat(sc[h * n16 + i]);
+      for (int64_t j = 0; j < d / 16; j++) o[h][j] += p * load16(v + 16 * j);
+    }
   }
-  const v16 inv = splat(1.0f / hsum(total));
-  for (int64_t j = 0; j < d / 16; j++) store16(out + 16 * j, o[j] * inv);
+  for (int64_t h = 0; h < G; h++)
+    for (int64_t j = 0; j < d / 16; j++) store16(out + h * d + 16 * j, o[h][j] * splat(inv[h]));
 }
 
 /* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
@@ -295,11 +309,11 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
   float* act = gu + N * D->gu_ld;
   const int64_t widest = D->inter > qd ? (D->inter > H ? D->inter : H) : (qd > H ? qd : H);
   float* xs = act + N * D->inter;  /* [N, widest / 32]: group sums */
-  float* scores = xs + N * (widest / 32);  /* [threads][Lk + 16] */
+  float* scores = xs + N * (widest / 32);  /* [threads][group][Lk + 16] */
   int32_t* count = live + N * Lk;
   #pragma omp parallel num_threads(threads)
   {
-    float* sc = scores + (int64_t)omp_get_thread_num() * (Lk + 16);
+    float* sc = scores + (int64_t)omp_get_thread_num() * group * (Lk + 16);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < N; t++) {
       const float* m = mask + mrow[t] * Lk;
@@ -325,10 +339,10 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
         }
       }
       #pragma omp for schedule(static)
-      for (int64_t it = 0; it < N * nh; it++) {
-        const int64_t t = it / nh, i = it % nh, base = (row[t] * nkv + i / group) * cap * d;
-        attend(qkv + t * D->qkv_ld + i * d, keys[l] + base, values[l] + base, live + t * Lk, count[t],
-               mask + mrow[t] * Lk, d, D->scale, sc, att + t * qd + i * d);
+      for (int64_t it = 0; it < N * nkv; it++) {
+        const int64_t t = it / nkv, g = it % nkv, base = (row[t] * nkv + g) * cap * d;
+        attend(qkv + t * D->qkv_ld + g * group * d, group, keys[l] + base, values[l] + base, live + t * Lk,
+               count[t], mask + mrow[t] * Lk, d, D->scale, sc, att + t * qd + g * group * d);
       }
       gemm_in(&L->o, att, N, xs, o);
       #pragma omp for schedule(static)
