@@ -439,6 +439,7 @@ class BlockTable(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.num_embeddings, self.embedding_dim = qweight.shape
         self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
+        self._columns: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once it holds them)."""
@@ -452,9 +453,10 @@ class BlockTable(nn.Module):
     def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
         tile, lane = (ids // cpu_kernels.TILE)[:, None], (ids % cpu_kernels.TILE)[:, None]
-        q = self.tiles.q.view(torch.int8)[tile, torch.arange(self.embedding_dim)[None], lane]
-        d = self.tiles.s[tile, torch.arange(self.embedding_dim // GROUP)[None], lane]
-        return q.float(), d
+        if self._columns is None:  # [1, hidden] and [1, hidden/32]: every input and group of a row
+            self._columns = (torch.arange(self.embedding_dim)[None], torch.arange(self.embedding_dim // GROUP)[None])
+        inputs, groups = self._columns
+        return self.tiles.q.view(torch.int8)[tile, inputs, lane].float(), self.tiles.s[tile, groups, lane]
 
     def release(self) -> list[torch.Tensor]:
         """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):

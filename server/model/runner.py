@@ -96,6 +96,7 @@ class ModelRunner:
         transformers' forward); False runs transformers' forward for every model."""
         self.model = model
         self.device = model.device
+        self.dtype = model.dtype  # read once: `model.dtype` walks the parameters
         self.has_lm_head = model.get_output_embeddings() is not None
         self.packs = packs(model)  # rows feeding different numbers of tokens are packed (attention.py)
         self.call = (LeanForward.of(model) if lean else None) or model  # the forward, with transformers' keywords
@@ -236,7 +237,7 @@ class ModelRunner:
             embeds = first.new_zeros(len(inputs), width, first.shape[-1])
             for b, x in enumerate(inputs):
                 embeds[b, : len(x)] = x
-            return {"inputs_embeds": embeds.to(self.device, self.model.dtype)}
+            return {"inputs_embeds": embeds.to(self.device, self.dtype)}
         ids = torch.zeros(len(inputs), width, dtype=torch.long)
         for b, row in enumerate(inputs):
             ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
@@ -246,7 +247,7 @@ class ModelRunner:
         """Every row's inputs in the packed order (`Packing`): token ids [1, N] or input embeddings [1, N, hidden]."""
         if inputs and isinstance(inputs[0], torch.Tensor):
             embeds = torch.cat(pack.pieces(inputs))  # type: ignore[arg-type]
-            return {"inputs_embeds": embeds[None].to(self.device, self.model.dtype)}
+            return {"inputs_embeds": embeds[None].to(self.device, self.dtype)}
         ids = [int(t) for piece in pack.pieces(inputs) for t in piece]
         return {"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)}
 
@@ -264,7 +265,7 @@ class ModelRunner:
         real = steps[None, None, :] < torch.tensor(counts, device=self.device)[:, None, None]  # [batch, 1, W]
         new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
-        dtype = self.model.dtype
+        dtype = self.dtype
         # a model attending in float64 (attention.py) gets its mask in float64 here, once per forward, rather
         # than converted in every layer; the same values (the model dtype's most negative)
         mask = torch.zeros(allowed.shape, dtype=torch.float64 if attends_wide(self.model) else dtype,
