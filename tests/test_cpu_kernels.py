@@ -83,3 +83,39 @@ def test_the_avx2_variant_gives_the_same_results_within_float32_and_rows_in_any_
         exact = x.double() @ layer.dequantize().double().t()
         assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
         assert all(torch.equal(tiles(x[i : i + 1])[0], got[i]) for i in range(7))
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="an AVX2 CPU builds the AVX2 variant")
+def test_the_avx2_variants_decoder_agrees_with_the_torch_path_and_keeps_a_positions_bits(tmp_path, monkeypatch):
+    """The whole-stack call (cpu_decoder.py) of the AVX2 build: the lean forward's function, and a position's
+    logits the same bits fed alone or within a pass."""
+    from server.model.attention import use_gqa_attention
+    from server.model.lean_forward import LeanForward
+    from server.model.quantized import quantize_linears
+    from server.model.runner import ModelRunner
+    from tests.models import tiny_llama
+
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
+                                                    for f in cpu_kernels.FLAGS))
+    lib = build()
+    assert lib is not None
+    monkeypatch.setattr(cpu_kernels, "library", lambda: lib)
+    model = tiny_llama(512, seed=5)
+    quantize_linears(model, "q4")
+    use_gqa_attention(model)
+    prompt, tail = [(7 * i) % 500 + 3 for i in range(30)], [11, 12, 13, 14, 15]
+    fast = ModelRunner(model)
+    assert fast.call.decoder is not None and fast.call.decoder.lib is lib
+    slow = ModelRunner(model)
+    slow.call = LeanForward(model, model.model)
+    slow.call.decoder = None
+    for runner in (fast, slow):
+        runner.join(["a"], [prompt])
+    a, b = fast.forward([tail]).logits, slow.forward([tail]).logits
+    assert torch.allclose(a, b, rtol=0, atol=2e-5 * float(b.abs().max()))
+    single = ModelRunner(model)
+    single.join(["a"], [prompt])
+    one = torch.cat([single.forward([[t]]).logits[0] for t in tail])
+    assert torch.equal(one, a[0])
