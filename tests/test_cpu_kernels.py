@@ -119,3 +119,20 @@ def test_the_avx2_variants_decoder_agrees_with_the_torch_path_and_keeps_a_positi
     single.join(["a"], [prompt])
     one = torch.cat([single.forward([[t]]).logits[0] for t in tail])
     assert torch.equal(one, a[0])
+
+
+@needs_kernels
+def test_kernels_are_built_under_the_servers_cache_dir(tmp_path, monkeypatch):
+    """A server whose `cache_dir` is a volume keeps its built kernels there (the environment variable wins)."""
+    from server.model.loading import load_model
+    from tests.models import write_tiny_gguf
+
+    monkeypatch.delenv("SPECULA_KERNEL_DIR", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_directory", None)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant="Q4_1")
+    load_model(str(path), device="cpu", cache_dir=tmp_path / "cache", weights="as-file")
+    assert cpu_kernels._directory == tmp_path / "cache" / "kernels"
+    assert build() is not None
+    assert list((tmp_path / "cache" / "kernels").glob("block_gemm-*.so"))
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path / "elsewhere"))
+    assert build() is not None and list((tmp_path / "elsewhere").glob("block_gemm-*.so"))

@@ -19,12 +19,12 @@ row count.
 `decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
 
 Built with the host's C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp`, AVX2 or AVX-512 needed)
-into `~/.cache/specula/kernels/` (or `SPECULA_KERNEL_DIR`) under a name hashed from the source, the compiler,
-the flags and this CPU's model and flags (a library built for another CPU is never loaded), written to a
-temporary file and renamed into place. OpenMP resolves to the libgomp torch already loaded, so both share one
-thread pool; a call uses torch's current thread count. The library is checked against a reference product
-once when loaded. Any failure (no compiler, no AVX2, a wrong probe) leaves `library()` None and quantized.py on
-torch's kernel; `SPECULA_CPU_KERNELS=0` asks for that.
+into `kernels/` under the server's `cache_dir` (`~/.cache/specula/kernels/` by default; `SPECULA_KERNEL_DIR`
+wins) under a name hashed from the source, the compiler, the flags and this CPU's model and flags (a library
+built for another CPU is never loaded), written to a temporary file and renamed into place. OpenMP resolves
+to the libgomp torch already loaded, so both share one thread pool; a call uses torch's current thread count.
+The library is checked against a reference product once when loaded. Any failure (no compiler, no AVX2, a
+wrong probe) leaves `library()` None and quantized.py on torch's kernel; `SPECULA_CPU_KERNELS=0` asks for that.
 """
 
 from __future__ import annotations
@@ -416,6 +416,16 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+_directory: Path | None = None  # `use_directory`'s
+
+
+def use_directory(path: Path) -> None:
+    """Build and find the kernels under `path` (the server's `cache_dir`/kernels; `SPECULA_KERNEL_DIR` wins). Takes
+    effect for the first `library()` call: one process loads one library."""
+    global _directory
+    _directory = path
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot run here (see the module doc)."""
@@ -423,7 +433,8 @@ def library() -> ctypes.CDLL | None:
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    directory = Path(os.environ.get("SPECULA_KERNEL_DIR") or Path.home() / ".cache" / "specula" / "kernels")
+    default = _directory or Path.home() / ".cache" / "specula" / "kernels"
+    directory = Path(os.environ.get("SPECULA_KERNEL_DIR") or default)
     try:
         lib = _load(_build(directory))
         if not _probe(lib):

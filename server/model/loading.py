@@ -238,6 +238,8 @@ def load_model(
         if not path.exists():
             path = None  # a hub id
     gguf = path is not None and path.suffix == ".gguf"
+    if cache_dir is not None:
+        cpu_kernels.use_directory(Path(cache_dir) / "kernels")  # built kernels live beside the converted weights
     served = resolve_weights(weights, gguf=gguf, device=dev, dtype=torch_dtype)
     if served in _FORMAT_DTYPES:
         torch_dtype = _FORMAT_DTYPES[served]
