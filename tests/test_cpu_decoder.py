@@ -75,9 +75,12 @@ def test_steps_run_the_decoder_and_prompt_chunks_the_torch_path(model, monkeypat
     assert len(calls) == 1
 
 
-def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model):
+@pytest.mark.parametrize("length", [40, 505])
+def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model, length):
     """Fed one token at a time beside a longer row, or in one pass alone, or after holes and a compaction:
-    each position's logits are the same bits (what greedy exactness across proposers rests on)."""
+    each position's logits are the same bits (what greedy exactness across proposers rests on). 505 tokens of
+    prompt: the queries' keys cross a run of the C attention's (256) during the tail."""
+    PROMPT = [(37 * i) % 900 + 50 for i in range(length)]  # noqa: N806
     tail = [(13 * i) % 800 + 70 for i in range(12)]
     # prompts are prefilled one by one here: a prompt chunk's attention (the torch path) is not invariant
     singly = _runner(model, True)

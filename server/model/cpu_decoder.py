@@ -10,8 +10,9 @@ residual, RMSNorm, the fused gate/up kernel, SiLU times up, the down projection 
 team for the whole stack.
 
 Attention here reads, for each query, only the cache columns its mask lets it see, in column order (which is
-token order: the cache keeps each row's live tokens in order), and sums scores, softmax and values over them in
-one fixed order. A position's result therefore depends on its row's tokens only: not on holes, other rows,
+token order: the cache keeps each row's live tokens in order), in runs of 256 live keys (threads share a long
+context's runs out; each run's softmax parts are merged in run order), and sums scores, softmax and values over
+them in one fixed order. The query heads of a KV head read each key once. A position's result therefore depends on its row's tokens only: not on holes, other rows,
 where a pass starts or how many tokens it feeds, so a token gets the same bits in a plain step, in any verify
 pass and beside any other rows (tests check it). The other operations are per row, as the block kernels are.
 
@@ -37,6 +38,7 @@ from server.model.cpu_kernels import Tiles
 from server.model.kv_layers import KVBudgetExceeded
 
 MAX_ROW_TOKENS = 32  # a row feeding more (a prompt chunk) runs the torch path
+KEY_RUN = 256  # cpu_kernels.py's KCHUNK: attention shares a query's keys out between threads in runs this long
 
 _i64 = ctypes.c_int64
 
@@ -183,6 +185,10 @@ class CpuDecoder:
         threads = torch.get_num_threads()
         work = torch.empty(n * self.scratch + threads * self.heads // self.kv_heads * (length + 16))
         live = torch.empty(n * (length + 1), dtype=torch.int32)
+        runs = n * self.kv_heads * (length // KEY_RUN + 1)  # attention's work items, at most
+        first = torch.empty(n + 1, dtype=torch.int64)
+        items = torch.empty(runs, dtype=torch.int64)
+        parts = torch.empty(runs * self.heads // self.kv_heads * (self.head_dim + 2))
         out = torch.empty(self.count, n, self.hidden) if states else None
         pointers = ctypes.c_void_p * self.count
         keys = pointers(*(layer.keys.data_ptr() for layer in layers))
@@ -191,6 +197,7 @@ class CpuDecoder:
             ctypes.byref(self.dims), self.layers, self.count, keys, values, capacity,
             flat.data_ptr(), n, cos.data_ptr(), signed_sin.data_ptr(), rows.data_ptr(), cols.data_ptr(),
             mask_rows.data_ptr(), mask.data_ptr(), length, out.data_ptr() if out is not None else None,
-            self.final.data_ptr() if self.final is not None else None, work.data_ptr(), live.data_ptr(), threads,
+            self.final.data_ptr() if self.final is not None else None, work.data_ptr(), live.data_ptr(),
+            first.data_ptr(), items.data_ptr(), parts.data_ptr(), threads,
         )
         return flat.view(shape), [s.view(shape) for s in out] if out is not None else []

@@ -242,15 +242,17 @@ static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
   for (int64_t i = 0; i < d; i++) v[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * ssin[i];
 }
 
-/* The G query heads of one KV head (q: G x d, side by side) against their row's live keys, in the keys' order:
-   the same operations however many holes and other rows the cache holds and however many queries share the
-   call. Each key and value is read once for the G heads (at long contexts attention reads the cache from
-   memory: grouped heads read it once). sc: G x (n + 16) floats; out: G x d. */
-static void attend(const float* q, int64_t G, const float* K, const float* V, const int32_t* live, int32_t n,
-                   const float* mrow, int64_t d, float scale, float* sc, float* out) {
-  if (n == 0) { memset(out, 0, G * d * sizeof(float)); return; }
+/* The G query heads of one KV head (q: G x d, side by side) against one run of their row's live keys (at most
+   KCHUNK of them, in the keys' order). Writes the part's unnormalised output (G x d), then per head its top score
+   and its sum of exp(score - top): `merge` combines a query's parts in order. The same operations for a key run
+   however many holes and other rows the cache holds and however many queries share the call; each key and value
+   is read once for the G heads (at long contexts attention reads the cache from memory). sc: G x (KCHUNK + 16). */
+#define KCHUNK 256
+static void attend_part(const float* q, int64_t G, const float* K, const float* V, const int32_t* live, int32_t n,
+                        const float* mrow, int64_t d, float scale, float* sc, float* part) {
   const int32_t n16 = (n + 15) & ~15;
-  float top[16];
+  float* top = part + G * d;
+  float* sum = top + G;
   for (int64_t h = 0; h < G; h++) top[h] = -INFINITY;
   for (int32_t i = 0; i < n; i++) {
     const float* k = K + (int64_t)live[i] * d;
@@ -263,7 +265,6 @@ static void attend(const float* q, int64_t G, const float* K, const float* V, co
       top[h] = s > top[h] ? s : top[h];
     }
   }
-  float inv[16];
   for (int64_t h = 0; h < G; h++) {
     float* row = sc + h * n16;
     for (int32_t i = n; i < n16; i++) row[i] = -INFINITY;
@@ -273,7 +274,7 @@ static void attend(const float* q, int64_t G, const float* K, const float* V, co
       store16(row + i, p);
       total += p;
     }
-    inv[h] = 1.0f / hsum(total);
+    sum[h] = hsum(total);
   }
   v16 o[16][16];
   for (int64_t h = 0; h < G; h++)
@@ -286,7 +287,29 @@ static void attend(const float* q, int64_t G, const float* K, const float* V, co
     }
   }
   for (int64_t h = 0; h < G; h++)
-    for (int64_t j = 0; j < d / 16; j++) store16(out + h * d + 16 * j, o[h][j] * splat(inv[h]));
+    for (int64_t j = 0; j < d / 16; j++) store16(part + h * d + 16 * j, o[h][j]);
+}
+
+/* A query's parts (`attend_part`, in key order) combined: out = sum_c e_c o_c / sum_c e_c s_c with
+   e_c = exp(top_c - max top), part after part. One part: e = 1 exactly. */
+static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float* out) {
+  const int64_t size = G * (d + 2);
+  for (int64_t h = 0; h < G; h++) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < count; c++) top = parts[c * size + G * d + h] > top ? parts[c * size + G * d + h] : top;
+    if (top == -INFINITY) { memset(out + h * d, 0, d * sizeof(float)); continue; }  /* no key: nothing seen */
+    v16 o[16];
+    for (int64_t j = 0; j < d / 16; j++) o[j] = splat(0.0f);
+    float total = 0.0f;
+    for (int64_t c = 0; c < count; c++) {
+      const float* part = parts + c * size;
+      const float e = expf(part[G * d + h] - top);
+      total += e * part[G * d + G + h];
+      for (int64_t j = 0; j < d / 16; j++) o[j] += splat(e) * load16(part + h * d + 16 * j);
+    }
+    const v16 inv = splat(total > 0.0f ? 1.0f / total : 0.0f);
+    for (int64_t j = 0; j < d / 16; j++) store16(out + h * d + 16 * j, o[j] * inv);
+  }
 }
 
 /* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
@@ -294,11 +317,13 @@ static void attend(const float* q, int64_t G, const float* K, const float* V, co
    -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim].
    states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
    applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
-   live: int32 [N, Lk + 1]. */
+   live: int32 [N, Lk + 1]; first: int64 [N + 1], items: int64 [N x kv heads x runs], parts: float [N x kv heads x
+   runs x group x (head_dim + 2)], with runs = Lk / KCHUNK + 1 at most per token (attention's key runs). */
 void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, float* const* keys,
                      float* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
                      const int64_t* row, const int64_t* col, const int64_t* mrow, const float* mask, int64_t Lk,
-                     float* states, const float* final_norm, float* work, int32_t* live, int threads) {
+                     float* states, const float* final_norm, float* work, int32_t* live, int64_t* first,
+                     int64_t* items, float* parts, int threads) {
   const int64_t H = D->hidden, d = D->head_dim, nh = D->heads, nkv = D->kv_heads, group = nh / nkv, qd = nh * d;
   const int64_t wide = D->o_ld > D->down_ld ? D->o_ld : D->down_ld;
   float* h = work;
@@ -321,6 +346,16 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
       for (int64_t c = 0; c < Lk; c++) if (m[c] > -FLT_MAX) live[t * Lk + n++] = (int32_t)c;
       count[t] = n;
     }
+    /* attention's work items: per token and KV head, its live keys in runs of KCHUNK (at least one run), so
+       that a long context's keys are shared out between threads the same way whatever else the call holds */
+    #pragma omp single
+    {
+      first[0] = 0;
+      for (int64_t t = 0; t < N; t++) first[t + 1] = first[t] + (count[t] + KCHUNK - 1) / KCHUNK + (count[t] == 0);
+      for (int64_t t = 0, i = 0; t < N; t++)
+        for (int64_t g = 0; g < nkv; g++)
+          for (int64_t c = first[t]; c < first[t + 1]; c++) items[i++] = (t * nkv + g) << 20 | (c - first[t]);
+    }
     for (int64_t l = 0; l < n_layers; l++) {
       const struct layer* L = layers + l;
       #pragma omp for schedule(static)
@@ -339,10 +374,18 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
         }
       }
       #pragma omp for schedule(static)
-      for (int64_t it = 0; it < N * nkv; it++) {
-        const int64_t t = it / nkv, g = it % nkv, base = (row[t] * nkv + g) * cap * d;
-        attend(qkv + t * D->qkv_ld + g * group * d, group, keys[l] + base, values[l] + base, live + t * Lk,
-               count[t], mask + mrow[t] * Lk, d, D->scale, sc, att + t * qd + g * group * d);
+      for (int64_t it = 0; it < first[N] * nkv; it++) {
+        const int64_t tg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), t = tg / nkv, g = tg % nkv;
+        const int64_t base = (row[t] * nkv + g) * cap * d, start = c * KCHUNK;
+        const int32_t n = count[t] - start < KCHUNK ? count[t] - start : KCHUNK;
+        attend_part(qkv + t * D->qkv_ld + g * group * d, group, keys[l] + base, values[l] + base,
+                    live + t * Lk + start, n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
+                    parts + (first[t] * nkv + g * (first[t + 1] - first[t]) + c) * group * (d + 2));
+      }
+      #pragma omp for schedule(static)
+      for (int64_t tg = 0; tg < N * nkv; tg++) {
+        const int64_t t = tg / nkv, g = tg % nkv, runs = first[t + 1] - first[t];
+        merge(parts + (first[t] * nkv + g * runs) * group * (d + 2), runs, group, d, att + t * qd + g * group * d);
       }
       gemm_in(&L->o, att, N, xs, o);
       #pragma omp for schedule(static)
@@ -411,7 +454,8 @@ def _load(path: Path) -> ctypes.CDLL:
                                ctypes.c_int]
     lib.block_gemm.restype = None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.decoder_forward.argtypes = [p, p, i64, p, p, i64, p, i64, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_int]
+    lib.decoder_forward.argtypes = [p, p, i64, p, p, i64, p, i64, p, p, p, p, p, p, i64, p, p, p, p, p, p, p,
+                                    ctypes.c_int]
     lib.decoder_forward.restype = None
     return lib
 
