@@ -12,9 +12,10 @@ team for the whole stack.
 Attention here reads, for each query, only the cache columns its mask lets it see, in column order (which is
 token order: the cache keeps each row's live tokens in order), in runs of 256 live keys (threads share a long
 context's runs out; each run's softmax parts are merged in run order), and sums scores, softmax and values over
-them in one fixed order. The query heads of a KV head read each key once. A position's result therefore depends on its row's tokens only: not on holes, other rows,
-where a pass starts or how many tokens it feeds, so a token gets the same bits in a plain step, in any verify
-pass and beside any other rows (tests check it). The other operations are per row, as the block kernels are.
+them in one fixed order. The query heads of a KV head read each key once. A position's result therefore
+depends on its row's tokens only: not on holes, other rows, where a pass starts or how many tokens it feeds, so
+a token gets the same bits in a plain step, in any verify pass and beside any other rows (tests check it). The
+other operations are per row, as the block kernels are.
 
 It runs forwards whose rows feed at most `MAX_ROW_TOKENS` tokens each (steps and verify passes); a prompt chunk
 runs the lean forward's torch path, whose attention (PyTorch's blocked SDPA) is faster for many queries. The
@@ -112,7 +113,7 @@ class CpuDecoder:
         config = base.config
         if next(base.parameters()).dtype != torch.float32 or next(base.parameters()).device.type != "cpu":
             return None
-        attn0, eps = base.layers[0].self_attn, base.layers[0].input_layernorm
+        attn0, norm0 = base.layers[0].self_attn, base.layers[0].input_layernorm  # LeanForward.of: RMSNorms
         head_dim = getattr(attn0, "head_dim", 0)
         if not head_dim or head_dim % 16 or head_dim > 256 or config.hidden_size % 16:
             return None
@@ -133,11 +134,9 @@ class CpuDecoder:
             if inter % 16 or both.gate_up.out != 2 * inter or kernels[6].out != config.hidden_size:
                 return None
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if type(norm).__name__ != type(eps).__name__ or getattr(norm, "variance_epsilon", None) != \
-                        eps.variance_epsilon or norm.weight.shape != (config.hidden_size,):
+                if type(norm) is not type(norm0) or norm.variance_epsilon != norm0.variance_epsilon \
+                        or norm.weight.shape != (config.hidden_size,):
                     return None
-        if not hasattr(eps, "variance_epsilon"):
-            return None
         return cls(lib, base, fused, linears)
 
     @staticmethod
@@ -183,7 +182,7 @@ class CpuDecoder:
         cos = cos.reshape(n, self.head_dim).contiguous()
         signed_sin = signed_sin.reshape(n, self.head_dim).contiguous()
         threads = torch.get_num_threads()
-        work = torch.empty(n * self.scratch + threads * self.heads // self.kv_heads * (length + 16))
+        work = torch.empty(n * self.scratch + threads * self.heads // self.kv_heads * (KEY_RUN + 16))
         live = torch.empty(n * (length + 1), dtype=torch.int32)
         runs = n * self.kv_heads * (length // KEY_RUN + 1)  # attention's work items, at most
         first = torch.empty(n + 1, dtype=torch.int64)

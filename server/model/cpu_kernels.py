@@ -334,11 +334,11 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
   float* act = gu + N * D->gu_ld;
   const int64_t widest = D->inter > qd ? (D->inter > H ? D->inter : H) : (qd > H ? qd : H);
   float* xs = act + N * D->inter;  /* [N, widest / 32]: group sums */
-  float* scores = xs + N * (widest / 32);  /* [threads][group][Lk + 16] */
+  float* scores = xs + N * (widest / 32);  /* [threads][group][KCHUNK + 16] */
   int32_t* count = live + N * Lk;
   #pragma omp parallel num_threads(threads)
   {
-    float* sc = scores + (int64_t)omp_get_thread_num() * group * (Lk + 16);
+    float* sc = scores + (int64_t)omp_get_thread_num() * group * (KCHUNK + 16);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < N; t++) {
       const float* m = mask + mrow[t] * Lk;

@@ -266,7 +266,7 @@ def describe_weights(model: PreTrainedModel, weights: str) -> str:
     """What the start-up log says of a model's weights: the format and how many layers each kernel runs."""
     kinds: dict[str, int] = {}
     for module in model.modules():
-        kind = getattr(module, "kind", None) or ("fp16 table" if type(module).__name__ == "Fp16Table" else None)
+        kind = getattr(module, "kind", None)
         if isinstance(module, QuantLinear) and module.runs_kernel():  # which kernel multiplies it
             kind += " (bf16 kernel)" if module.rounds_inputs() else " (float32 kernel)"
         if kind is None and type(module).__name__ == "Linear":

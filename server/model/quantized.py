@@ -416,6 +416,8 @@ class Fp16Table(nn.Module):
     """An embedding table held as fp16 values of the file's weights (`weight` [vocab, hidden], a buffer): looked
     up as the model's input embeddings (fp32 rows out) and, tied, multiplied as its LM head (`TableHead`)."""
 
+    kind = "fp16 table"  # the start-up log's name (loading.describe_weights)
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight.to(torch.float16).contiguous())
