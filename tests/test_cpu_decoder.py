@@ -14,7 +14,7 @@ import torch
 
 from server.model import cpu_kernels
 from server.model.attention import use_gqa_attention
-from server.model.cpu_decoder import MAX_ROW_TOKENS, CpuDecoder
+from server.model.cpu_decoder import MAX_ROW_TOKENS, SHORT_CONTEXT, CpuDecoder
 from server.model.lean_forward import LeanForward
 from server.model.quantized import quantize_linears
 from server.model.runner import ModelRunner
@@ -64,15 +64,31 @@ def test_the_decoder_computes_the_lean_forwards_function(model):
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * float(b.abs().max()))
 
 
-def test_steps_run_the_decoder_and_prompt_chunks_the_torch_path(model, monkeypatch):
+def test_steps_and_short_prompts_run_the_decoder_and_long_prompt_chunks_the_torch_path(model, monkeypatch):
     runner = _runner(model, True)
     calls = []
     original = CpuDecoder.__call__
     monkeypatch.setattr(CpuDecoder, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
-    runner.join(["a"], [PROMPT])  # a 40-token chunk: more than a step's rows feed
-    assert calls == [] and len(PROMPT) > MAX_ROW_TOKENS
+    runner.join(["a"], [PROMPT])  # a 40-token chunk, wider than a step's rows, over a short context
+    assert len(calls) == 1 and MAX_ROW_TOKENS < len(PROMPT) <= SHORT_CONTEXT
     runner.forward([[5, 6, 7]])
-    assert len(calls) == 1
+    assert len(calls) == 2
+    long = [(29 * i) % 900 + 40 for i in range(SHORT_CONTEXT + 20)]
+    runner.join(["b"], [long], chunk=SHORT_CONTEXT + 20)  # one chunk over more columns: the torch path
+    assert len(calls) == 2
+    runner.forward([[5], [6]])
+    assert len(calls) == 3
+
+
+def test_a_short_prompt_gets_the_same_bits_however_it_is_chunked(model):
+    """A prompt within `SHORT_CONTEXT` runs the decoder whatever the chunks (a step's token budget cuts them), so
+    what follows it does not depend on the budget."""
+    logits = []
+    for chunk in (512, 7, 32):
+        runner = _runner(model, True)
+        runner.join(["a"], [PROMPT], chunk=chunk)
+        logits.append(runner.forward([[5, 6]]).logits)
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
 
 
 @pytest.mark.parametrize("length", [40, 505])
@@ -82,7 +98,8 @@ def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model, length
     prompt: the queries' keys cross a run of the C attention's (256) during the tail."""
     PROMPT = [(37 * i) % 900 + 50 for i in range(length)]  # noqa: N806
     tail = [(13 * i) % 800 + 70 for i in range(12)]
-    # prompts are prefilled one by one here: a prompt chunk's attention (the torch path) is not invariant
+    # prompts are prefilled one by one here: a long prompt's chunk runs the torch path, whose attention is not
+    # invariant
     singly = _runner(model, True)
     singly.join(["a"], [PROMPT])
     singly.join(["long"], [OTHER])

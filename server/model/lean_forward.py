@@ -342,7 +342,8 @@ class LeanForward:
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
         states = [x] if output_hidden_states else None
-        if self.decoder is not None and self.decoder.takes(x, packing.width if packing is not None else width):
+        if self.decoder is not None and self.decoder.takes(
+                x, packing.width if packing is not None else width, attention_mask.shape[-1]):
             x, after = self.decoder(x, cos, sin, attention_mask, cache, packing, output_hidden_states)
             if states is not None:
                 states += after[:-1]
