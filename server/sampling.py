@@ -151,18 +151,7 @@ def probabilities(
     `allowed` [batch, W, vocab] bool: the tokens each position's grammar allows (constrained rows;
     True everywhere for the others); p is 0 elsewhere.
     """
-    logits = logits.float()
-    if sampling.any_penalty:
-        assert token_counts is not None, "penalties need token counts"
-        logits = _penalised(logits, sampling, token_counts)
-    if sampling.bias is not None:
-        rows, ids, values = sampling.bias
-        logits = logits.clone() if not sampling.any_penalty else logits
-        logits[rows, :, ids] += values[:, None]  # (row, token) pairs are unique: no accumulation needed
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    if sampling.banned is not None:
-        logits = _mask_early_stops(logits, sampling)
+    logits = _controlled(logits, sampling, token_counts, allowed)
     if bool(sampling.greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, _argmax(logits), 1.0)
     greedy_ids = _argmax(logits) if bool(sampling.greedy.any()) else None
@@ -176,6 +165,41 @@ def probabilities(
         one_hot = torch.zeros_like(probs).scatter_(-1, greedy_ids, 1.0)
         probs = torch.where(sampling.greedy[:, None, None], one_hot, probs)
     return probs
+
+
+def greedy_tokens(
+    logits: torch.Tensor,
+    sampling: BatchSampling,
+    token_counts: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits [batch, W, vocab] of rows that all decode greedily -> [batch, W]: the token `probabilities` puts all
+    of its mass on at each position (the same controls first), without building that one-hot p."""
+    assert bool(sampling.greedy.all()), "every row must be greedy"
+    return _argmax(_controlled(logits, sampling, token_counts, allowed))[..., 0]
+
+
+def _controlled(
+    logits: torch.Tensor,
+    sampling: BatchSampling,
+    token_counts: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    """The logits after the controls every row gets before temperature: penalties, logit_bias, the grammar's
+    mask, the min_tokens mask (float32)."""
+    logits = logits.float()
+    if sampling.any_penalty:
+        assert token_counts is not None, "penalties need token counts"
+        logits = _penalised(logits, sampling, token_counts)
+    if sampling.bias is not None:
+        rows, ids, values = sampling.bias
+        logits = logits.clone() if not sampling.any_penalty else logits
+        logits[rows, :, ids] += values[:, None]  # (row, token) pairs are unique: no accumulation needed
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if sampling.banned is not None:
+        logits = _mask_early_stops(logits, sampling)
+    return logits
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

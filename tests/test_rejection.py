@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from server.sampling import BatchSampling, probabilities
+from server.sampling import BatchSampling, greedy_tokens, probabilities
 from server.speculation.plan import RowPlan, Rule, place
 from server.speculation.rejection import rejection_sample
 from server.types import SamplingParams
@@ -104,6 +104,36 @@ def test_greedy_rows_are_one_hot_at_argmax():
     logits = torch.tensor([[[0.1, 2.0, 1.9, 0.0, 0.0, 0.0]]])
     probs = probabilities(logits, BatchSampling.from_params([SamplingParams(temperature=0.0)], torch.device("cpu")))
     assert probs[0, 0].tolist() == one_hot(1)[0].tolist()
+
+
+def test_greedy_rows_from_ps_tokens_alone_get_the_same_verdict():
+    """A step whose rows are all greedy hands the sampler p's tokens (`greedy_tokens`) instead of a one-hot p:
+    the same tokens under every control (logit_bias, a grammar's mask, min_tokens), the same verdict."""
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0.0, logit_bias=((3, 5.0),)), SamplingParams(temperature=0.0, min_tokens=4),
+              SamplingParams(temperature=0.0)]
+    drafts = [[2, 3, 1], [], [5, 5]]
+    sampling = BatchSampling.from_params(params, torch.device("cpu"), generated=[0, 1, 9], eos_ids={0})
+    placed = rows(drafts, [None] * 3)
+    at = sampling.at_positions([len(d) + 1 for d in drafts])
+    for trial in range(20):
+        logits = torch.randn(placed[-1].positions.stop, 1, V) * 3
+        for b, r in enumerate(placed):  # drafts that p often keeps
+            for j, x in enumerate(drafts[b]):
+                if (trial + j) % 3:
+                    logits[r.at + j, 0, x] += 8
+        allowed = torch.rand(len(logits), 1, V) > 0.3
+        allowed[:, :, 1] = True
+        p = probabilities(logits, at, allowed=allowed)[:, 0]
+        best = greedy_tokens(logits, at, allowed=allowed)[:, 0]
+        assert torch.equal(best, p.argmax(-1))
+        want = rejection_sample(placed, p, gens(3), [True] * 3)
+        got = rejection_sample(placed, None, gens(3), [True] * 3, best=best.tolist())
+        assert got == want
+    with pytest.raises(ValueError, match="greedy"):
+        rejection_sample(placed, None, gens(3), [True, False, True], best=best.tolist())
+    with pytest.raises(ValueError, match="positions"):
+        rejection_sample(placed, None, gens(3), [True] * 3, best=best.tolist()[:-1])
 
 
 def test_a_greedy_rows_q_changes_nothing_so_model_proposers_hand_none():

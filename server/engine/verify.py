@@ -18,7 +18,7 @@ import torch
 
 from server.engine.sequence import Sequence
 from server.model.runner import ModelRunner
-from server.sampling import BatchSampling, probabilities, raw_logprobs
+from server.sampling import BatchSampling, greedy_tokens, probabilities, raw_logprobs
 from server.speculation.plan import RowPlan, StepPlan, place
 from server.speculation.rejection import Verdict, rejection_sample
 from server.types import TokenLogprob
@@ -102,8 +102,14 @@ class Verifier:
         counts = self._token_counts(kept, rows) if sampling.any_penalty else None
         allowed = self._allowed(kept, rows)  # constrained rows' grammars
         at = sampling.at_positions([r.k + 1 for r in rows])
-        p = probabilities(logits[:, None], at, _one(counts), _one(allowed))[:, 0]  # [positions, vocab]
-        verdict = rejection_sample(rows, p, [s.generator for s in kept], sampling.greedy.tolist())
+        greedy = sampling.greedy.tolist()
+        gens = [s.generator for s in kept]
+        if all(greedy):  # p would be one-hot: its tokens are all the sampler reads
+            best = greedy_tokens(logits[:, None], at, _one(counts), _one(allowed))[:, 0].tolist()
+            verdict = rejection_sample(rows, None, gens, greedy, best=best)
+        else:
+            p = probabilities(logits[:, None], at, _one(counts), _one(allowed))[:, 0]  # [positions, vocab]
+            verdict = rejection_sample(rows, p, gens, greedy)
         fed_at = list(itertools.accumulate((len(fed[b]) for b in active), initial=0))
         return Verified(active, kept, rows, logits, features, fed_at, verdict, out.computed, chunks, prompt_tokens)
 

@@ -259,12 +259,16 @@ class ModelRunner:
         """
         kv = self.kv
         batch, length = len(kv.rows), kv.length
-        steps = torch.arange(width, device=self.device)
-        old = kv.keep[:, None, :length].expand(batch, width, length)  # [batch, W, length]
-        causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
-        real = steps[None, None, :] < torch.tensor(counts, device=self.device)[:, None, None]  # [batch, 1, W]
-        new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
+        if width == 1:  # a step of one token a row: the live old columns and its own
+            own = torch.ones(batch, 1, dtype=torch.bool, device=self.device)
+            allowed = torch.cat([kv.keep[:, :length], own], dim=-1)[:, None, None]  # [batch, 1, 1, length + 1]
+        else:
+            steps = torch.arange(width, device=self.device)
+            old = kv.keep[:, None, :length].expand(batch, width, length)  # [batch, W, length]
+            causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
+            real = steps[None, None, :] < torch.tensor(counts, device=self.device)[:, None, None]  # [batch, 1, W]
+            new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+            allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
         dtype = self.dtype
         # a model attending in float64 (attention.py) gets its mask in float64 here, once per forward, rather
         # than converted in every layer; the same values (the model dtype's most negative)

@@ -35,9 +35,10 @@ class Verdict:
 
 def rejection_sample(
     rows: Sequence[RowPlan],
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | None,
     generators: list[torch.Generator],
     greedy: list[bool] | None = None,
+    best: list[int] | None = None,
 ) -> Verdict:
     """Accept/reject every row's drafts against the target in one pass.
 
@@ -48,6 +49,8 @@ def rejection_sample(
         whatever else shares its batch.
     greedy: per row, whether it decodes greedily (p one-hot at every position): its exact path needs
         no draws. None: no row is assumed greedy (one-hot rows are then sampled, to the same token).
+    best: where every row is greedy (and so compares), p's one token at each position instead of p
+        (`sampling.greedy_tokens`); `target_probs` may then be None.
 
     Example (greedy, one row): drafts [5, 9], p one-hot at 5 then 7 then anything: 5 is accepted, 9
     rejected, and the recovered token is 7: Verdict(accepted=[1], tokens=[[5, 7]]).
@@ -55,6 +58,14 @@ def rejection_sample(
     if greedy is None:
         greedy = [False] * len(rows)
     needed = max((r.positions.stop for r in rows), default=0)
+    if best is not None:
+        if not all(greedy) or any(r.rule is not Rule.COMPARE for r in rows) or len(rows) != len(greedy):
+            raise ValueError("p's tokens alone serve only rows that are all greedy and compare")
+        if needed != len(best):
+            raise ValueError(f"best has {len(best)} positions; the rows need {needed}")
+        return _compare_greedy(rows, best)
+    if target_probs is None:
+        raise ValueError("p is needed unless every row is greedy and `best` is given")
     if needed != len(target_probs):
         raise ValueError(f"p has {len(target_probs)} positions; the rows need {needed}")
     verdict = Verdict(accepted=[0] * len(rows), tokens=[[] for _ in rows])
@@ -130,8 +141,7 @@ def _sample_and_compare(
     for b, (row, gen) in enumerate(zip(rows, generators, strict=True)):
         d, s = row.drafts, row.at
         if greedy[b]:
-            kept = next((j for j, x in enumerate(d) if best[s + j] != x), len(d))
-            out = [*d[:kept], best[s + kept]]
+            out = _kept(d, best, s)
         else:
             out = []
             for j in range(len(d) + 1):
@@ -142,3 +152,15 @@ def _sample_and_compare(
         accepted.append(len(out) - 1)
         tokens.append(out)
     return Verdict(accepted=accepted, tokens=tokens)
+
+
+def _kept(drafts: list[int], best: list[int], at: int) -> list[int]:
+    """A greedy row's emitted tokens: its drafts while each is p's one token at its position, then that token."""
+    kept = next((j for j, x in enumerate(drafts) if best[at + j] != x), len(drafts))
+    return [*drafts[:kept], best[at + kept]]
+
+
+def _compare_greedy(rows: Sequence[RowPlan], best: list[int]) -> Verdict:
+    """`_sample_and_compare` for rows that are all greedy, from p's tokens (no p, no draws)."""
+    tokens = [_kept(r.drafts, best, r.at) for r in rows]
+    return Verdict(accepted=[len(t) - 1 for t in tokens], tokens=tokens)
