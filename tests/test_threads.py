@@ -112,6 +112,43 @@ def test_a_probe_step_without_a_prediction_ends_the_probe_and_tries_again_later(
     assert calls == [1, 2, 1]
 
 
+def test_a_step_that_computes_prompt_tokens_is_never_the_probe():
+    """After an idle spell the probe is due, and the next step is a new prompt's: it keeps every thread (a
+    one-thread prefill took ~140 ms more on the built-in model), and the probe waits for a decode step."""
+    gov, clock, calls = governor()
+    gov.before_step()
+    gov.observe(0.05, 0.05)
+    clock.now = 30.0  # idle: the probe is long due
+    assert gov.before_step(probe=False) == 2 and not gov.probing
+    gov.observe(0.4, None)  # the prompt's step
+    assert gov.before_step(probe=False) == 2 and not gov.probing
+    gov.observe(0.4, None)
+    assert gov.before_step() == 1 and gov.probing  # the first decode step probes
+    gov.observe(0.08, 0.05)
+    assert not gov.probing and calls == [1]
+
+
+def test_the_engine_lets_only_steps_without_prompt_tokens_probe(tiny_engine_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = tiny_engine_factory(speculation="none", draft=None)
+        seen = []
+        governed_before = engine.threads.before_step
+        engine.threads.before_step = lambda probe=True: seen.append(probe) or governed_before(probe)
+        prompt = tuple(range(5, 45))
+        engine.add_requests([GenerationRequest("p", prompt, SamplingParams(max_tokens=3, temperature=0.0),
+                                               SpeculationParams("none", 1))])
+        prefilling = []
+        while engine.has_unfinished():
+            prefilling.append(any(s.prompt_left for s in engine.running.values()))
+            engine.step()
+    finally:
+        torch.set_num_threads(before)
+    assert prefilling[0] and not prefilling[-1]
+    assert seen == [not p for p in prefilling]
+
+
 _timing = st.one_of(
     st.none(), st.just(0.0), st.just(-1.0), st.just(float("inf")), st.just(float("nan")), st.just(1e308),
     st.just(1e-300), st.floats(min_value=1e-9, max_value=1e6),

@@ -59,11 +59,15 @@ class ThreadGovernor:
     def _other(self) -> int | None:
         return next((n for n in self.options if n != self.current), None)
 
-    def before_step(self) -> int:
-        """Set torch's thread count for the coming step (the current count, or the other one as a probe)."""
+    def before_step(self, probe: bool = True) -> int:
+        """Set torch's thread count for the coming step (the current count, or the other one as a probe).
+
+        `probe=False`: this step may not be the probe (it computes prompt tokens: its time is compared with
+        nothing, and at one thread a prefill takes about twice as long; after an idle spell the first step, a
+        prompt's, would otherwise be the one probed). A probe that is due waits for the next step that may be."""
         other = self._other()
         n = self.current
-        if other is not None:
+        if other is not None and probe:
             # a probe is due a gap after the current count's first score (`observe`): before it, a probe
             # would have nothing to be compared with
             due = self.current in self.score and self._next_probe is not None
