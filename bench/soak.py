@@ -11,12 +11,14 @@ beyond the context; a multi-megabyte body) and bad fields (out-of-range numbers,
 UTF-16 surrogate...). It reports requests served, statuses per kind, p50/p95 latency of the completed
 ones, the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
 traffic) and the memory parts its /metrics exports (`specula_memory_bytes{part}`, docs/api.md#memory),
-whose largest sum the peak RSS is held to (`--max-rss-ratio`, default 1.15). The peak is the kernel's
-high-water mark of the server's RSS since it became healthy (VmHWM, reset then), so no spike between
-two samples escapes. It fails (exit 1) on any 5xx, any lost request (no status, a stream without
-`[DONE]`, a timeout), a fresh-start request that is not a 200, a server that does not come up or does
-not drain, or a peak RSS over the ratio. Server settings come from the environment
-(`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server serve`).
+whose largest sum the peak RSS is held to (`--max-rss-ratio`, default 1.15): the largest of the sampled sums
+and the server's own record (`specula_memory_peak_bytes{part}`, also taken right after the KV cache grows,
+which a one-second sample can miss). The peak is the kernel's high-water mark of the server's RSS since it
+became healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any
+5xx, any lost request (no status, a stream without `[DONE]`, a timeout), a fresh-start request that is not a
+200, a server that does not come up or does not drain, or a peak RSS over the ratio. Server settings come
+from the environment (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m
+server serve`).
 
 The report goes to `--out` (default bench/results/latest/soak/soak.json) and the run to the ledger
 (bench/ledger.py) as suite `soak` (`--no-record`: neither the ledger nor latest/, as CI's soak runs).
@@ -145,15 +147,17 @@ def reset_peak_rss(pid: int) -> bool:
         return False
 
 
-MEMORY_LINE = re.compile(r'^specula_memory_bytes\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+MEMORY_LINE = re.compile(r'^(?P<name>specula_memory(?:_peak)?_bytes)\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
 
-def memory_parts(metrics_text: str) -> dict[str, float]:
-    """`specula_memory_bytes{part=...}` from a /metrics body, in MiB per part ({} when it has none)."""
+def memory_parts(metrics_text: str, peak: bool = False) -> dict[str, float]:
+    """`specula_memory_bytes{part=...}` from a /metrics body (`peak`: `specula_memory_peak_bytes`, the parts
+    when their sum was largest), in MiB per part ({} when it has none)."""
+    name = "specula_memory_peak_bytes" if peak else "specula_memory_bytes"
     parts = {}
     for line in metrics_text.splitlines():
         m = MEMORY_LINE.match(line)
-        if m:
+        if m and m["name"] == name:
             part = re.search(r'part="([^"]*)"', m["labels"])
             if part:
                 parts[part[1]] = float(m["value"]) / 2**20
@@ -180,13 +184,17 @@ class RssSampler(threading.Thread):
                 return
             if self.url is not None:
                 try:
-                    parts = memory_parts(httpx.get(f"{self.url}/metrics", timeout=10).text)
+                    text = httpx.get(f"{self.url}/metrics", timeout=10).text
                 except httpx.HTTPError:
-                    parts = {}
+                    text = ""
+                parts = memory_parts(text)
                 if parts:
                     self.parts_series.append((self.series[-1][0], {k: round(v, 1) for k, v in parts.items()}))
-                if sum(parts.values()) > sum(self.largest_parts.values()):
-                    self.largest_parts = parts
+                # the server's own record of the largest sum: it also looks right after the KV cache grows,
+                # where the sum peaks between two samples
+                for seen in (parts, memory_parts(text, peak=True)):
+                    if sum(seen.values()) > sum(self.largest_parts.values()):
+                        self.largest_parts = seen
             self.stop.wait(self.every_s)
 
 

@@ -11,7 +11,8 @@ Who calls what (all methods are thread-safe; the worker thread and the event loo
 * `observe_request(...)`        once when a request finishes (any finish reason).
 * `observe_error(status)`       once per HTTP error response (4xx/5xx).
 * `set_load(...)`               whenever queue lengths or KV usage change (e.g. after each step).
-* `watch_memory(source)`        once: `source()` gives the memory parts in bytes, read at every scrape.
+* `watch_memory(source, peak)`  once: `source()` gives the memory parts in bytes, read at every scrape;
+                                `peak()` the parts when their sum was largest.
 * `render()`                    for GET /metrics.
 
 `merge_expositions(bodies)` joins several servers' `render()` outputs into one exposition (the cluster's
@@ -295,11 +296,15 @@ class Metrics:
         self.kv_usage.labels(self.model).set(kv_cache_usage)
         self.vllm.set_load(running, waiting, kv_cache_usage)
 
-    def watch_memory(self, source: Callable[[], Mapping[str, int]]) -> None:
+    def watch_memory(self, source: Callable[[], Mapping[str, int]],
+                     peak: Callable[[], Mapping[str, int]] | None = None) -> None:
         """Export `source()` (part -> bytes: the engine's `memory.usage`, server/engine/memory.py) as
         `specula_memory_bytes{model, part}`, read at every scrape, beside the process's own
-        `process_resident_memory_bytes`. Once per `Metrics`."""
+        `process_resident_memory_bytes`, and `peak()` (the parts when their sum was largest: `memory.peak`,
+        read after `source`) as `specula_memory_peak_bytes{model, part}`. Once per `Metrics`."""
         self.registry.register(_MemoryCollector(self.model, source))
+        if peak is not None:
+            self.registry.register(_MemoryCollector(self.model, peak, _MemoryCollector.PEAK))
         ProcessCollector(registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
@@ -408,15 +413,19 @@ class _MemoryCollector:
 
     NAME = "specula_memory_bytes"
     HELP = "Bytes of each part of the server's memory, measured from its objects (docs/api.md#memory)."
+    PEAK = ("specula_memory_peak_bytes",
+            "Bytes of each part of the server's memory when their sum was largest (docs/api.md#memory).")
 
-    def __init__(self, model: str, source: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, model: str, source: Callable[[], Mapping[str, int]],
+                 family: tuple[str, str] = (NAME, HELP)) -> None:
         self.model, self.source = model, source
+        self.name, self.help = family
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["model", "part"])
+        yield GaugeMetricFamily(self.name, self.help, labels=["model", "part"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["model", "part"])
+        family = GaugeMetricFamily(self.name, self.help, labels=["model", "part"])
         try:
             parts = dict(self.source())
         except Exception:  # noqa: BLE001 - a gauge must never break /metrics

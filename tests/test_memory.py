@@ -141,6 +141,20 @@ def test_the_heap_is_trimmed_when_the_cache_moves_into_a_bigger_buffer_not_when_
     assert engine.memory.usage()["kv_cache"] == 0 and len(trims) == 2  # the batch emptied: no trim (idle does it)
 
 
+def test_the_peak_keeps_a_grown_cache_that_no_scrape_saw(tiny_target, prompt_ids):
+    """A long row comes and goes between two scrapes: `peak` still holds the parts at its cache's largest (the
+    engine measures them when the cache grows), which is what a peak RSS is held to (the soak)."""
+    engine = Engine(tiny_target, None, Settings.load(prefix_cache_memory=None, speculation="none",
+                                                     max_num_batched_tokens=512))
+    assert engine.memory.peak() == {}
+    run(engine, [request("long", (prompt_ids[3] * 30)[:300], "none", max_tokens=4)])
+    assert engine.memory.usage()["kv_cache"] == 0  # it left: a scrape now sees no cache
+    peak = engine.memory.peak()
+    assert peak["kv_cache"] >= ModelRunner.kv_shape(tiny_target.model).bytes_per_token * 300
+    assert sum(peak.values()) >= sum(engine.memory.usage().values())
+    assert set(peak) == set(engine.memory.usage())
+
+
 def test_a_long_prompt_is_computed_within_the_step_budget_and_a_cached_one_loads_into_a_scratch_cache(
     tiny_target, prompt_ids
 ):
@@ -186,12 +200,13 @@ def test_peak_tensor_bytes_counts_what_is_alive_at_once():
     assert peak.peak == 8000 and peak.live == 0
 
 
-def test_metrics_export_the_parts_and_the_process_rss():
+def test_metrics_export_the_parts_their_peak_and_the_process_rss():
     metrics = Metrics("m", "t", None, "none", 4, ("none",))
-    metrics.watch_memory(lambda: {"weights": 10, "kv_cache": 20})
+    metrics.watch_memory(lambda: {"weights": 10, "kv_cache": 20}, lambda: {"weights": 10, "kv_cache": 50})
     text = metrics.render()[0].decode()
     assert 'specula_memory_bytes{model="m",part="weights"} 10.0' in text
     assert 'specula_memory_bytes{model="m",part="kv_cache"} 20.0' in text
+    assert 'specula_memory_peak_bytes{model="m",part="kv_cache"} 50.0' in text
     assert "process_resident_memory_bytes" in text
 
     def broken() -> dict[str, int]:

@@ -88,3 +88,7 @@ def test_memory_parts_are_read_from_the_metrics_text():
             'specula_memory_bytes{model="m",part="kv_cache"} 2.097152e+06\n'
             'specula_requests_running{model="m"} 0.0\n')
     assert memory_parts(text) == {"weights": 1.0, "kv_cache": 2.0}
+    assert memory_parts(text, peak=True) == {}
+    text += 'specula_memory_peak_bytes{model="m",part="kv_cache"} 4194304.0\n'
+    assert memory_parts(text) == {"weights": 1.0, "kv_cache": 2.0}
+    assert memory_parts(text, peak=True) == {"kv_cache": 4.0}

@@ -100,7 +100,7 @@ class ServerState:
             replica=s.replica_name,
         )
         if hasattr(engine, "memory"):  # specula_memory_bytes{part} (server/engine/memory.py)
-            self.metrics.watch_memory(engine.memory.usage)
+            self.metrics.watch_memory(engine.memory.usage, engine.memory.peak)
         self.scheduler = Scheduler(
             engine,
             max_batch_size=s.max_batch_size,

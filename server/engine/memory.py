@@ -1,7 +1,8 @@
 """What a server's memory is made of, measured from its objects (docs/api.md "Memory").
 
 `MemoryParts.usage()` (the engine's `memory`) gives these parts in bytes; `/metrics` exports them as
-`specula_memory_bytes{part}`:
+`specula_memory_bytes{part}`, and as `specula_memory_peak_bytes{part}` the parts when their sum was largest
+(`MemoryParts.peak`):
 
 * `weights`: the target's parameters and buffers, and the reordered copies its packed kernels multiply
   (server/model/lean_forward.py `PackedLinear`; the dense copies they replace are dropped: `release_dense`).
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,6 +136,8 @@ class MemoryParts:
         self.step = StepMemory()
         self._runtime: int | None = None  # what the process held besides the measured parts (`settle`)
         self._kv_bytes = runner.kv.nbytes  # the target cache's storage after the last step or join
+        self._peak: dict[str, int] = {}  # the parts when their sum was largest (`peak`)
+        self._peak_lock = threading.Lock()
 
     def measure(self, model: torch.nn.Module, vocab_size: int, hidden: bool, rows: int, positions: int) -> None:
         """Measure the steps' working memory per computed token and per scored position (about a second on
@@ -176,7 +180,17 @@ class MemoryParts:
         if self._runtime is None:  # measured once, lazily for an engine built without `build_engine`
             self._runtime = max(0, rss_bytes() - sum(v for k, v in parts.items() if k != "activations"))
         parts["runtime"] = self._runtime
+        with self._peak_lock:
+            if sum(parts.values()) > sum(self._peak.values()):
+                self._peak = dict(parts)
         return parts
+
+    def peak(self) -> dict[str, int]:
+        """The parts when their sum was largest of the times they were measured: every `usage()` (every
+        scrape) and right after every step or join that grew the KV cache, where the sum peaks between
+        scrapes (a long prompt's rows may come and go within one). Callable from any thread."""
+        with self._peak_lock:
+            return dict(self._peak)
 
     def observe_join(self) -> None:
         """Rows joined: their prefill's tokens and its scratch cache (the runner's last join)."""
@@ -194,4 +208,5 @@ class MemoryParts:
         size = self._runner.kv.nbytes
         if size > self._kv_bytes:
             self._trim_heap()
+            self.usage()  # the parts at the grown cache, for `peak`
         self._kv_bytes = size
