@@ -208,5 +208,8 @@ class MemoryParts:
         size = self._runner.kv.nbytes
         if size > self._kv_bytes:
             self._trim_heap()
-            self.usage()  # the parts at the grown cache, for `peak`
+            try:
+                self.usage()  # the parts at the grown cache, for `peak`
+            except Exception as exc:  # noqa: BLE001 - a gauge must never fail a step
+                log.warning("could not measure the memory parts: %s: %s", type(exc).__name__, exc)
         self._kv_bytes = size

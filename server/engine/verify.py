@@ -19,7 +19,7 @@ import torch
 from server.engine.sequence import Sequence
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, greedy_tokens, probabilities, raw_logprobs
-from server.speculation.plan import RowPlan, StepPlan, place
+from server.speculation.plan import RowPlan, Rule, StepPlan, place
 from server.speculation.rejection import Verdict, rejection_sample
 from server.types import TokenLogprob
 
@@ -104,7 +104,7 @@ class Verifier:
         at = sampling.at_positions([r.k + 1 for r in rows])
         greedy = sampling.greedy.tolist()
         gens = [s.generator for s in kept]
-        if all(greedy):  # p would be one-hot: its tokens are all the sampler reads
+        if all(greedy) and all(r.rule is Rule.COMPARE for r in rows):  # p one-hot: its tokens are all it reads
             best = greedy_tokens(logits[:, None], at, _one(counts), _one(allowed))[:, 0].tolist()
             verdict = rejection_sample(rows, None, gens, greedy, best=best)
         else:
