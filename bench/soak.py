@@ -12,9 +12,9 @@ UTF-16 surrogate...). It reports requests served, statuses per kind, p50/p95 lat
 ones, the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
 traffic) and the memory parts its /metrics exports (`specula_memory_bytes{part}`, docs/api.md#memory),
 whose largest sum the peak RSS is held to (`--max-rss-ratio`, default 1.15): the largest of the sampled sums
-and the server's own record (`specula_memory_peak_bytes{part}`, also taken right after the KV cache grows,
-which a one-second sample can miss). The peak is the kernel's high-water mark of the server's RSS since it
-became healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any
+and the server's own record (`specula_memory_peak_bytes{part}`, also taken when the KV cache grows, its old
+storage beside the new, which a one-second sample misses). The peak is the kernel's high-water mark of the
+server's RSS since it became healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any
 5xx, any lost request (no status, a stream without `[DONE]`, a timeout), a fresh-start request that is not a
 200, a server that does not come up or does not drain, or a peak RSS over the ratio. Server settings come
 from the environment (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m

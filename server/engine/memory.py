@@ -180,15 +180,19 @@ class MemoryParts:
         if self._runtime is None:  # measured once, lazily for an engine built without `build_engine`
             self._runtime = max(0, rss_bytes() - sum(v for k, v in parts.items() if k != "activations"))
         parts["runtime"] = self._runtime
+        self._remember(parts)
+        return parts
+
+    def _remember(self, parts: dict[str, int]) -> None:
         with self._peak_lock:
             if sum(parts.values()) > sum(self._peak.values()):
                 self._peak = dict(parts)
-        return parts
 
     def peak(self) -> dict[str, int]:
         """The parts when their sum was largest of the times they were measured: every `usage()` (every
-        scrape) and right after every step or join that grew the KV cache, where the sum peaks between
-        scrapes (a long prompt's rows may come and go within one). Callable from any thread."""
+        scrape) and every step or join that grew the KV cache, where the sum peaks between scrapes (a long
+        prompt's rows may come and go within one). A growth counts the cache's old storage beside the new:
+        both are resident from the move until the heap is trimmed after the step. Callable from any thread."""
         with self._peak_lock:
             return dict(self._peak)
 
@@ -207,9 +211,10 @@ class MemoryParts:
         stays resident until the next idle second. Growth is rare (doubling)."""
         size = self._runner.kv.nbytes
         if size > self._kv_bytes:
-            self._trim_heap()
-            try:
-                self.usage()  # the parts at the grown cache, for `peak`
+            try:  # for `peak`: the parts as the cache moved, its old storage still resident beside the new
+                parts = self.usage()
+                self._remember({**parts, "kv_cache": parts["kv_cache"] + self._kv_bytes})
             except Exception as exc:  # noqa: BLE001 - a gauge must never fail a step
                 log.warning("could not measure the memory parts: %s: %s", type(exc).__name__, exc)
+            self._trim_heap()
         self._kv_bytes = size
