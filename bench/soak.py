@@ -1,24 +1,24 @@
 """`make soak`: mixed traffic against a fresh server for a bounded time, then idle; what it served.
 
-With `--hogs N`, N CPU-bound processes run for the whole soak, started before the server (which then
-loads and calibrates on a busy host, as users' servers do) and stopped however the soak ends. Right
-after the server answers `/health`, it gets its first request alone, then `FRESH_CLIENTS` concurrent
-clients each send `FRESH_CHATS` short chats (what a fresh server on a busy host once failed: its first
-requests). Then each of `--clients` concurrent clients loops until the deadline, picking one kind of
-request at a time (seeded): chat and text completions (some with prompts of 300-1500 words), streams
-read to the end, streams aborted after two chunks, n = 2 seeded sampling, oversized inputs (a prompt
-beyond the context; a multi-megabyte body) and bad fields (out-of-range numbers, unknown models, a lone
-UTF-16 surrogate...). It reports requests served, statuses per kind, p50/p95 latency of the completed
-ones, the server's RSS every second (after warm-up, peak, and after `--idle-s` seconds without
-traffic) and the memory parts its /metrics exports (`specula_memory_bytes{part}`, docs/api.md#memory),
-whose largest sum the peak RSS is held to (`--max-rss-ratio`, default 1.15): the largest of the sampled sums
-and the server's own record (`specula_memory_peak_bytes{part}`, also taken when the KV cache grows, its old
-storage beside the new, which a one-second sample misses). The peak is the kernel's high-water mark of the
-server's RSS since it became healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any
-5xx, any lost request (no status, a stream without `[DONE]`, a timeout), a fresh-start request that is not a
-200, a server that does not come up or does not drain, or a peak RSS over the ratio. Server settings come
-from the environment (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m
-server serve`).
+With `--hogs N`, N CPU-bound processes run for the whole soak, started before the server (which then loads and
+calibrates on a busy host, as users' servers do) and stopped however the soak ends. Right after the server
+answers `/health`, it gets its first request alone, then `FRESH_CLIENTS` concurrent clients each send
+`FRESH_CHATS` short chats (what a fresh server on a busy host once failed: its first requests). Then each of
+`--clients` concurrent clients loops until the deadline, picking one kind of request at a time (seeded): chat
+and text completions (some with prompts of 300-1500 words), streams read to the end, streams aborted after two
+chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the context; a multi-megabyte body) and bad
+fields (out-of-range numbers, unknown models, a lone UTF-16 surrogate...). It reports requests served,
+statuses per kind, p50/p95 latency of the completed ones, the server's RSS every second (after warm-up, peak,
+and after `--idle-s` seconds without traffic) and the memory parts its /metrics exports
+(`specula_memory_bytes{part}`, docs/api.md#memory), whose largest sum the peak RSS is held to
+(`--max-rss-ratio`, default 1.15): the largest of the sampled sums and the server's own record
+(`specula_memory_peak_bytes{part}`, also taken when the KV cache grows, its old storage beside the new, which
+a one-second sample misses). The peak is the kernel's high-water mark of the server's RSS since it became
+healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any 5xx, any lost
+request (no status, a stream without `[DONE]`, a timeout), a fresh-start request that is not a 200, a server
+that does not come up or does not drain, or a peak RSS over the ratio. Server settings come from the
+environment (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server
+serve`).
 
 The report goes to `--out` (default bench/results/latest/soak/soak.json) and the run to the ledger
 (bench/ledger.py) as suite `soak` (`--no-record`: neither the ledger nor latest/, as CI's soak runs).
