@@ -192,7 +192,8 @@ class MemoryParts:
         """The parts when their sum was largest of the times they were measured: every `usage()` (every
         scrape) and every step or join that grew the KV cache, where the sum peaks between scrapes (a long
         prompt's rows may come and go within one). A growth counts the cache's old storage beside the new:
-        both are resident from the move until the heap is trimmed after the step. Callable from any thread."""
+        the move may hold both until the heap is trimmed after the step (an upper bound: glibc may reuse
+        some of the old for the new). Callable from any thread."""
         with self._peak_lock:
             return dict(self._peak)
 
@@ -211,7 +212,7 @@ class MemoryParts:
         stays resident until the next idle second. Growth is rare (doubling)."""
         size = self._runner.kv.nbytes
         if size > self._kv_bytes:
-            try:  # for `peak`: the parts as the cache moved, its old storage still resident beside the new
+            try:  # for `peak`: the parts as the cache moved, its old storage at most still resident beside the new
                 parts = self.usage()
                 self._remember({**parts, "kv_cache": parts["kv_cache"] + self._kv_bytes})
             except Exception as exc:  # noqa: BLE001 - a gauge must never fail a step
