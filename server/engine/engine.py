@@ -162,8 +162,7 @@ class Engine:
         outputs, stats = [], []
         if seqs:
             if self.threads is not None:  # no probe on a step that computes prompt tokens
-                prefilling = any(seq.prompt_left for seq in seqs)
-                governed(self.threads, self.parts, self.threads.before_step, not prefilling)
+                governed(self.threads, self.parts, self.threads.before_step, not self.admission.prompt_waiting())
             verified, failed = self.isolation.run(seqs, self._verify)  # plan -> verify -> accept
             outputs, stats = self._commit(verified, failed) if verified is not None else ([], [])
             self.planner.settle()  # rows a proposer dropped while planning leave it
