@@ -198,3 +198,54 @@ def test_a_budgeted_cache_is_allocated_once_and_stays_exact_through_joins_leaves
     assert [(layer.key_store.data_ptr(), layer.value_store.data_ptr()) for layer in target.kv.cache.layers] == stores
     with pytest.raises(KVBudgetExceeded):
         target.join(["e", "f"], [list(range(200)), list(range(200))])  # 5 rows x 200 columns > 600 slots
+
+
+def test_short_rows_beside_a_long_prompt_move_their_live_tokens_alone_and_stay_exact(tiny_target, monkeypatch):
+    """While a long prompt is computed every row gets its columns, so a short row beside it is mostly holes.
+    Growth and a leave move each short row's live tokens alone (a long, mostly live row whole), into buffers
+    mapped from the kernel's zero pages (forced here: the tiny model's are small): every row's logits stay
+    those of a clean forward, and nothing a forward reads is NaN."""
+    from server.model import kv_layers
+
+    monkeypatch.setattr(kv_layers, "LAZY_BYTES", 0)
+    moves: list[tuple[int, torch.Tensor | None]] = []
+    move = kv_layers._move
+    monkeypatch.setattr(kv_layers, "_move", lambda dst, src, cols, columns, copy=False: (
+        moves.append((cols, columns)), move(dst, src, cols, columns, copy))[1])
+    model = tiny_target.model
+    target = ModelRunner(model)
+    short = {"a": [5, 6, 7], "b": [8, 9]}
+    long_prompt = [(37 * i) % 900 + 20 for i in range(150)]
+    target.join(["a", "b", "L"], [short["a"], short["b"], long_prompt[:1]])
+    history = {"a": list(short["a"]), "b": list(short["b"]), "L": long_prompt[:1]}
+    for start in range(1, 150, 30):  # the long prompt in chunks beside one token of each short row per step
+        chunk = long_prompt[start : start + 30]
+        fed = {"a": [100 + start], "b": [200 + start], "L": chunk}
+        target.forward([fed[r] for r in target.rows])
+        for r in target.rows:
+            history[r] += fed[r]
+    assert target.kv.capacity >= 150 and target.kv.length > 150
+    moves.clear()
+    target.leave({"a"})  # the rows after it move down
+    assert target.rows == ["b", "L"]
+    short_moves = [columns for _, columns in moves if columns is not None]
+    assert short_moves and all(len(c) == len(history["b"]) for c in short_moves)  # b's live tokens alone
+    assert any(columns is None for _, columns in moves)  # L, mostly live, in one copy
+    for layer in target.kv.cache.layers:
+        assert torch.isfinite(layer.keys[:, :, : target.kv.length]).all()
+        assert torch.isfinite(layer.values[:, :, : target.kv.length]).all()
+    logits = target.forward([[41], [42]]).logits
+    torch.testing.assert_close(logits[0, 0], clean_logits(model, history["b"] + [41]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1, 0], clean_logits(model, history["L"] + [42]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_mapped_buffer_reads_zeros_and_keeps_what_is_written(monkeypatch):
+    from server.model import kv_layers
+
+    monkeypatch.setattr(kv_layers, "LAZY_BYTES", 0)
+    buffer = kv_layers.zeroed(1 << 18, torch.empty(0))
+    assert buffer.shape == (1 << 18,) and buffer.dtype == torch.float32 and not buffer.any()
+    buffer[::4096] = 1.5
+    assert buffer.sum().item() == 1.5 * 64
+    resident = kv_layers.zeroed(1 << 18, torch.empty(0), resident=True)
+    assert not resident.any() and resident.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, ThreadGovernor
+from server.engine.threads import DECODE, FIRST_PROBE_S, MAX_PROBE_S, PROMPT, ThreadGovernor
 from server.model.runner import ModelRunner
 from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
@@ -112,30 +112,63 @@ def test_a_probe_step_without_a_prediction_ends_the_probe_and_tries_again_later(
     assert calls == [1, 2, 1]
 
 
-def test_a_step_that_computes_prompt_tokens_is_never_the_probe():
-    """After an idle spell the probe is due, and the next step is a new prompt's: it keeps every thread (a
-    one-thread prefill took ~140 ms more on the built-in model), and the probe waits for a decode step."""
+def test_after_an_idle_spell_the_first_step_is_never_the_probe():
+    """After an idle spell the decode probe is long due, and the next step is a new prompt's: it runs at the
+    prompt steps' count (a one-thread prefill took ~140 ms more on the built-in model), and the decode probe
+    waits for a decode step that follows a decode step."""
     gov, clock, calls = governor()
     gov.before_step()
     gov.observe(0.05, 0.05)
     clock.now = 30.0  # idle: the probe is long due
-    assert gov.before_step(probe=False) == 2 and not gov.probing
-    gov.observe(0.4, None)  # the prompt's step
-    assert gov.before_step(probe=False) == 2 and not gov.probing
-    gov.observe(0.4, None)
-    assert gov.before_step() == 1 and gov.probing  # the first decode step probes
+    assert gov.before_step(PROMPT) == 2 and not gov.probing
+    gov.observe(0.4, 100)  # the prompt's step
+    assert gov.before_step(DECODE) == 2 and not gov.probing  # the first decode step after it
+    gov.observe(0.05, 0.05)
+    assert gov.before_step(DECODE) == 1 and gov.probing  # the next one probes
     gov.observe(0.08, 0.05)
-    assert not gov.probing and calls == [1]
+    assert not gov.probing and calls == [1]  # only the probe ran at one thread
 
 
-def test_the_engine_lets_only_steps_without_prompt_tokens_probe(tiny_engine_factory):
+def test_prompt_steps_keep_every_thread_while_decode_steps_run_at_one():
+    """Decode steps lost to one thread (short parallel regions beside a busy core), but a long prompt's chunks
+    are long matrix products that two threads still run faster: each kind runs at its own count. With one
+    count for both, a 2,000-token prompt ran all its chunks at one thread (0.43 s each instead of 0.23)."""
+    gov, clock, _ = governor()
+    run(gov, clock, {2: 9.0, 1: 1.1}, 10)
+    assert gov.current == 1
+    for _ in range(100):  # a long prompt: steps of 120 budget tokens, twice as fast at two threads
+        n = gov.before_step(PROMPT)
+        gov.observe({2: 0.23, 1: 0.43}[n], 120)
+        clock.now += 0.23
+    assert gov.tracks[PROMPT].current == 2 and 1 in gov.tracks[PROMPT].score  # probed one thread, kept two
+    assert gov.before_step(DECODE) == 1  # decode steps stay where they were
+
+
+def test_prompt_steps_move_to_one_thread_when_it_is_faster_for_them():
+    gov, clock, _ = governor()
+    run(gov, clock, {2: 0.7, 1: 1.1}, 10)
+    for _ in range(50):
+        n = gov.before_step(PROMPT)
+        gov.observe({2: 0.6, 1: 0.3}[n], 120)
+        clock.now += 0.3
+    assert gov.tracks[PROMPT].current == 1 and gov.current == 2
+
+
+def test_the_engine_scores_prompt_steps_apart_by_their_size_in_budget_tokens(tiny_engine_factory):
+    """Each step tells the governor its kind (prompt tokens to compute, or not); a prompt step is measured
+    by its budget tokens (its computed tokens, prompt tokens weighted by depth: at least its tokens), and a
+    prompt's chunks run at the prompt steps' count while decode steps run at theirs."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        engine = tiny_engine_factory(speculation="none", draft=None)
-        seen = []
-        governed_before = engine.threads.before_step
-        engine.threads.before_step = lambda probe=True: seen.append(probe) or governed_before(probe)
+        engine = tiny_engine_factory(speculation="none", draft=None, max_num_batched_tokens=8, num_speculative_tokens=1,
+                                     auto_max_speculative_tokens=1, max_batch_size=2)
+        gov = engine.threads
+        gov.tracks[DECODE].current = 1  # as after decode steps lost to one thread
+        kinds, sizes, ran = [], [], []
+        before_step, observe = gov.before_step, gov.observe
+        gov.before_step = lambda kind=DECODE: kinds.append(kind) or ran.append(before_step(kind)) or ran[-1]
+        gov.observe = lambda seconds, size: sizes.append(size) or observe(seconds, size)
         prompt = tuple(range(5, 45))
         engine.add_requests([GenerationRequest("p", prompt, SamplingParams(max_tokens=3, temperature=0.0),
                                                SpeculationParams("none", 1))])
@@ -146,7 +179,11 @@ def test_the_engine_lets_only_steps_without_prompt_tokens_probe(tiny_engine_fact
     finally:
         torch.set_num_threads(before)
     assert prefilling[0] and not prefilling[-1]
-    assert seen == [not p for p in prefilling]
+    assert kinds == [PROMPT if p else DECODE for p in prefilling]
+    assert ran == [2 if p else 1 for p in prefilling]
+    prompt_sizes = [s for s, p in zip(sizes, prefilling, strict=True) if p]
+    assert all(s >= 8 for s in prompt_sizes[:-1])  # full chunks of the budget, depth-weighted
+    assert prompt_sizes[-1] > prompt_sizes[0]  # the deepest chunk weighs more than the first
 
 
 _timing = st.one_of(

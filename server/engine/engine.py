@@ -26,7 +26,7 @@ from server.engine.calibration import calibrate
 from server.engine.isolation import Isolation, describe, own_input
 from server.engine.memory import MemoryParts
 from server.engine.sequence import Sequence
-from server.engine.threads import ThreadGovernor, governed
+from server.engine.threads import DECODE, PROMPT, ThreadGovernor, governed
 from server.engine.verify import Verified, Verifier
 from server.failsafe import OptionalParts
 from server.grammar import Grammars
@@ -161,8 +161,9 @@ class Engine:
         seqs = [self.running[rid] for rid in self.runner.rows]  # the target cache's row order: oldest first
         outputs, stats = [], []
         if seqs:
-            if self.threads is not None:  # no probe on a step that computes prompt tokens
-                governed(self.threads, self.parts, self.threads.before_step, not self.admission.prompt_waiting())
+            if self.threads is not None:  # steps that compute prompt tokens have their own thread count
+                governed(self.threads, self.parts, self.threads.before_step,
+                         PROMPT if self.admission.prompt_waiting() else DECODE)
             verified, failed = self.isolation.run(seqs, self._verify)  # plan -> verify -> accept
             outputs, stats = self._commit(verified, failed) if verified is not None else ([], [])
             self.planner.settle()  # rows a proposer dropped while planning leave it
@@ -184,14 +185,24 @@ class Engine:
     def _learn(self, verified: Verified, seconds: float) -> None:
         """The pass costs what it computed: the real tokens when packed, else every row padded to the widest.
         A thread-count probe times another configuration (the governor compares it, the cost model skips
-        it); a pass that also computed prompt chunks is no verify pass of its width (neither learns)."""
+        it); a pass that also computed prompt chunks is no verify pass of its width (the cost model skips it,
+        the governor compares it with other such passes by their size in budget tokens)."""
         rows, tokens, chunked = len(verified.rows), verified.computed, verified.prompt_tokens > 0
         self.memory.observe_verify(tokens, verified.logits.shape[0])
-        predicted = self.parts.call("cost_model", self.cost.verify_time, rows, tokens, default=None)
         if not (self.threads is not None and self.threads.probing) and not chunked:
             self.parts.call("cost_model", self.cost.observe_verify, rows, tokens, seconds, default=None)
         if self.threads is not None:
-            governed(self.threads, self.parts, self.threads.observe, seconds, None if chunked else predicted)
+            size = self._budget_tokens(verified) if chunked else \
+                self.parts.call("cost_model", self.cost.verify_time, rows, tokens, default=None)
+            governed(self.threads, self.parts, self.threads.observe, seconds, size)
+
+    def _budget_tokens(self, verified: Verified) -> float:
+        """A pass's size in budget tokens: every computed token, a prompt token weighted by its depth as the
+        step's budget weighs it (budget.py; the rows' positions before the step's commit)."""
+        finishing = zip(verified.seqs, verified.rows, strict=True)
+        pieces = [(c.seq.prompt_computed, c.tokens) for c in verified.chunks] + \
+            [(seq.prompt_computed, row.chunk) for seq, row in finishing if row.chunk]
+        return verified.computed + sum(self.step_budget.cost(start, n) - n for start, n in pieces)
 
     def _commit(self, v: Verified, failed: dict[str, Exception]) -> tuple[list[RequestOutput], list[SeqStepStats]]:
         """Roll back the rejected drafts and commit what each verified row emitted, and the prompt chunks of

@@ -7,7 +7,9 @@
 * `weights`: the target's parameters and buffers, and the reordered copies its packed kernels multiply
   (server/model/lean_forward.py `PackedLinear`; the dense copies they replace are dropped: `release_dense`).
 * `kv_cache`: the target's batch KV cache as allocated (with `kv_cache_memory`, the budget's share from the
-  start; without, what the running rows grew it to, freed when the batch empties).
+  start; without, what the running rows grew it to, freed when the batch empties; on a CPU its pages become
+  resident only as forwards write them, so the part is an upper bound there: server/model/kv_layers.py
+  `zeroed`).
 * `prefix_cache`: the blocks the prefix cache holds (within `prefix_cache_memory`).
 * `proposers`: what the proposers hold of their own: a draft model's or draft head's weights (not already
   counted as the target's), their KV caches, `suffix`'s index of earlier outputs.

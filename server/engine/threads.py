@@ -14,6 +14,14 @@ sizes compare); the governor keeps a moving average of that ratio per thread cou
 the count with the lower one, and now and then runs one step at the other count to see whether the
 machine has changed (after a probe that loses, it waits twice as long before the next, up to a bound).
 Only on CPU, and only when torch has more than one thread to begin with.
+
+Steps that compute prompt tokens are a second kind with a decision of its own. Their passes are long
+matrix products, whose parallel regions suffer far less from a busy core than a decode step's hundreds of
+short ones, and the cost model predicts no chunk; so they are scored by seconds per budget token (a prompt
+token weighted by its depth: server/speculation/budget.py) and probed among themselves. With one decision
+for both, a 2,000-token prompt that arrived while the decode steps ran at one thread (the HTTP server's own
+work had made two threads lose a probe) ran all its 24 chunks at one thread: 0.43 s each instead of 0.23,
+and no probe could move it (a prompt step was compared with nothing).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,8 +44,23 @@ ALPHA = 0.3  # weight of a new timing in a thread count's moving average
 MARGIN = 0.1  # switch only to a count at least this much cheaper (relative), so noise does not flap
 
 
+DECODE = "decode"  # steps that compute no prompt tokens: scored against the cost model's prediction
+PROMPT = "prompt"  # steps that compute prompt tokens: scored per budget token (budget.py's weights)
+
+
+@dataclass
+class _Track:
+    """The thread count for one kind of step, and what the governor knows of each count for that kind."""
+
+    current: int  # the count these steps run at, unless probing
+    score: dict[int, float] = field(default_factory=dict)  # count -> moving average of seconds / predicted
+    gap: float = FIRST_PROBE_S
+    next_probe: float | None = None
+
+
 class ThreadGovernor:
-    """Chooses torch's intra-op thread count per step: `threads` (what torch had at start) or 1."""
+    """Chooses torch's intra-op thread count per step: `threads` (what torch had at start) or 1, for decoding
+    steps and for steps that compute prompt tokens separately (module doc)."""
 
     def __init__(
         self,
@@ -46,33 +70,43 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options = (threads, 1) if threads > 1 else (threads,)
-        self.current = threads  # the count steps run at, unless probing
-        self.score: dict[int, float] = {}  # count -> moving average of (seconds / predicted seconds)
+        self.tracks = {DECODE: _Track(threads), PROMPT: _Track(threads)}
         self.switches = 0
         self._set_threads = set_threads
         self._clock = clock
         self._applied = threads  # what torch is set to now
-        self._gap = FIRST_PROBE_S
-        self._next_probe: float | None = None
+        self._kind = DECODE  # the kind of the coming (or current) step
+        self._last: str | None = None  # the kind of the step before it
         self._probing = False
 
-    def _other(self) -> int | None:
-        return next((n for n in self.options if n != self.current), None)
+    @property
+    def current(self) -> int:
+        """The count decoding steps run at (what the steps keep when the governor fails: `governed`)."""
+        return self.tracks[DECODE].current
 
-    def before_step(self, probe: bool = True) -> int:
-        """Set torch's thread count for the coming step (the current count, or the other one as a probe).
+    @property
+    def score(self) -> dict[int, float]:
+        """What is known of each count for decoding steps."""
+        return self.tracks[DECODE].score
 
-        `probe=False`: this step may not be the probe (it computes prompt tokens: its time is compared with
-        nothing, and at one thread a prefill takes about twice as long; after an idle spell the first step, a
-        prompt's, would otherwise be the one probed). A probe that is due waits for the next step that may be."""
-        other = self._other()
-        n = self.current
-        if other is not None and probe:
-            # a probe is due a gap after the current count's first score (`observe`): before it, a probe
-            # would have nothing to be compared with
-            due = self.current in self.score and self._next_probe is not None
-            if due and self._clock() >= self._next_probe:
-                n, self._probing = other, True
+    def _other(self, track: _Track) -> int | None:
+        return next((n for n in self.options if n != track.current), None)
+
+    def before_step(self, kind: str = DECODE) -> int:
+        """Set torch's thread count for a coming step of `kind` (DECODE or PROMPT): the count that kind runs
+        at, or the other one as a probe.
+
+        A probe falls due a gap after the kind's first score, and only on a step whose previous step was of
+        the same kind, just scored at the current count: after an idle spell or a change of kind the first
+        step runs at the current count (a prompt's first step after a pause was once the decode probe, at
+        one thread twice as long, and taught nothing)."""
+        track = self.tracks[kind]
+        self._kind, previous, self._last = kind, self._last, kind
+        n = track.current
+        other = self._other(track)
+        if other is not None and previous == kind and track.current in track.score \
+                and track.next_probe is not None and self._clock() >= track.next_probe:
+            n, self._probing = other, True
         if n != self._applied:
             self._set_threads(n)
             self._applied = n
@@ -85,49 +119,51 @@ class ThreadGovernor:
         return self._probing
 
     def observe(self, seconds: float, predicted: float | None) -> None:
-        """A verify pass of this step took `seconds`; the cost model predicted `predicted` for its width
-        (None before it has timings: nothing to compare with yet)."""
+        """This step's pass took `seconds`; `predicted`: for a decoding step the cost model's prediction for
+        its width, for a prompt step its size in budget tokens (None: nothing to compare with)."""
+        track = self.tracks[self._kind]
         ratio = seconds / predicted if predicted and seconds > 0 else math.nan  # NaN: nothing to learn
         if not 0 < ratio < math.inf:
             if self._probing:  # a probe step nothing can be learnt from: the probe is tried again later
                 self._probing = False
-                self._next_probe = self._clock() + self._gap
+                track.next_probe = self._clock() + track.gap
             return
         n = self._applied
-        old = self.score.get(n)
+        old = track.score.get(n)
         # A probe's timing replaces what is known of its count (that may be minutes old); the current
         # count's timings are averaged.
-        self.score[n] = ratio if old is None or self._probing else old + ALPHA * (ratio - old)
-        other = self._other()
+        track.score[n] = ratio if old is None or self._probing else old + ALPHA * (ratio - old)
+        other = self._other(track)
         if other is None:
             return
-        if self._next_probe is None:
-            self._next_probe = self._clock() + self._gap
+        if track.next_probe is None:
+            track.next_probe = self._clock() + track.gap
         if self._probing:
             self._probing = False
-            if self._cheaper(other, self.current):
-                self._switch(other)
+            if _cheaper(track, other, track.current):
+                self._switch(track, other)
             else:
-                self._gap = min(2 * self._gap, MAX_PROBE_S)
-            self._next_probe = self._clock() + self._gap
-        elif other in self.score and self._cheaper(other, self.current):
-            self._switch(other)  # the current count got slower than the other was when last seen
+                track.gap = min(2 * track.gap, MAX_PROBE_S)
+            track.next_probe = self._clock() + track.gap
+        elif other in track.score and _cheaper(track, other, track.current):
+            self._switch(track, other)  # the current count got slower than the other was when last seen
 
-    def _cheaper(self, a: int, b: int) -> bool:
-        """Whether count `a` is cheaper than `b` by the margin; a count with no score is never compared."""
-        if a not in self.score or b not in self.score:
-            return False
-        return self.score[a] < (1 - MARGIN) * self.score[b]
-
-    def _switch(self, n: int) -> None:
+    def _switch(self, track: _Track, n: int) -> None:
         log.info(
-            "torch threads %d -> %d (step time / predicted: %s)", self.current, n,
-            ", ".join(f"{k} threads {v:.2f}" for k, v in sorted(self.score.items())),
+            "torch threads %d -> %d for %s steps (step time / predicted: %s)", track.current, n, self._kind,
+            ", ".join(f"{k} threads {v:.3g}" for k, v in sorted(track.score.items())),
         )
-        self.current = n
+        track.current = n
         self.switches += 1
-        self._gap = FIRST_PROBE_S
-        self._next_probe = self._clock() + self._gap
+        track.gap = FIRST_PROBE_S
+        track.next_probe = self._clock() + track.gap
+
+
+def _cheaper(track: _Track, a: int, b: int) -> bool:
+    """Whether count `a` is cheaper than `b` by the margin; a count with no score is never compared."""
+    if a not in track.score or b not in track.score:
+        return False
+    return track.score[a] < (1 - MARGIN) * track.score[b]
 
 
 def governed(threads: ThreadGovernor, parts: OptionalParts, call: Callable[..., object], *args: object) -> None:

@@ -150,14 +150,15 @@ class BatchKV:
         length = max(self.length, other.length)
         capacity = self._capacity_for(length, rows)
         mine = list(range(len(self)))
+        live = self._live_columns(mine)
         for layer, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             if not theirs.is_initialized:  # they prefilled nothing: their rows are all holes
                 if layer.is_initialized:
-                    layer.relayout(mine, capacity, rows, self.length)
+                    layer.relayout(mine, capacity, rows, self.length, live)
                 continue
             if not layer.is_initialized:
                 layer.allocate(theirs.heads, theirs.head_dim, theirs.value_dim, theirs.key_store, rows * capacity)
-            layer.relayout(mine, capacity, rows, self.length)
+            layer.relayout(mine, capacity, rows, self.length, live)
             layer.keys[len(self) :, :, : other.length] = theirs.keys[:, :, : other.length]
             layer.values[len(self) :, :, : other.length] = theirs.values[:, :, : other.length]
         self.keep = torch.cat([_columns(self.keep, capacity), _columns(other.keep, capacity)])
@@ -172,9 +173,10 @@ class BatchKV:
         stay = [b for b, rid in enumerate(self.rows) if rid not in request_ids]
         if len(stay) == len(self.rows):
             return
+        live = self._live_columns(stay)
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.relayout(stay, self.capacity, len(stay), self.length)
+                layer.relayout(stay, self.capacity, len(stay), self.length, live)
         self.keep = self.keep[stay].clone()
         self.rows = [self.rows[b] for b in stay]
         self.positions = [self.positions[b] for b in stay]
@@ -312,6 +314,19 @@ class BatchKV:
         self._compactions += 1
 
     # ---- storage ---------------------------------------------------------------------------------
+    def _live_columns(self, rows: list[int], cols: int | None = None) -> list[torch.Tensor | None]:
+        """For moving rows (`relayout`): per row, its live columns below `cols` (default: the columns used)
+        where holes are most of them, so a move copies its tokens alone; None where a row is mostly live (one
+        contiguous copy of them all is cheaper). While a long prompt is computed every row gets its columns,
+        and a short row beside it is mostly holes: moving each row whole when another left copied every later
+        row's share of the long prompt's columns (0.2-0.3 s a leave with 4 chats beside a 2,000-token prompt)."""
+        cols = self.length if cols is None else cols
+        out: list[torch.Tensor | None] = []
+        for b in rows:
+            columns = self.keep[b, :cols].nonzero().flatten()
+            out.append(columns if 2 * len(columns) < cols else None)
+        return out
+
     def _capacity_for(self, needed: int, rows: int) -> int:
         """Columns per row for `rows` rows needing `needed` columns: doubling (amortised), within the budget."""
         cap = self.capacity
@@ -332,9 +347,11 @@ class BatchKV:
         if cap == self.capacity:
             return
         rows = list(range(len(self)))
+        cols = min(self.length, cap)
+        live = self._live_columns(rows, cols)
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.relayout(rows, cap, len(rows), min(self.length, cap))
+                layer.relayout(rows, cap, len(rows), cols, live)
         self.keep = _columns(self.keep, cap)
         self.capacity = cap
 
