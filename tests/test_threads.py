@@ -36,6 +36,15 @@ def run(gov: ThreadGovernor, clock: Clock, cost: dict[int, float], seconds: floa
         clock.now += step_s
 
 
+def steps_until(gov: ThreadGovernor, clock: Clock, when: float) -> None:
+    """Decode steps every 0.1 s of clock time, each as the current count predicts, until `when`."""
+    while clock.now + 0.1 < when:
+        assert gov.before_step() == gov.current
+        gov.observe(0.05, 0.05)
+        clock.now += 0.1
+    clock.now = when
+
+
 def test_an_idle_machine_keeps_every_thread_and_probes_one_thread_ever_less_often():
     gov, clock, calls = governor()
     probes = []
@@ -92,7 +101,7 @@ def test_a_probe_before_the_current_count_has_a_score_never_compares_against_not
     assert gov.before_step() == 2  # no probe: the current count has no score yet
     gov.observe(0.05, 0.04)  # scores the current count; never raises
     assert gov.current == 2 and 2 in gov.score and 1 not in gov.score
-    clock.now = 2.5 + FIRST_PROBE_S  # the probe is due a gap after the first score
+    steps_until(gov, clock, 2.5 + FIRST_PROBE_S)  # the probe is due a gap after the first score
     assert gov.before_step() == 1
     gov.observe(0.05, 0.04)
     assert set(gov.score) == {1, 2}
@@ -102,31 +111,45 @@ def test_a_probe_step_without_a_prediction_ends_the_probe_and_tries_again_later(
     gov, clock, calls = governor()
     gov.before_step()
     gov.observe(0.05, 0.05)
-    clock.now = FIRST_PROBE_S
+    steps_until(gov, clock, FIRST_PROBE_S)
     assert gov.before_step() == 1 and gov.probing
     gov.observe(0.05, None)  # the probe step also prefilled: nothing learnt
     assert not gov.probing and 1 not in gov.score
     assert gov.before_step() == 2  # back to the current count until the probe falls due again
-    clock.now += FIRST_PROBE_S
+    gov.observe(0.05, 0.05)
+    steps_until(gov, clock, clock.now + FIRST_PROBE_S)
     assert gov.before_step() == 1
     assert calls == [1, 2, 1]
 
 
 def test_after_an_idle_spell_the_first_step_is_never_the_probe():
-    """After an idle spell the decode probe is long due, and the next step is a new prompt's: it runs at the
-    prompt steps' count (a one-thread prefill took ~140 ms more on the built-in model), and the decode probe
-    waits for a decode step that follows a decode step."""
+    """After an idle spell the probes are long due, and the next step is a new prompt's: it runs at the prompt
+    steps' count (a one-thread prefill took ~140 ms more on the built-in model); the decode probe waits for a
+    decode step."""
     gov, clock, calls = governor()
-    gov.before_step()
-    gov.observe(0.05, 0.05)
-    clock.now = 30.0  # idle: the probe is long due
+    for kind in (PROMPT, DECODE, PROMPT, DECODE):  # both kinds scored
+        gov.before_step(kind)
+        gov.observe(0.05, 0.05 if kind == DECODE else 100)
+        clock.now += 0.05
+    clock.now = 30.0  # idle: both probes are long due
     assert gov.before_step(PROMPT) == 2 and not gov.probing
     gov.observe(0.4, 100)  # the prompt's step
-    assert gov.before_step(DECODE) == 2 and not gov.probing  # the first decode step after it
-    gov.observe(0.05, 0.05)
-    assert gov.before_step(DECODE) == 1 and gov.probing  # the next one probes
+    clock.now += 0.4
+    assert gov.before_step(DECODE) == 1 and gov.probing  # the first decode step probes
     gov.observe(0.08, 0.05)
     assert not gov.probing and calls == [1]  # only the probe ran at one thread
+
+
+def test_prompt_steps_between_decode_steps_move_to_one_thread_when_every_thread_crawls():
+    """Under a busy core a short prompt's step, between decode steps, crawls at every thread too: the prompt
+    steps probe one thread among the decode steps and move there."""
+    gov, clock, _ = governor()
+    for i in range(400):
+        kind = PROMPT if i % 5 == 0 else DECODE
+        n = gov.before_step(kind)
+        gov.observe({2: 0.4, 1: 0.05}[n] if kind == PROMPT else {2: 0.2, 1: 0.05}[n], 40 if kind == PROMPT else 0.05)
+        clock.now += 0.05
+    assert gov.tracks[PROMPT].current == 1 and gov.current == 1
 
 
 def test_prompt_steps_keep_every_thread_while_decode_steps_run_at_one():
@@ -141,7 +164,7 @@ def test_prompt_steps_keep_every_thread_while_decode_steps_run_at_one():
         gov.observe({2: 0.23, 1: 0.43}[n], 120)
         clock.now += 0.23
     assert gov.tracks[PROMPT].current == 2 and 1 in gov.tracks[PROMPT].score  # probed one thread, kept two
-    assert gov.before_step(DECODE) == 1  # decode steps stay where they were
+    assert gov.current == 1  # decode steps stay where they were
 
 
 def test_prompt_steps_move_to_one_thread_when_it_is_faster_for_them():

@@ -18,7 +18,7 @@ Only on CPU, and only when torch has more than one thread to begin with.
 Steps that compute prompt tokens are a second kind with a decision of its own. Their passes are long
 matrix products, whose parallel regions suffer far less from a busy core than a decode step's hundreds of
 short ones, and the cost model predicts no chunk; so they are scored by seconds per budget token (a prompt
-token weighted by its depth: server/speculation/budget.py) and probed among themselves. With one decision
+token weighted by its depth: server/speculation/budget.py) and probed on their own steps. With one decision
 for both, a 2,000-token prompt that arrived while the decode steps ran at one thread (the HTTP server's own
 work had made two threads lose a probe) ran all its 24 chunks at one thread: 0.43 s each instead of 0.23,
 and no probe could move it (a prompt step was compared with nothing).
@@ -42,6 +42,7 @@ FIRST_PROBE_S = 2.0  # the first look at the other thread count, and the gap aga
 MAX_PROBE_S = 120.0  # the longest wait between probes (probes that keep losing double the wait)
 ALPHA = 0.3  # weight of a new timing in a thread count's moving average
 MARGIN = 0.1  # switch only to a count at least this much cheaper (relative), so noise does not flap
+IDLE_S = 1.0  # a step this long after the one before follows an idle spell: it is never a probe
 
 
 DECODE = "decode"  # steps that compute no prompt tokens: scored against the cost model's prediction
@@ -76,7 +77,7 @@ class ThreadGovernor:
         self._clock = clock
         self._applied = threads  # what torch is set to now
         self._kind = DECODE  # the kind of the coming (or current) step
-        self._last: str | None = None  # the kind of the step before it
+        self._last_step: float | None = None  # when the step before it started
         self._probing = False
 
     @property
@@ -96,16 +97,17 @@ class ThreadGovernor:
         """Set torch's thread count for a coming step of `kind` (DECODE or PROMPT): the count that kind runs
         at, or the other one as a probe.
 
-        A probe falls due a gap after the kind's first score, and only on a step whose previous step was of
-        the same kind, just scored at the current count: after an idle spell or a change of kind the first
-        step runs at the current count (a prompt's first step after a pause was once the decode probe, at
-        one thread twice as long, and taught nothing)."""
+        A probe falls due a gap after the kind's first score, and never on the first step after an idle spell
+        (`IDLE_S`): that step is a new request's prompt, whose first token the probe would delay. Prompt steps
+        between decode steps do probe: under a busy core they may crawl at every thread as decode steps do."""
         track = self.tracks[kind]
-        self._kind, previous, self._last = kind, self._last, kind
+        now = self._clock()
+        busy = self._last_step is not None and now - self._last_step < IDLE_S
+        self._kind, self._last_step = kind, now
         n = track.current
         other = self._other(track)
-        if other is not None and previous == kind and track.current in track.score \
-                and track.next_probe is not None and self._clock() >= track.next_probe:
+        if other is not None and busy and track.current in track.score \
+                and track.next_probe is not None and now >= track.next_probe:
             n, self._probing = other, True
         if n != self._applied:
             self._set_threads(n)
