@@ -75,6 +75,17 @@ def test_contention_moves_the_steps_to_one_thread_and_back_when_it_ends():
     assert gov.current == 2
 
 
+def test_steps_that_crawl_for_seconds_still_probe_and_move_to_one_thread():
+    """On a busy host a step at two threads can take seconds: that is no idle spell between steps, and the
+    probes still fall due."""
+    gov, clock, _ = governor()
+    for _ in range(40):
+        n = gov.before_step()
+        clock.now += {2: 1.7, 1: 0.07}[n]  # the step runs
+        gov.observe({2: 1.7, 1: 0.07}[n], 0.05)
+    assert gov.current == 1
+
+
 def test_noise_within_the_margin_does_not_switch():
     gov, clock, _ = governor()
     run(gov, clock, {2: 1.0, 1: 0.95}, 60)

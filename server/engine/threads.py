@@ -42,7 +42,7 @@ FIRST_PROBE_S = 2.0  # the first look at the other thread count, and the gap aga
 MAX_PROBE_S = 120.0  # the longest wait between probes (probes that keep losing double the wait)
 ALPHA = 0.3  # weight of a new timing in a thread count's moving average
 MARGIN = 0.1  # switch only to a count at least this much cheaper (relative), so noise does not flap
-IDLE_S = 1.0  # a step this long after the one before follows an idle spell: it is never a probe
+IDLE_S = 1.0  # a step that starts this long after the last pass ended follows an idle spell: never a probe
 
 
 DECODE = "decode"  # steps that compute no prompt tokens: scored against the cost model's prediction
@@ -77,7 +77,7 @@ class ThreadGovernor:
         self._clock = clock
         self._applied = threads  # what torch is set to now
         self._kind = DECODE  # the kind of the coming (or current) step
-        self._last_step: float | None = None  # when the step before it started
+        self._last_pass: float | None = None  # when the last observed pass ended
         self._probing = False
 
     @property
@@ -102,8 +102,8 @@ class ThreadGovernor:
         between decode steps do probe: under a busy core they may crawl at every thread as decode steps do."""
         track = self.tracks[kind]
         now = self._clock()
-        busy = self._last_step is not None and now - self._last_step < IDLE_S
-        self._kind, self._last_step = kind, now
+        busy = self._last_pass is not None and now - self._last_pass < IDLE_S  # however long the steps take
+        self._kind = kind
         n = track.current
         other = self._other(track)
         if other is not None and busy and track.current in track.score \
@@ -124,6 +124,7 @@ class ThreadGovernor:
         """This step's pass took `seconds`; `predicted`: for a decoding step the cost model's prediction for
         its width, for a prompt step its size in budget tokens (None: nothing to compare with)."""
         track = self.tracks[self._kind]
+        self._last_pass = self._clock()
         ratio = seconds / predicted if predicted and seconds > 0 else math.nan  # NaN: nothing to learn
         if not 0 < ratio < math.inf:
             if self._probing:  # a probe step nothing can be learnt from: the probe is tried again later
