@@ -100,6 +100,36 @@ def test_a_long_prompt_never_stalls_the_running_rows(make, prompt_ids):
     assert 0 < chunks[-2] < chunks[0] <= BLOCK and chunks[:-1] == sorted(chunks[:-1], reverse=True)
 
 
+def test_a_long_prompt_grows_the_batch_cache_once_when_it_enters(make, prompt_ids, monkeypatch):
+    """Every step appends its width to every row, so a long prompt's chunks take its columns in every row:
+    the cache grows to hold them when it enters, not by doubling chunk after chunk (each doubling moved every
+    row). The text is what a cache that doubles gives."""
+    from server.model.kv_cache import BatchKV
+
+    def generate(expect: bool) -> tuple[dict[str, list[int]], list[int]]:  # both requests' tokens, growths
+        engine = make(BLOCK + 1)
+        grown: list[int] = []
+        resize = BatchKV._resize
+        monkeypatch.setattr(BatchKV, "_resize", lambda kv, cap: (
+            grown.append(cap) if kv is engine.runner.kv and cap > kv.capacity else None, resize(kv, cap))[1])
+        if not expect:
+            monkeypatch.setattr(BatchKV, "expect", lambda kv, columns: None)
+        engine.add_requests([request("short", prompt_ids[0], "none", max_tokens=40)])
+        engine.step()
+        engine.add_requests([request("long", (prompt_ids[3] * 20)[:300], "none", max_tokens=4)])
+        out: dict[str, list[int]] = {"short": [], "long": []}
+        while engine.has_unfinished():
+            for o in engine.step().outputs:
+                out[o.request_id] += o.token_ids
+        monkeypatch.undo()
+        return out, grown
+
+    doubling, grown_doubling = generate(expect=False)
+    once, grown_once = generate(expect=True)
+    assert len(grown_doubling) >= 3 and len(grown_once) == 1 and grown_once[0] >= 300
+    assert once == doubling
+
+
 def test_a_short_prompt_never_waits_behind_a_long_one(make, prompt_ids):
     """A short request that arrives while a 300-token prompt is being computed enters the batch and computes
     its whole prompt in the next step (the long prompt's chunk is what is left): its first token comes then,

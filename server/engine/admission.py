@@ -203,6 +203,7 @@ class Admission:
                     self.runner.leave(set(ids))
                 self.parts.failed("prefix_cache", exc)  # what it held did not load: all of it computed
                 found = None
+        self.runner.kv.expect(max(s.prompt_left for s in seqs))  # the longest prompt's columns, at once
         if hidden is not None and self.prefixes is not None:
             for seq, h in zip(seqs, hidden, strict=True):
                 seq.features = [h]

@@ -122,6 +122,14 @@ class BatchKV:
             self.compact()
         self._ensure_capacity(self.length + width)
 
+    def expect(self, columns: int) -> None:
+        """The rows will append at least `columns` more columns (a long prompt entered: every step appends its
+        width to every row, so its chunks alone take that many): grow once to hold them, rather than doubling
+        on the way and moving every row at each doubling. Unbudgeted only (a budget's capacity is fixed); on a
+        CPU the columns not written yet are no memory (kv_layers.zeroed)."""
+        if self.slots is None and self.rows and columns > 0:
+            self._ensure_capacity(self.length + columns)
+
     def advance(self, counts: list[int], width: int) -> None:
         """Record a forward that appended `width` columns, of which row b's first `counts[b]` are real."""
         self._ensure_capacity(self.length + width)
