@@ -192,7 +192,7 @@ class Engine:
         if not (self.threads is not None and self.threads.probing) and not chunked:
             self.parts.call("cost_model", self.cost.observe_verify, rows, tokens, seconds, default=None)
         if self.threads is not None:
-            size = self._budget_tokens(verified) if chunked else \
+            size = self.parts.call("threads", self._budget_tokens, verified, default=None) if chunked else \
                 self.parts.call("cost_model", self.cost.verify_time, rows, tokens, default=None)
             governed(self.threads, self.parts, self.threads.observe, seconds, size)
 
