@@ -230,26 +230,27 @@ _timing = st.one_of(
 @given(
     threads=st.integers(min_value=1, max_value=4),
     events=st.lists(
-        st.tuples(st.sampled_from(["step", "observe", "both"]), _timing, _timing,
+        st.tuples(st.sampled_from(["step", "observe", "both"]), st.sampled_from([DECODE, PROMPT]), _timing, _timing,
                   st.floats(min_value=0, max_value=500)),
         max_size=80,
     ),
 )
 @pytest.mark.slow
 def test_any_order_of_timings_and_probes_never_raises(threads, events):
-    """Random sequences of steps, timings (None, zero, negative, infinite, NaN and huge), observations
-    with or without a step before them, and clock jumps: the governor never raises, and always runs at
-    one of its counts."""
+    """Random sequences of steps of either kind, timings (None, zero, negative, infinite, NaN and huge),
+    observations with or without a step before them, and clock jumps: the governor never raises, and always
+    runs each kind at one of its counts."""
     gov, clock, calls = governor(threads)
-    for kind, seconds, predicted, dt in events:
+    for event, kind, seconds, predicted, dt in events:
         clock.now += dt
-        if kind in ("step", "both"):
-            n = gov.before_step()
+        if event in ("step", "both"):
+            n = gov.before_step(kind)
             assert n in gov.options
-        if kind in ("observe", "both"):
+        if event in ("observe", "both"):
             gov.observe(seconds if seconds is not None else 0.0, predicted)
-        assert gov.current in gov.options
-        assert all(v == v and 0 < v < float("inf") for v in gov.score.values())
+        for track in gov.tracks.values():
+            assert track.current in gov.options
+            assert all(v == v and 0 < v < float("inf") for v in track.score.values())
     assert all(c in gov.options for c in calls)
 
 
