@@ -19,6 +19,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--weights", default=None, choices=["auto", "as-file", "int8", "fp32", "bf16"],
                    help="how the target's weights are served (default auto: a GGUF's quantized tensors on CPU)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="precision of the target's cached keys and values (default auto: float16 for quantized "
+                        "weights, else the model's dtype)")
     p.add_argument("--draft-head", default=None, help='EAGLE-style head directory, "auto" (shipped) or "none"')
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 or auto")
@@ -47,7 +50,7 @@ def _read_key_file(parser: argparse.ArgumentParser, path: str) -> str:
 
 _MODEL_FIELDS = (
     "target", "draft", "draft_head", "target_dtype", "draft_dtype", "device", "speculation", "num_speculative_tokens",
-    "auto_max_speculative_tokens", "weights",
+    "auto_max_speculative_tokens", "weights", "kv_cache_dtype",
 )
 
 

@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     # build (a C compiler), else dense in the target dtype (loading.resolve_weights).
     # The quantized kernels are CPU-only: elsewhere they give way to dense weights in the target dtype.
     weights: Literal["auto", "as-file", "int8", "fp32", "bf16"] = "auto"
+    # The precision of the keys and values the target's cache keeps (vLLM's and SGLang's name; llama.cpp's
+    # --cache-type-k/-v): every key and value is rounded to it when written, so the served model attends over
+    # keys and values of that precision in every pass, and the prefix cache stores them in it (half the bytes
+    # of float32 for float16). "auto": float16 where the weights are quantized (`as-file`, `int8`: llama.cpp's
+    # default f16 cache), else the model's own dtype (server/model/kv_shape.py `kv_precision`).
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # `draft`: a draft model for method `draft` (None = none: the method is then unavailable); "target" =
     # the target's weights loaded again in `draft_dtype` (opt-in: on CPU a bf16 copy costs more than the
     # fp32 target, so the default speculates with the shipped draft head instead).

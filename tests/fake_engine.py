@@ -49,6 +49,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.weights = "fp32"
+        self.kv_cache_dtype = "float32"
         self.max_context = max_context
         self.limits = ServingLimits(max_context=max_context, vocab_size=len(tokenizer), methods=("none", "auto"))
         self.draft_name = None

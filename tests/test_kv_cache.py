@@ -249,3 +249,52 @@ def test_a_mapped_buffer_reads_zeros_and_keeps_what_is_written(monkeypatch):
     assert buffer.sum().item() == 1.5 * 64
     resident = kv_layers.zeroed(1 << 18, torch.empty(0), resident=True)
     assert not resident.any() and resident.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+
+
+# ---- the cache's precision (kv_cache_dtype) -------------------------------------------------------------
+
+
+def test_the_caches_precision_follows_the_weights_unless_asked():
+    from server.config import Settings
+    from server.model.kv_shape import kv_name, kv_precision
+
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert kv_precision("auto", "as-file", f32) == f16  # llama.cpp's f16 cache, for the file's quantized weights
+    assert kv_precision("auto", "int8", f32) == f16
+    assert kv_precision("auto", "fp32", f32) is None  # a dense model served as it computes
+    assert kv_precision("auto", "bf16", bf16) is None
+    assert kv_precision("float16", "fp32", f32) == f16 and kv_precision("bfloat16", "fp32", f32) == bf16
+    assert kv_precision("float32", "as-file", f32) is None
+    assert kv_precision("float32", "bf16", bf16) is None and kv_precision("bfloat16", "bf16", bf16) is None
+    with pytest.raises(ValueError, match="cannot round"):
+        kv_precision("float16", "bf16", bf16)
+    assert (kv_name(f16, f32), kv_name(None, f32), kv_name(None, bf16)) == ("float16", "float32", "bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Settings.load(kv_cache_dtype="float8")
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_rounding_cache_holds_its_precisions_values_and_the_prefix_reader_gives_them(tiny_target, lean):
+    """Keys and values rounded when written, whichever forward writes them (the lean one, transformers'), so a
+    pass attends over the same values a later step reads; the reader the prefix cache stores from gives them in
+    the narrow dtype, exactly; a row loaded back from them continues as the row it was read from."""
+    model = tiny_target.model
+    runner = ModelRunner(model, lean=lean, kv_round=torch.float16)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    runner.join(["a"], [prompt])
+    before = runner.forward([[5, 6]]).logits
+    layer = runner.kv.cache.layers[0]
+    assert layer.keys.dtype == torch.float32  # kept in the model's dtype, holding float16's values
+    for x in (layer.keys[0, :, : runner.kv.length], layer.values[0, :, : runner.kv.length]):
+        assert torch.equal(x, x.half().float()) and x.abs().sum() > 0
+    keys, values = runner.live("a")(0, 32)
+    assert keys.dtype == values.dtype == torch.float16
+    assert torch.equal(keys[0].float(), layer.keys[0, :, :32])
+    plain = ModelRunner(model, lean=lean)
+    plain.join(["a"], [prompt])
+    assert not torch.equal(plain.forward([[5, 6]]).logits, before)  # the rounding is there to see
+
+    loaded = ModelRunner(model, lean=lean, kv_round=torch.float16)
+    loaded.join(["b"], [prompt], prefixes=[(keys, values)])
+    assert loaded.kv.cache.layers[0].keys.dtype == torch.float32
+    torch.testing.assert_close(loaded.forward([[5, 6]]).logits, before, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,7 @@ from server.config import Settings
 from server.model import cpu_kernels, gguf_weights
 from server.model.attention import WIDE, use_gqa_attention
 from server.model.loading import load_model, resolve_weights
-from server.model.prefix_cache import PrefixCache
+from server.model.prefix_cache import BLOCK, PrefixCache
 from server.model.quantized import (
     GROUP,
     BlockTable,
@@ -35,7 +35,7 @@ from server.model.quantized import (
 )
 from server.model.runner import ModelRunner
 from server.model.weights_cache import entry_path
-from tests.engine_helpers import request, run
+from tests.engine_helpers import request, run, run_with_stats
 from tests.models import as_loaded, perturbed, tiny_llama, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not has_int4_kernel(), reason="this torch has no CPU int4 kernel")
@@ -327,12 +327,15 @@ def test_mixed_methods_in_one_batch_on_a_quantized_target(quantized_pair, quanti
 # ---- what is keyed by the weights format -----------------------------------------------------------------
 
 
-def test_calibration_and_prefix_cache_keys_name_the_weights_format(quantized_pair, tiny_target):
+def test_calibration_and_prefix_cache_keys_name_the_weights_format_and_the_caches_precision(
+    quantized_pair, tiny_target
+):
     from server.engine.calibration import Subject, cache_path
     from server.engine.engine import Engine
 
     settings = Settings.load()
     quantized, dense = Engine(quantized_pair[0], None, settings), Engine(tiny_target, None, settings)
+    wide = Engine(quantized_pair[0], None, Settings.load(kv_cache_dtype="float32"))
 
     def key(engine: Engine) -> dict[str, object]:
         return Subject(engine.target, engine.runner, engine.planner.proposers, settings).key()
@@ -340,11 +343,38 @@ def test_calibration_and_prefix_cache_keys_name_the_weights_format(quantized_pai
     assert key(quantized)["weights"] == "as-file"
     assert key(dense)["weights"] == "fp32"
     assert cache_path(settings.cache_dir, key(quantized)) != cache_path(settings.cache_dir, key(dense))
-    assert quantized.admission.prefixes.namespace.endswith(":as-file")
-    assert dense.admission.prefixes.namespace.endswith(":fp32")
+    assert cache_path(settings.cache_dir, key(quantized)) != cache_path(settings.cache_dir, key(wide))
+    # auto: a quantized target's keys and values in float16 (llama.cpp's cache), a dense one's as computed
+    assert (quantized.kv_cache_dtype, wide.kv_cache_dtype, dense.kv_cache_dtype) == ("float16", "float32", "float32")
+    assert quantized.admission.prefixes.namespace.endswith(":as-file:kv-float16")
+    assert wide.admission.prefixes.namespace.endswith(":as-file:kv-float32")
+    assert dense.admission.prefixes.namespace.endswith(":fp32:kv-float32")
     tokens = list(range(40))
     names = [PrefixCache(1 << 20, namespace=ns).names(tokens, None) for ns in ("m:as-file", "m:fp32", "m:as-file")]
     assert names[0] != names[1] and names[0] == names[2]
+
+
+def test_a_quantized_targets_prefix_cache_keeps_float16_blocks_that_give_the_same_text(
+    quantized_pair, quantized_reference, prompt_ids
+):
+    """auto keeps a quantized target's keys and values in float16: every value the cache holds is one, the prefix
+    cache stores its blocks in float16 (half float32's bytes, nothing lost), and a prompt read back from them
+    continues exactly as the same prompt computed (greedy, every proposer's rows compared the same way)."""
+    from server.engine.engine import Engine
+
+    engine = Engine(quantized_pair[0], None, Settings.load())
+    prompt = max(prompt_ids, key=len)
+    name = f"r{prompt_ids.index(prompt)}"
+    first = run_with_stats(engine, [request("cold", prompt)])
+    blocks = list(engine.admission.prefixes._blocks.values())
+    assert blocks and all(b.keys.dtype == b.values.dtype == torch.float16 for b in blocks)
+    shape = engine.runner.kv_shape(engine.target.model)
+    per_block = shape.bytes_per_token * BLOCK // 2 + sum(
+        b.features.numel() * 4 if b.features is not None else 0 for b in blocks[:1])
+    assert blocks[0].nbytes == per_block
+    again = run_with_stats(engine, [request("warm", prompt, "ngram", 3)])
+    assert again[1]["warm"].cached_tokens >= BLOCK
+    assert first[0]["cold"] == again[0]["warm"] == quantized_reference[name]
 
 
 def test_a_servers_quantized_weights_are_counted_once_their_buffers_are_dropped(tokenizer, backend):

@@ -32,6 +32,7 @@ class ModelInfo:
     default_max_tokens: int
     auto_max_speculative_tokens: int  # `auto`'s K when the request names none (the setting)
     weights: str = "fp32"  # the weights format the model is served in (server/model/loading.py)
+    kv_cache_dtype: str = "float32"  # the precision of the target's cached keys and values (kv_shape.py)
 
     @property
     def methods(self) -> list[str]:

@@ -251,6 +251,8 @@ class Model(_Doc):
     permission: list[ModelPermission]
     weights: str = Field(description="how the weights are served: as-file (a GGUF's quantized tensors), int8, fp32, "
                                      "bf16 (the `weights` setting, resolved)")
+    kv_cache_dtype: str = Field(description="the precision of the cached keys and values: float16, bfloat16, "
+                                            "float32 (the `kv_cache_dtype` setting, resolved)")
     speculation: ModelSpeculation
 
 

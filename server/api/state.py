@@ -119,6 +119,7 @@ class ServerState:
             auto_max_speculative_tokens=s.auto_max_speculative_tokens,
             default_max_tokens=s.default_max_tokens,
             weights=engine.weights,
+            kv_cache_dtype=engine.kv_cache_dtype,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)

@@ -32,6 +32,7 @@ from server.failsafe import OptionalParts
 from server.grammar import Grammars
 from server.model import prefix_cache
 from server.model.attention import use_gqa_attention
+from server.model.kv_shape import kv_name, kv_precision
 from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.memory import HeapTrimmer, budget_bytes, rss_bytes
 from server.model.runner import ModelRunner
@@ -65,6 +66,9 @@ class Engine:
         self.target, self.settings, self.tokenizer, self.device = target, settings, target.tokenizer, target.device
         self.model_name = settings.served_model_name or target.name
         self.weights = target.weights  # the weights format served (loading.py): /v1/models, cache keys
+        # the precision of the target's cached keys and values (kv_shape.py): /v1/models, cache keys
+        self.kv_round = kv_precision(settings.kv_cache_dtype, target.weights, target.model.dtype)
+        self.kv_cache_dtype = kv_name(self.kv_round, target.model.dtype)
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
@@ -79,14 +83,15 @@ class Engine:
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         prefixes = (prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device,
                                                           "prefix_cache_memory"),
-                                             namespace=f"{target.name}:{target.weights}")  # differ per weights format
+                                             # blocks differ per weights format and cache precision
+                                             namespace=f"{target.name}:{target.weights}:kv-{self.kv_cache_dtype}")
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
         # the most tokens a step's pass computes, prompt tokens weighted by their depth (budget.py)
         self.step_budget = StepBudget(settings.step_token_budget(self.device.type), attention_span(target.model.config))
         slack = row_slack(self.step_budget.tokens)
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
-        self.runner = ModelRunner(target.model, self.kv_slots)
+        self.runner = ModelRunner(target.model, self.kv_slots, kv_round=self.kv_round)
         max_context = settings.max_model_len or target.max_context
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
             max_context = min(max_context, self.kv_slots - slack)
@@ -279,6 +284,8 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
         target.name, target.weights, draft.name if draft else None, target.device, time.perf_counter() - started,
     )
     engine = Engine(target, draft, settings)
+    log.info("the target's cache keeps keys and values in %s (kv_cache_dtype %s)", engine.kv_cache_dtype,
+             settings.kv_cache_dtype)
     engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
         engine.parts.call("calibration", calibrate, target, engine.runner, engine.planner.proposers, engine.cost,

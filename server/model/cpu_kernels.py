@@ -212,7 +212,31 @@ struct dims {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   int64_t qkv_ld, k_off, v_off, gu_ld, u_off, o_ld, down_ld;
   float eps, scale;
+  int64_t kv_round;  /* keys and values written rounded to: 0 as computed, 1 float16, 2 bfloat16 */
 };
+
+#ifndef __F16C__
+#error "the decoder's float16 cache rounding needs F16C"
+#endif
+/* d floats (a multiple of 8) into the cache, rounded to nearest even at the cache's precision (`kv_round`), as
+   torch's .to(float16 / bfloat16) rounds them: the same values whichever path wrote a token. */
+static void put_kv(float* dst, const float* src, int64_t d, int64_t mode) {
+  if (mode == 1) {
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  } else if (mode == 2) {
+    for (int64_t i = 0; i < d; i++) {
+      uint32_t u;
+      memcpy(&u, src + i, 4);
+      if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7fc00000u;  /* NaN stays a NaN */
+      else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+      memcpy(dst + i, &u, 4);
+    }
+  } else {
+    memcpy(dst, src, d * sizeof(float));
+  }
+}
 
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
@@ -369,8 +393,8 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
           float* k = y + D->k_off + g * d;
           rope(k, cos + t * d, ssin + t * d, d);
           const int64_t at = ((row[t] * nkv + g) * cap + col[t]) * d;
-          memcpy(keys[l] + at, k, d * sizeof(float));
-          memcpy(values[l] + at, y + D->v_off + g * d, d * sizeof(float));
+          put_kv(keys[l] + at, k, d, D->kv_round);
+          put_kv(values[l] + at, y + D->v_off + g * d, d, D->kv_round);
         }
       }
       #pragma omp for schedule(static)

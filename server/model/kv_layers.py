@@ -23,6 +23,7 @@ class BatchKV(Protocol):
     length: int
     slots: int | None
     packing: Packing | None
+    round_to: torch.dtype | None  # the precision keys and values are rounded to when written (None: as computed)
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -110,6 +111,10 @@ class BufferLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        narrow = self.owner.round_to
+        if narrow is not None:  # the cache's precision (kv_cache_dtype); attention below reads them back rounded
+            key_states = key_states.to(narrow).to(key_states.dtype)
+            value_states = value_states.to(narrow).to(value_states.dtype)
         start = self.owner.length
         pack = self.owner.packing
         end = start + (pack.width if pack is not None else key_states.shape[-2])
