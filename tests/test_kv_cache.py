@@ -256,7 +256,10 @@ def test_a_mapped_buffer_reads_zeros_and_keeps_what_is_written(monkeypatch):
 
 def test_the_caches_precision_follows_the_weights_unless_asked():
     from server.config import Settings
-    from server.model.kv_shape import kv_name, kv_precision
+    from server.model.kv_shape import QUANTIZED_WEIGHTS, kv_name, kv_precision
+    from server.model.loading import QUANTIZED_FORMATS
+
+    assert set(QUANTIZED_WEIGHTS) == set(QUANTIZED_FORMATS)  # kv_shape.py stays a leaf: its own copy of the list
 
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     assert kv_precision("auto", "as-file", f32) == f16  # llama.cpp's f16 cache, for the file's quantized weights

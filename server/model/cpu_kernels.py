@@ -240,7 +240,7 @@ static void put_kv(void* cache, int64_t at, const float* src, int64_t d, int64_t
   }
 }
 
-/* Element `at` on of the cache as d floats: the storage itself (float32), or converted into buf. */
+/* The d elements of the cache from element `at` on, as floats: the storage itself (float32), or converted into buf. */
 static inline const float* get_kv(const void* cache, int64_t at, int64_t d, int64_t kind, float* buf) {
   if (kind == 0) return (const float*)cache + at;
   const uint16_t* src = (const uint16_t*)cache + at;
