@@ -212,45 +212,30 @@ struct dims {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   int64_t qkv_ld, k_off, v_off, gu_ld, u_off, o_ld, down_ld;
   float eps, scale;
-  int64_t kv_kind;  /* the cache's keys and values: 0 float32, 1 float16, 2 bfloat16 (put_kv, get_kv) */
+  int64_t kv_round;  /* keys and values written rounded to: 0 as computed, 1 float16, 2 bfloat16 */
 };
 
 #ifndef __F16C__
-#error "the decoder's float16 cache needs F16C"
+#error "the decoder's float16 cache rounding needs F16C"
 #endif
-/* The cache's storage (`kv_kind`): 0 float32, 1 float16, 2 bfloat16. A key or value of d elements (a multiple of
-   16) is written rounded to nearest even, as torch's .to(float16 / bfloat16) rounds, and read back as floats. */
-static void put_kv(void* cache, int64_t at, const float* src, int64_t d, int64_t kind) {
-  if (kind == 1) {
-    uint16_t* dst = (uint16_t*)cache + at;
+/* d floats (a multiple of 8) into the cache, rounded to nearest even at the cache's precision (`kv_round`), as
+   torch's .to(float16 / bfloat16) rounds them: the same values whichever path wrote a token. */
+static void put_kv(float* dst, const float* src, int64_t d, int64_t mode) {
+  if (mode == 1) {
     for (int64_t i = 0; i < d; i += 8)
-      _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else if (kind == 2) {
-    uint16_t* dst = (uint16_t*)cache + at;
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  } else if (mode == 2) {
     for (int64_t i = 0; i < d; i++) {
       uint32_t u;
       memcpy(&u, src + i, 4);
       if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7fc00000u;  /* NaN stays a NaN */
-      else u = u + 0x7fffu + ((u >> 16) & 1u);
-      dst[i] = (uint16_t)(u >> 16);
+      else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+      memcpy(dst + i, &u, 4);
     }
   } else {
-    memcpy((float*)cache + at, src, d * sizeof(float));
+    memcpy(dst, src, d * sizeof(float));
   }
-}
-
-/* The d elements of the cache from element `at` on, as floats: the storage itself (float32), or converted into buf. */
-static inline const float* get_kv(const void* cache, int64_t at, int64_t d, int64_t kind, float* buf) {
-  if (kind == 0) return (const float*)cache + at;
-  const uint16_t* src = (const uint16_t*)cache + at;
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m128i h = _mm_loadu_si128((const __m128i*)(src + i));
-    const __m256 f = kind == 1 ? _mm256_cvtph_ps(h)
-                               : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    _mm256_storeu_ps(buf + i, f);
-  }
-  return buf;
 }
 
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
@@ -287,15 +272,14 @@ static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
    however many holes and other rows the cache holds and however many queries share the call; each key and value
    is read once for the G heads (at long contexts attention reads the cache from memory). sc: G x (KCHUNK + 16). */
 #define KCHUNK 256
-static void attend_part(const float* q, int64_t G, const void* K, const void* V, int64_t kind, const int32_t* live,
-                        int32_t n, const float* mrow, int64_t d, float scale, float* sc, float* part) {
+static void attend_part(const float* q, int64_t G, const float* K, const float* V, const int32_t* live, int32_t n,
+                        const float* mrow, int64_t d, float scale, float* sc, float* part) {
   const int32_t n16 = (n + 15) & ~15;
   float* top = part + G * d;
   float* sum = top + G;
-  float buf[256];  /* a key or value read from a 16-bit cache */
   for (int64_t h = 0; h < G; h++) top[h] = -INFINITY;
   for (int32_t i = 0; i < n; i++) {
-    const float* k = get_kv(K, (int64_t)live[i] * d, d, kind, buf);
+    const float* k = K + (int64_t)live[i] * d;
     const float m = mrow[live[i]];
     for (int64_t h = 0; h < G; h++) {
       v16 acc = splat(0.0f);
@@ -320,7 +304,7 @@ static void attend_part(const float* q, int64_t G, const void* K, const void* V,
   for (int64_t h = 0; h < G; h++)
     for (int64_t j = 0; j < d / 16; j++) o[h][j] = splat(0.0f);
   for (int32_t i = 0; i < n; i++) {
-    const float* v = get_kv(V, (int64_t)live[i] * d, d, kind, buf);
+    const float* v = V + (int64_t)live[i] * d;
     for (int64_t h = 0; h < G; h++) {
       const v16 p = splat(sc[h * n16 + i]);
       for (int64_t j = 0; j < d / 16; j++) o[h][j] += p * load16(v + 16 * j);
@@ -354,14 +338,13 @@ static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float
 
 /* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
    to cache row row[t], is written at column col[t], and attends with mask row mask + mrow[t] * Lk (additive;
-   -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim], in
-   D->kv_kind.
+   -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim].
    states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
    applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
    live: int32 [N, Lk + 1]; first: int64 [N + 1], items: int64 [N x kv heads x runs], parts: float [N x kv heads x
    runs x group x (head_dim + 2)], with runs = Lk / KCHUNK + 1 at most per token (attention's key runs). */
-void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, void* const* keys,
-                     void* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
+void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, float* const* keys,
+                     float* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
                      const int64_t* row, const int64_t* col, const int64_t* mrow, const float* mask, int64_t Lk,
                      float* states, const float* final_norm, float* work, int32_t* live, int64_t* first,
                      int64_t* items, float* parts, int threads) {
@@ -410,18 +393,17 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
           float* k = y + D->k_off + g * d;
           rope(k, cos + t * d, ssin + t * d, d);
           const int64_t at = ((row[t] * nkv + g) * cap + col[t]) * d;
-          put_kv(keys[l], at, k, d, D->kv_kind);
-          put_kv(values[l], at, y + D->v_off + g * d, d, D->kv_kind);
+          put_kv(keys[l] + at, k, d, D->kv_round);
+          put_kv(values[l] + at, y + D->v_off + g * d, d, D->kv_round);
         }
       }
       #pragma omp for schedule(static)
       for (int64_t it = 0; it < first[N] * nkv; it++) {
         const int64_t tg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), t = tg / nkv, g = tg % nkv;
-        const int64_t base = (row[t] * nkv + g) * cap * d * (D->kv_kind ? 2 : 4), start = c * KCHUNK;
+        const int64_t base = (row[t] * nkv + g) * cap * d, start = c * KCHUNK;
         const int32_t n = count[t] - start < KCHUNK ? count[t] - start : KCHUNK;
-        attend_part(qkv + t * D->qkv_ld + g * group * d, group, (const char*)keys[l] + base,
-                    (const char*)values[l] + base, D->kv_kind, live + t * Lk + start,
-                    n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
+        attend_part(qkv + t * D->qkv_ld + g * group * d, group, keys[l] + base, values[l] + base,
+                    live + t * Lk + start, n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
                     parts + (first[t] * nkv + g * (first[t + 1] - first[t]) + c) * group * (d + 2));
       }
       #pragma omp for schedule(static)
