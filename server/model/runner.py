@@ -113,7 +113,6 @@ class ModelRunner:
         if kv_round is not None:  # keys and values rounded when written: priced apart
             self.forward_kind += "+kv-" + str(kv_round).removeprefix("torch.")
         shape = self.kv_shape(model) if kv_slots is not None else None
-        self.kv_round = kv_round
         self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape, dtype=self.dtype,
                           round_to=kv_round)
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
