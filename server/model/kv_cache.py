@@ -256,11 +256,9 @@ class BatchKV:
                 raise ValueError(f"row {row} holds {len(columns)} live tokens, not [{start}, {end})")
             cols = columns[start:end]
             layers = self.cache.layers
-            keys = torch.stack([layer.keys[row, :, cols] for layer in layers])
-            values = torch.stack([layer.values[row, :, cols] for layer in layers])
-            if self.round_to is not None:
-                return keys.to(self.round_to), values.to(self.round_to)
-            return keys, values
+            kept = self.round_to or layers[0].keys.dtype  # each layer's gather narrowed before stacking
+            return (torch.stack([layer.keys[row, :, cols].to(kept) for layer in layers]),
+                    torch.stack([layer.values[row, :, cols].to(kept) for layer in layers]))
 
         return read
 
