@@ -44,7 +44,7 @@ def main() -> None:
     from server.draft_head.model import EagleHead
     from server.model.loading import load_model
 
-    target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir).model
+    target = load_model(None, device="cpu", cache_dir=Settings.load().cache_dir, modules="transformers").model
     head = EagleHead.from_pretrained(args.head or BUILTIN_HEAD, target)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, args.context + 1), generator=gen)

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     # In-process: the same weights the server loads (the default model's default weights, the draft in bf16).
     settings = Settings.load()
     print("loading the default model in-process (cost ratio, peer) ...", flush=True)
-    target = load_model(None, dtype="float32", device="cpu", cache_dir=settings.cache_dir)
+    target = load_model(None, dtype="float32", device="cpu", cache_dir=settings.cache_dir, modules="transformers")
     draft = load_draft_like(target, "target", dtype="bfloat16", cache_dir=settings.cache_dir)
     prompt_ids = {p.id: chat_ids(target.tokenizer, list(p.messages)) for w in workloads for p in w.prompts}
 

@@ -51,7 +51,8 @@ def distill_cli(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings.load(args.config)
-    target = load_model(args.target, dtype=args.target_dtype, device=args.device, cache_dir=settings.cache_dir)
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, cache_dir=settings.cache_dir,
+                        modules="transformers")  # its forwards are called (data.py, train.py)
     opts = TrainOptions(
         epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr, train_depth=args.train_depth,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,

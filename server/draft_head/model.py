@@ -19,9 +19,10 @@ the shipped file holds only `fc` and the decoder layer. Tokens outside the FR vo
 which keeps speculative sampling lossless (the rejection sampler only needs q(x) > 0 for what is
 drafted).
 
-The decoder part is a plain transformers `LlamaModel` (one layer, fed through `inputs_embeds`), so the
-engine's batched KV machinery (a cache object, per-row `position_ids`, a 4D additive mask) drives it
-exactly as it drives the target. Position convention: the pair (f_t, x_{t+1}) sits at position t+1,
+The decoder part is a one-layer Llama decoder stack (fed through `inputs_embeds`) of its target's module family
+(server/model/llama.py's for a served target, transformers' `LlamaModel` for distillation), so the engine's
+batched KV machinery (a cache object, per-row `position_ids`, a 4D additive mask) drives it exactly as it drives
+the target. Position convention: the pair (f_t, x_{t+1}) sits at position t+1,
 the position of the token it embeds.
 """
 
@@ -36,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
+from server.model import llama
 from server.model.quantized import BlockTable, table_dtype
 
 CONFIG_FILE = "config.json"
@@ -61,8 +62,8 @@ class HeadConfig:
 NO_SPECIAL_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
 
-def decoder_config(target_config: Any) -> LlamaConfig:
-    """A one-layer Llama config with the target's width, heads and rotary settings and no vocabulary."""
+def decoder_config(target_config: Any) -> dict[str, Any]:
+    """A one-layer Llama config's values with the target's width, heads and rotary settings and no vocabulary."""
     cfg = target_config.to_dict()
     keep = (
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -72,7 +73,24 @@ def decoder_config(target_config: Any) -> LlamaConfig:
     kwargs = {k: cfg[k] for k in keep if cfg.get(k) is not None}
     # vocab_size 1: the decoder is only ever fed `inputs_embeds`, its own embedding table is unused; it has
     # no special tokens either (Llama's default ids 1 and 2 lie outside a one-token vocabulary: a warning).
-    return LlamaConfig(**kwargs, num_hidden_layers=1, vocab_size=1, tie_word_embeddings=False, **NO_SPECIAL_TOKENS)
+    return {**kwargs, "model_type": "llama", "num_hidden_layers": 1, "vocab_size": 1, "tie_word_embeddings": False,
+            **NO_SPECIAL_TOKENS}
+
+
+def _decoder(values: dict[str, Any], target: nn.Module) -> nn.Module:
+    """The head's one-layer decoder, from the same module family as its target's: llama.py's for a served target
+    (which runs only through the lean forward), transformers' `LlamaModel` for one whose forwards a tool calls
+    (distillation trains the head through transformers' forward)."""
+    if isinstance(target, llama.CausalLM):
+        return llama.Decoder(llama.config_from_dict(values))
+    from transformers import LlamaConfig, LlamaModel
+
+    from server.model.attention import register_with_transformers
+
+    register_with_transformers()
+    dcfg = LlamaConfig.from_dict(values)
+    dcfg._attn_implementation = target.config._attn_implementation or "sdpa"
+    return LlamaModel(dcfg)
 
 
 def head_dtype(lm_head: nn.Module) -> torch.dtype:
@@ -115,7 +133,7 @@ class EagleHead(nn.Module):
     identity, see the module docstring).
     """
 
-    def __init__(self, config: HeadConfig, target: PreTrainedModel) -> None:
+    def __init__(self, config: HeadConfig, target: nn.Module) -> None:
         super().__init__()
         check_target(config, target)
         self.config = config
@@ -123,9 +141,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         # heads saved before `decoder_config` cleared them carry Llama's default special ids (1, 2), out
         # of a one-token vocabulary: cleared here too, so loading one does not warn
-        dcfg = LlamaConfig.from_dict({**config.decoder, **NO_SPECIAL_TOKENS})
-        dcfg._attn_implementation = target.config._attn_implementation or "sdpa"
-        self.decoder = LlamaModel(dcfg)
+        self.decoder = _decoder({**config.decoder, **NO_SPECIAL_TOKENS}, target)
         self.decoder.norm = nn.Identity()  # predicted features are post-norm already (module docstring)
         table = target.get_input_embeddings()  # [vocab, H], shared, frozen
         head = target.get_output_embeddings()  # [vocab, H]
@@ -149,7 +165,7 @@ class EagleHead(nn.Module):
 
     # ---- construction and files -----------------------------------------------------------------
     @classmethod
-    def create(cls, target: PreTrainedModel, vocab_ids: list[int], target_name: str, seed: int = 0,
+    def create(cls, target: nn.Module, vocab_ids: list[int], target_name: str, seed: int = 0,
                init: str = "random") -> EagleHead:
         """A freshly initialised head for `target` drafting over `vocab_ids` (seeded). `init="last-layer"`
         starts the decoder layer as a copy of the target's last decoder layer (fc stays random)."""
@@ -160,7 +176,7 @@ class EagleHead(nn.Module):
             hidden_size=target.config.hidden_size,
             vocab_size=vocab_rows(target.get_output_embeddings()),
             vocab_ids=[int(i) for i in vocab_ids],
-            decoder=decoder_config(target.config).to_dict(),
+            decoder=decoder_config(target.config),
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -184,7 +200,7 @@ class EagleHead(nn.Module):
         (out / CONFIG_FILE).write_text(text.replace('"@ids@"', json.dumps(self.config.vocab_ids)) + "\n")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel) -> EagleHead:
+    def from_pretrained(cls, path: str | Path, target: nn.Module) -> EagleHead:
         """Load a saved head for `target`, in the target's dtype and device; refuses a head made for
         another target shape or vocabulary (ValueError)."""
         src = Path(path)
@@ -232,7 +248,7 @@ class EagleHead(nn.Module):
         return full.index_copy_(-1, self.vocab_ids, fr_logits)
 
 
-def check_target(config: HeadConfig, target: PreTrainedModel) -> None:
+def check_target(config: HeadConfig, target: nn.Module) -> None:
     """Refuse a head whose shapes or vocabulary do not match `target` (ValueError)."""
     hidden = target.config.hidden_size
     vocab = vocab_rows(target.get_output_embeddings())

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
 
 from server.model.quantized import block_kernels
+
+if TYPE_CHECKING:
+    from torch import nn
 
 NAME = "specula_gqa_sdpa"
 
@@ -162,26 +165,34 @@ def _packed(
     return torch.cat(parts)[None]
 
 
-AttentionInterface.register(NAME, gqa_sdpa_attention)
+def register_with_transformers() -> None:
+    """Make `NAME` an attention implementation transformers' models can name (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, gqa_sdpa_attention)
 
 
-def use_gqa_attention(model: PreTrainedModel) -> None:
+def use_gqa_attention(model: nn.Module) -> None:
     """Switch a model running plain `sdpa` to the grouped-head SDPA above; a model whose linear layers round
-    their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc)."""
-    if model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(NAME)
+    their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc). A transformers model gets
+    the function registered with transformers' attention interface (imported here, so a server whose models are
+    llama.py's never imports transformers' modeling stack); llama.py's modules name it in their config already."""
+    if hasattr(model, "set_attn_implementation"):
+        register_with_transformers()
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(NAME)
     rounds = block_kernels(model) == "bf16"
     for module in model.modules():
         if hasattr(module, "q_proj"):  # a decoder layer's attention
             setattr(module, WIDE, rounds)
 
 
-def attends_wide(model: PreTrainedModel) -> bool:
+def attends_wide(model: nn.Module) -> bool:
     """Whether `use_gqa_attention` made the model attend in float64 (its first attention module says)."""
     first = next((m for m in model.modules() if hasattr(m, "q_proj")), None)
     return bool(getattr(first, WIDE, False))
 
 
-def packs(model: PreTrainedModel) -> bool:
+def packs(model: nn.Module) -> bool:
     """Whether forwards of `model` can be packed (its attention is the function above)."""
     return model.config._attn_implementation == NAME

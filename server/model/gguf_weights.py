@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
+from server.model import llama
 from server.model.quantized import (
     GROUP,
     QUANT_KINDS,
@@ -180,12 +181,17 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def assemble(config: PretrainedConfig, weights: QuantizedWeights) -> PreTrainedModel:
-    """The causal LM of `config` holding `weights` (quantized modules where `kinds` says), on CPU, eval mode."""
-    from accelerate import init_empty_weights
+def assemble(config: PretrainedConfig, weights: QuantizedWeights, own: bool = True) -> nn.Module:
+    """The causal LM of `config` holding `weights` (quantized modules where `kinds` says), on CPU, eval mode:
+    llama.py's modules where they serve the architecture (and `own`), else transformers'."""
+    if own and llama.supports(config):
+        model: nn.Module = llama.empty(config)
+    else:  # an architecture llama.py does not serve: transformers' modules
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = dict(weights.tensors)
     for path, kind in weights.kinds.items():
         own = {k.removeprefix(f"{path}."): tensors.pop(k) for k in list(tensors) if k.startswith(f"{path}.")}
@@ -215,7 +221,7 @@ def assemble(config: PretrainedConfig, weights: QuantizedWeights) -> PreTrainedM
     return model.eval().requires_grad_(False)
 
 
-def weights_of(model: PreTrainedModel) -> QuantizedWeights:
+def weights_of(model: nn.Module) -> QuantizedWeights:
     """The inverse of `assemble`: what the weights cache stores for a quantized model."""
     out = QuantizedWeights()
     for path, module in model.named_modules():

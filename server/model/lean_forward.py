@@ -46,11 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from server.model.attention import Packing, gqa_sdpa_attention, packs
 from server.model.cpu_decoder import CpuDecoder
+from server.model.llama import Decoder
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, TableHead, fused
 
@@ -231,7 +231,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 class LeanForward:
     """A callable with the keyword interface `ModelRunner` gives transformers' causal LMs and base models."""
 
-    def __init__(self, model: PreTrainedModel, base: nn.Module, *, pack: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, base: nn.Module, *, pack: bool | None = None) -> None:
         """`pack`: multiply through `PackedLinear` (None: where `packs_linears` says it can)."""
         self.base = base
         self.packed = packs_linears(model) if pack is None else pack
@@ -256,14 +256,14 @@ class LeanForward:
         self.final_norm = (lambda x: _rms_norm(x, base.norm)) if rms else base.norm
 
     @classmethod
-    def of(cls, model: PreTrainedModel, *, pack: bool | None = None) -> LeanForward | None:
+    def of(cls, model: nn.Module, *, pack: bool | None = None) -> LeanForward | None:
         """The lean forward of `model`, or None when its layers are not exactly Llama's (see the module doc).
 
         One per model and kernel choice, shared by every runner over the model (the engine's, calibration's
         scratch runners): reordering the weights takes ~0.3 s and their size again (SmolLM2-135M). Made anew
         when the model's linear layers were replaced since."""
         base = model if model.get_output_embeddings() is None else getattr(model, "model", None)
-        if base is None or type(base).__name__ not in _BASES or not packs(model):
+        if base is None or not (type(base).__name__ in _BASES or isinstance(base, Decoder)) or not packs(model):
             return None
         config = base.config
         if getattr(config, "hidden_act", None) != "silu":

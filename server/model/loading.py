@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from server.model import cpu_kernels, gguf_weights
+from server.model import cpu_kernels, gguf_weights, llama
 from server.model.quantized import QuantLinear, quantize_linears
 from server.model.weights_cache import (
     KINDS_FILE,
@@ -62,7 +63,7 @@ class LoadedModel:
     """A causal LM ready for inference, with the tokenizer it was trained with."""
 
     name: str  # human-readable id (also the default served model name for a target)
-    model: PreTrainedModel
+    model: nn.Module  # llama.py's modules, or transformers' (`load_model`'s `modules`)
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
@@ -130,7 +131,7 @@ def default_model_file() -> Path:
     raise FileNotFoundError(f"no .gguf file inside {list(spec.submodule_search_locations)}")
 
 
-def _save_dequantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
+def _save_dequantized(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
     def write(directory: Path) -> None:
         # The dequantized model still carries the GGUF quantizer, which refuses to serialize; the
         # weights themselves are plain float tensors by now.
@@ -144,22 +145,26 @@ def _save_dequantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     return write
 
 
-def _dequantize(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _dequantize(gguf: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM
+
     log.info("dequantizing %s (first load; cached afterwards)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
 
 
-def _quantized(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _quantized(gguf: Path, own: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    from transformers import AutoConfig
+
     log.info("reading the quantized tensors of %s (first load; cached afterwards)", gguf)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config))
+    model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config), own=own)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
 
 
-def _save_quantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
+def _save_quantized(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
     def write(directory: Path) -> None:
         weights = gguf_weights.weights_of(model)
         directory.mkdir(parents=True, exist_ok=True)
@@ -171,29 +176,65 @@ def _save_quantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
     return write
 
 
-def _read_quantized(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    config = AutoConfig.from_pretrained(entry)
+def _read_quantized(entry: Path, own: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    config = llama.read_config(entry)
+    if not (own and llama.supports(config)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(entry)
     kinds = json.loads((entry / KINDS_FILE).read_text())
-    model = gguf_weights.assemble(config, gguf_weights.QuantizedWeights(kinds, load_file(str(entry / QUANTIZED_FILE))))
-    return model, AutoTokenizer.from_pretrained(entry)
+    tensors = load_file(str(entry / QUANTIZED_FILE))
+    return gguf_weights.assemble(config, gguf_weights.QuantizedWeights(kinds, tensors), own=own), load_tokenizer(entry)
 
 
-def _read_dequantized(entry: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    return AutoModelForCausalLM.from_pretrained(entry, dtype=torch.float32), AutoTokenizer.from_pretrained(entry)
+def _read_dequantized(entry: Path, modules: str = "own") -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    return _from_directory(str(entry), torch.float32, modules), load_tokenizer(entry)
+
+
+MODULES = ("own", "transformers")  # `load_model`'s choice of module tree
+
+
+def _from_directory(ref: str, dtype: torch.dtype, modules: str) -> nn.Module:
+    """A checkpoint (local directory or hub id) as llama.py's modules where `modules` is "own" and they serve it
+    (llama.load_directory), else transformers' `AutoModelForCausalLM`."""
+    local = Path(ref).expanduser()
+    if modules == "own" and local.is_dir():
+        own = llama.load_directory(local, dtype)
+        if own is not None:
+            return own
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
+
+
+def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
+    """A checkpoint's tokenizer. One saved as a plain `tokenizers` file (`TokenizersBackend`, as the weights cache
+    writes it) loads directly: `AutoTokenizer` would first read the model's config class for nothing, importing
+    transformers' modeling stack (llama.py says what that costs)."""
+    local = Path(ref).expanduser()
+    settings = local / "tokenizer_config.json"
+    if settings.is_file() and (local / "tokenizer.json").is_file():
+        if json.loads(settings.read_text()).get("tokenizer_class") == "TokenizersBackend":
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(local))
+    return AutoTokenizer.from_pretrained(str(ref))
 
 
 def _load_gguf(
-    gguf: Path, cache_dir: Path | None, weights: str = "fp32"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    gguf: Path, cache_dir: Path | None, weights: str = "fp32", modules: str = "own"
+) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
     """A GGUF file's model in `weights`' form: dequantized to float32 (`fp32`, `bf16`, `int8` start from it)
     or its quantized tensors as they are (`as-file`), converted once and cached; plus tokenizer and the
     load source."""
     quantized = weights == "as-file"
-    convert, save = (_quantized, _save_quantized) if quantized else (_dequantize, _save_dequantized)
+    own = modules == "own"
+    convert = (lambda file: _quantized(file, own)) if quantized else _dequantize
+    save = _save_quantized if quantized else _save_dequantized
     if cache_dir is None:
         return (*convert(gguf), str(gguf))
     entry = entry_path(gguf, cache_dir, weights)
-    read = _read_quantized if quantized else _read_dequantized
+    read = (lambda e: _read_quantized(e, own)) if quantized else (lambda e: _read_dequantized(e, modules))
     found = read_entry(entry, read)
     if found is not None:
         return (*found, str(entry))
@@ -223,10 +264,15 @@ def load_model(
     device: str = "auto",
     cache_dir: Path | None = None,
     weights: str | None = None,
+    modules: str = "own",
 ) -> LoadedModel:
     """Load a causal LM. `source` None means the built-in default (SmolLM2-135M-Instruct). `weights`: how
     its weights are served (`resolve_weights`; None: dense in `dtype`; `fp32` and `bf16` set the dtype, `dtype`
-    is then ignored)."""
+    is then ignored). `modules`: "own" serves a Llama-architecture model from a GGUF or a local directory of
+    safetensors on llama.py's modules (which run only through the lean forward) and anything else on
+    transformers'; "transformers" always transformers' (for tools that call their forwards: distillation)."""
+    if modules not in MODULES:
+        raise ValueError(f"modules must be one of {MODULES}, not {modules!r}")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if source is None:
@@ -246,13 +292,15 @@ def load_model(
     elif served in QUANTIZED_FORMATS:
         torch_dtype = torch.float32  # norms, embeddings' rows, activations and the KV cache around the kernels
     if path is not None and gguf:
-        model, tokenizer, _ = _load_gguf(path, cache_dir, served)
+        model, tokenizer, _ = _load_gguf(path, cache_dir, served, modules)
         if served != "as-file":
             model = model.to(torch_dtype)
+        if modules == "own":  # a first load's conversion (transformers' modules) served as later starts serve it
+            model = llama.adopt(model)
     else:
         ref = str(path) if path is not None else str(source)
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(ref)
+        model = _from_directory(ref, torch_dtype, modules)
+        tokenizer = load_tokenizer(ref)
     if served == "int8":
         quantize_linears(model, "int8")
     model = model.to(dev).eval()
@@ -262,7 +310,7 @@ def load_model(
     return loaded
 
 
-def describe_weights(model: PreTrainedModel, weights: str) -> str:
+def describe_weights(model: nn.Module, weights: str) -> str:
     """What the start-up log says of a model's weights: the format and how many layers each kernel runs."""
     kinds: dict[str, int] = {}
     for module in model.modules():

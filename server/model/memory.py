@@ -189,6 +189,13 @@ class PeakTensorBytes(TorchDispatchMode):
     Views count nothing; what an operation allocates and frees inside itself (a kernel's scratch) is
     not seen. Python runs at every operation: a measuring tool for a few passes, not for every step."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's `__torch_dispatch__` in dynamo's "disable" unless this says no; the wrapper imports
+        # torch._dynamo (and with it sympy and torch.distributed: ~100 MiB resident) at its first call. Nothing
+        # compiles under this mode (it measures a few eager passes at start-up), so there is nothing to disable.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.live = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from transformers import PreTrainedModel
+from torch import nn
 
 from server.model.attention import Packing, attends_wide, packs
 from server.model.kv_cache import BatchKV
@@ -90,7 +90,7 @@ class ModelRunner:
     head's decoder: hidden states only, its final output as `hidden`).
     """
 
-    def __init__(self, model: PreTrainedModel, kv_slots: int | None = None, *, lean: bool = True,
+    def __init__(self, model: nn.Module, kv_slots: int | None = None, *, lean: bool = True,
                  kv_round: torch.dtype | None = None) -> None:
         """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed.
         `lean`: run Llama-family models through `LeanForward` (lean_forward.py; others always run
@@ -130,7 +130,7 @@ class ModelRunner:
         return [*self.model.parameters(), *self.model.buffers(), *packed]
 
     @staticmethod
-    def kv_shape(model: PreTrainedModel) -> KVShape:
+    def kv_shape(model: nn.Module) -> KVShape:
         """What one token of this model's cache holds."""
         return KVShape.of(model.config, model.dtype)
 

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,8 @@ def entry_problem(entry: Path, *, weights: bool = True) -> str | None:
 
 
 def read_entry(
-    entry: Path, read: Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    entry: Path, read: Callable[[Path], tuple[nn.Module, PreTrainedTokenizerBase]]
+) -> tuple[nn.Module, PreTrainedTokenizerBase] | None:
     """The cached model and tokenizer (`read(entry)`), or None: no entry, or one that fails its check or
     its load (logged: the caller converts the GGUF again)."""
     if identity(entry) is None:
