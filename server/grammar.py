@@ -37,20 +37,25 @@ class Grammars:
     """Builds matchers for one tokenizer. The llguidance view of the tokenizer costs about half a
     second to build, so it is made once: at start-up (`warm`) or on the first constrained request."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Collection[int], *, slicer: bool = True) -> None:
         """`vocab_size`: the width of the target's logits (masks are that wide; ids beyond the
         tokenizer are never allowed). `eos_ids`: the tokens that end a sequence once the grammar is
-        complete."""
+        complete. `slicer`: llguidance's precomputed token subsets for JSON strings (its default). They make a
+        mask ~4x cheaper inside a string (SmolLM2, a JSON schema with a long string field: 13 against 52-62
+        microseconds a position on one core) for ~28 MiB resident (41 against 13 for the whole view): worth it
+        where many constrained rows share a fast step (a GPU), not on a CPU, whose steps take 10 ms and more."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_ids)
+        self._slices: list[str] | None = None if slicer else []  # None: llguidance's default slices
         self._ll: llguidance.LLTokenizer | None = None
 
     def warm(self) -> None:
         """Build the tokenizer view now (the server does at start-up, so no request waits for it)."""
         if self._ll is None:  # ids past the tokenizer's (padded logits) exist for the matcher but never match
             n_vocab = self.vocab_size if self.vocab_size > len(self._tokenizer) else None
-            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=n_vocab, eos_token=self._eos)
+            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=n_vocab, eos_token=self._eos,
+                                                    slices=self._slices)
 
     def state(self, grammar: str) -> GrammarState:
         self.warm()

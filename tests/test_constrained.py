@@ -127,6 +127,20 @@ def test_masks_leave_the_grammar_where_it_was_even_after_an_eos_draft(tokenizer)
     assert state.masks([99999 % len(tokenizer)])[1].all(), "after a forbidden draft: never reached, all allowed"
 
 
+def test_masks_are_the_same_with_or_without_llguidances_slicer(tokenizer):
+    """The slicer (precomputed token subsets, on by default, off for a CPU engine: grammar.py) only makes masks
+    cheaper: every position of a schema with free strings allows exactly the same tokens either way."""
+    eos = tokenizer.eos_token_id
+    schema = {"type": "object", "properties": {"bio": {"type": "string"}, "tags": {"type": "array", "items":
+              {"type": "string"}}}, "required": ["bio", "tags"], "additionalProperties": False}
+    text = tokenizer.encode('{"bio": "An English writer, known for \\"notes\\" on the Engine.", "tags": ["a b", ""]}',
+                            add_special_tokens=False)
+    states = [Grammars(tokenizer, len(tokenizer), {eos}, slicer=slicer).state(json_grammar(schema))
+              for slicer in (True, False)]
+    assert states[0].valid_prefix(text) == len(text)
+    assert torch.equal(states[0].masks([*text, eos]), states[1].masks([*text, eos]))
+
+
 # ---- the planner's rule for drafts the grammar forbids ------------------------------------------------
 class Grammar:
     """The planner's view of a grammar that allows the first `valid` drafts and forces `forced`."""

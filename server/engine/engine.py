@@ -100,7 +100,7 @@ class Engine:
             raise ValueError(f"the configured speculation method {settings.speculation!r} cannot run on this "
                              f"server (available: {', '.join(self.limits.methods)})")
         self.eos_ids = _eos_ids(target)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, slicer=self.device.type != "cpu")
         seeds = random.SystemRandom()
         self.admission = Admission(
             self.runner, self.planner, self.parts, prefixes=prefixes, kv_slots=self.kv_slots,

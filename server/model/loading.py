@@ -360,7 +360,7 @@ def load_default_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizer
         cached = entry_path(gguf, cache_dir, weights)
         if (cached / "tokenizer.json").is_file() and entry_problem(cached, weights=False) is None:
             try:
-                return AutoTokenizer.from_pretrained(cached)
+                return load_tokenizer(cached)
             except Exception as err:  # converted from the GGUF below, as if there were no cache
                 log.warning("the cached tokenizer in %s is unusable: %s", cached, err)
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
