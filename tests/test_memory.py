@@ -306,3 +306,22 @@ def test_a_server_caps_the_kernel_caches_so_new_shapes_do_not_grow_its_memory(mo
     applied, growth = out.stdout.split("\n")[:2]
     assert applied == str({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}), out.stderr
     assert float(growth) < 40, f"RSS grew {growth} MiB over 400 new shapes with the caches capped at 16"
+
+
+def test_a_servers_eagle_head_drops_its_dense_weights_and_drafts_the_same(tiny_target, head_dir, prompt_ids):
+    """`build_engine` drops the dense weights packed kernels replace, the head's fc and FR output matrix included
+    (only the proposer's kernels multiply them): the same drafts, accepted the same, afterwards."""
+    from tests.engine_helpers import run_with_stats
+
+    settings = Settings.load(draft_head=str(head_dir))
+    requests = lambda: [request(f"r{i}", p, "eagle", 3) for i, p in enumerate(prompt_ids)]  # noqa: E731
+    want = run_with_stats(Engine(tiny_target, None, settings), requests())
+    engine = Engine(tiny_target, None, settings)
+    head = engine.planner.proposers["eagle"].head
+    dense = sum(t.numel() * t.element_size() for t in (head.fc.weight, head.lm_head_fr))
+    assert engine.planner.release_dense() > dense
+    assert head.fc.weight.numel() == 0 and head.lm_head_fr.numel() == 0
+    got = run_with_stats(engine, requests())
+    assert got[0] == want[0]
+    assert [(s.draft_tokens, s.accepted_tokens) for s in got[1].values()] == \
+        [(s.draft_tokens, s.accepted_tokens) for s in want[1].values()]

@@ -291,7 +291,7 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
         engine.parts.call("calibration", calibrate, target, engine.runner, engine.planner.proposers, engine.cost,
                           settings, default=None)  # failing: learnt from traffic
     if not keep_dense:
-        freed = sum(r.release_dense() for r in (engine.runner, *engine.planner.model_runners()))
+        freed = engine.runner.release_dense() + engine.planner.release_dense()
         if freed:
             engine._trim_heap()
             log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)

@@ -99,6 +99,11 @@ class EagleProposer(ModelProposer):
         packed = [k.packed for k in (self.fc, self.fr_logits) if isinstance(k, PackedLinear)]
         return [*super().weight_tensors(), *self.head.parameters(), *self.head.buffers(), *packed]
 
+    def release_dense(self) -> int:
+        """Its decoder's dense weights, and fc's and the FR matrix's (only their packed kernels run them here)."""
+        dropped = [k.release() for k in (self.fc, self.fr_logits) if isinstance(k, PackedLinear)]
+        return super().release_dense() + sum(w.numel() * w.element_size() for w in dropped if w is not None)
+
     def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
         """Its KV cache, and the target's features rows hold until they feed them."""
         pending = [f for p in list(self.pending.values()) for f in list(p.features)]

@@ -54,6 +54,11 @@ class ModelProposer(Proposer):
     def weight_tensors(self) -> list[torch.Tensor]:
         return self.runner.weight_tensors()
 
+    def release_dense(self) -> int:
+        """Drop the dense weights its packed kernels replace, for a server's proposer (`ModelRunner.release_dense`);
+        bytes dropped."""
+        return self.runner.release_dense()
+
     def cache_bytes(self, seen: set[tuple[str, int]]) -> int:
         return tensor_bytes(self.runner.kv.storage(), seen)
 

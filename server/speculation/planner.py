@@ -114,6 +114,10 @@ class Planner:
         """The runners of the proposers that run a model of their own."""
         return [p.runner for p in self.proposers.values() if isinstance(p, ModelProposer)]
 
+    def release_dense(self) -> int:
+        """Drop the dense weights the model proposers' packed kernels replace (a server's); bytes dropped."""
+        return sum(p.release_dense() for p in self.proposers.values() if isinstance(p, ModelProposer))
+
     def cache_shapes(self) -> list[KVShape]:
         """What one token costs in each model proposer's own KV cache (for the KV budget's share)."""
         return [ModelRunner.kv_shape(r.model) for r in self.model_runners()]
