@@ -377,6 +377,35 @@ def test_a_quantized_targets_prefix_cache_keeps_float16_blocks_that_give_the_sam
     assert first[0]["cold"] == again[0]["warm"] == quantized_reference[name]
 
 
+def test_the_prefix_cache_keeps_the_features_a_bf16_head_reads_in_bf16_and_it_drafts_the_same(
+    quantized_pair, prompt_ids, tmp_path
+):
+    """A quantized target's EAGLE head runs in bf16 on CPU and rounds every feature to bf16 first: the prefix cache
+    keeps them so (half the bytes), and a prompt whose prefix comes back from it drafts and accepts exactly as
+    the same prompt computed."""
+    from server.draft_head.model import EagleHead
+    from server.engine.engine import Engine
+
+    target = quantized_pair[0]
+    head = EagleHead.create(target.model, list(range(0, target.model.config.vocab_size, 2)), "tiny-q4", seed=1)
+    assert head.fc.weight.dtype == torch.bfloat16
+    head.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    settings = Settings.load(draft_head=str(tmp_path))
+    shared = prompt_ids[3] + prompt_ids[4]
+    engine = Engine(target, None, settings)
+    run(engine, [request("a", shared + prompt_ids[1], "eagle", 4, max_tokens=12)])
+    blocks = list(engine.admission.prefixes._blocks.values())
+    assert blocks and all(b.features is not None and b.features.dtype == torch.bfloat16 for b in blocks)
+    turn = shared + prompt_ids[2]
+    warm = run_with_stats(engine, [request("b", turn, "eagle", 4, max_tokens=24)])
+    cold = run_with_stats(Engine(target, None, Settings.load(draft_head=str(tmp_path), prefix_cache_memory="none")),
+                          [request("b", turn, "eagle", 4, max_tokens=24)])
+    assert warm[1]["b"].cached_tokens >= BLOCK
+    assert warm[0] == cold[0]
+    assert (warm[1]["b"].draft_tokens, warm[1]["b"].accepted_tokens) == \
+        (cold[1]["b"].draft_tokens, cold[1]["b"].accepted_tokens)
+
+
 def test_a_servers_quantized_weights_are_counted_once_their_buffers_are_dropped(tokenizer, backend):
     """`specula_memory_bytes{part="weights"}` counts what the kernels hold once the layers' own buffers are
     dropped (a server's model): about the file's bytes, not only the embedding table."""

@@ -81,6 +81,7 @@ class EagleProposer(ModelProposer):
         if prior is not None:
             self.traits = dataclasses.replace(EagleProposer.traits, confidence_priors=(prior,))
         self.head = head.eval()
+        self.feature_dtype = head.fc.weight.dtype  # `_pairs` rounds every feature to it first
         use_gqa_attention(head.decoder)
         self.vocab_size = vocab_size
         self.runner = ModelRunner(head.decoder)

@@ -135,6 +135,13 @@ class Planner:
     def needs_hidden(self) -> bool:
         return bool(self.hidden_readers)
 
+    @property
+    def feature_dtype(self) -> torch.dtype | None:
+        """The dtype the target's features can be kept in for every proposer that reads them (proposer.py
+        `feature_dtype`): the one they all round them to, else None (as computed)."""
+        dtypes = {self.proposers[name].feature_dtype for name in self.hidden_readers}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     # ---- membership --------------------------------------------------------------------------
     def join(
         self,

@@ -117,6 +117,9 @@ class Proposer(ABC):
 
     traits: Traits
     caches_prefix: bool = False  # has a state of prompt prefixes worth keeping (`prefix_state`, `load_prefix`)
+    # a reader of the target's features (`Traits.needs_hidden`) that rounds them to this dtype before anything
+    # else (None: reads them as computed): the prefix cache may keep them in it, no bit of what it drafts changed
+    feature_dtype: torch.dtype | None = None
 
     def join(self, seqs: list[SequenceView], prompt_hidden: list[torch.Tensor] | None) -> None:  # noqa: B027
         """Sequences that start using this proposer (see the module docstring)."""
