@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from server.model import cpu_kernels, gguf_weights, llama
+from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, quantize_linears
 from server.model.weights_cache import (
     KINDS_FILE,
@@ -302,12 +303,33 @@ def load_model(
         model = _from_directory(ref, torch_dtype, modules)
         tokenizer = load_tokenizer(ref)
     if served == "int8":
-        quantize_linears(model, "int8")
+        _quantize(model, "int8")
     model = model.to(dev).eval()
     model.requires_grad_(False)
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, dtype=torch_dtype, weights=served)
     log.info("%s weights: %s", name, describe_weights(model, served))
     return loaded
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _quantize(model: nn.Module, kind: str) -> None:
+    """`quantize_linears`, then the dense weights it replaced leave the RSS: read zero-copy from the weights cache's
+    safetensors file, their pages stay resident as long as anything else of that file is mapped (a norm's weight
+    keeps the whole mapping), ~540 MiB for SmolLM2's float32 entry. Pages a kept tensor lies in are left alone."""
+    before = [t for t in model.parameters() if t.device.type == "cpu" and t.numel()]
+    quantize_linears(model, kind)
+    kept = sorted(_span(t) for t in (*model.parameters(), *model.buffers())
+                  if t.device.type == "cpu" and t.numel() and not t.is_meta)
+    held = {id(t) for t in model.parameters()}
+
+    def overlaps(t: torch.Tensor) -> bool:
+        start, end = _span(t)
+        return any(lo < end and start < hi for lo, hi in kept)
+
+    drop_file_pages([t for t in before if id(t) not in held and not overlaps(t)])
 
 
 def describe_weights(model: nn.Module, weights: str) -> str:
