@@ -286,7 +286,6 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
     engine = Engine(target, draft, settings)
     log.info("the target's cache keeps keys and values in %s (kv_cache_dtype %s)", engine.kv_cache_dtype,
              settings.kv_cache_dtype)
-    engine.grammars.warm()  # structured output's tokenizer view (~0.5 s), before the first request
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
         engine.parts.call("calibration", calibrate, target, engine.runner, engine.planner.proposers, engine.cost,
                           settings, default=None)  # failing: learnt from traffic
@@ -295,6 +294,9 @@ def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
         if freed:
             engine._trim_heap()
             log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)
+    # structured output's tokenizer view (~0.3 s), before the first request; after the drop above, so its build's
+    # transient heap (~30 MiB) does not stack on the dense weights' (the start-up's peak RSS)
+    engine.grammars.warm()
     widest = max(settings.num_speculative_tokens, settings.auto_max_speculative_tokens)  # drafts of a row
     engine.memory.measure(target.model, engine.vocab_size, engine.planner.needs_hidden, settings.max_batch_size,
                           widest + 1)
