@@ -94,7 +94,8 @@ def engine_attention(*models: torch.nn.Module | None) -> Iterator[None]:
         yield
     finally:
         for m, impl in saved:
-            m.set_attn_implementation(impl)
+            if hasattr(m, "set_attn_implementation"):  # transformers' modules (server/model/llama.py's attend one way)
+                m.set_attn_implementation(impl)
 
 
 def _prefilled(model: LoadedModel, rows: list[list[int]]) -> ModelRunner:

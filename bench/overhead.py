@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-record", action="store_true", help="do not append this run to the ledger")
     args = p.parse_args(argv)
     n = args.max_tokens
-    engine = build_engine(Settings.load(device="cpu", speculation="none"), keep_dense=True)  # the peer runs it too
+    engine = build_engine(Settings.load(device="cpu", speculation="none"), keep_dense=True,  # the peer runs it too
+                          modules="transformers")
     tok = engine.tokenizer
 
     def in_process(ids: list[int]) -> float:

@@ -266,15 +266,16 @@ def _eos_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
-def build_engine(settings: Settings, *, keep_dense: bool = False) -> Engine:
+def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str = "own") -> Engine:
     """Load the configured target (and draft) and build the engine. Slow: loads weights. The models are the
     engine's alone: the dense weights its packed kernels were reordered from are dropped (CPU, oneDNN:
     `LeanForward.release_dense`) unless `keep_dense` (a caller that also runs transformers' forward on the
-    same model, as `bench.overhead` does)."""
+    same model, as `bench.overhead` does: it asks for `modules="transformers"` too, `load_model`'s choice of
+    module tree, since the server's own modules have no `generate()`)."""
     started = time.perf_counter()
     target = load_model(
         settings.target, dtype=settings.target_dtype, device=settings.device, cache_dir=settings.cache_dir,
-        weights=settings.weights,
+        weights=settings.weights, modules=modules,
     )
     draft = None
     if settings.draft is not None:
