@@ -177,7 +177,19 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class Decoder(nn.Module):
+class _Placed(nn.Module):
+    """Where a model's weights live, as transformers' models say it (`model.device`, `model.dtype`)."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+class Decoder(_Placed):
     """The decoder stack (transformers' `LlamaModel`): embeddings, layers, final norm, RoPE."""
 
     def __init__(self, config: Any, meta: bool = False) -> None:
@@ -219,14 +231,6 @@ class Decoder(nn.Module):
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return Output(self.norm(x))
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
 
 class GenerationDefaults:
     """What the engine reads of a checkpoint's `generation_config.json`: its end-of-sequence ids."""
@@ -242,7 +246,7 @@ class GenerationDefaults:
         return cls(getattr(config, "eos_token_id", None))
 
 
-class CausalLM(nn.Module):
+class CausalLM(_Placed):
     """A decoder with its LM head (transformers' `LlamaForCausalLM`'s tree: `model`, `lm_head`)."""
 
     def __init__(self, config: Any, generation: GenerationDefaults | None = None, meta: bool = False) -> None:
@@ -268,14 +272,6 @@ class CausalLM(nn.Module):
         """Logits of whole sequences (`Decoder.forward`'s reference computation; not the engine's path)."""
         hidden = self.model(input_ids, position_ids=position_ids).last_hidden_state
         return Output(hidden, self.lm_head(hidden))
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
 
 
 def empty(config: Any, generation: GenerationDefaults | None = None) -> CausalLM:
