@@ -181,10 +181,10 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def assemble(config: PretrainedConfig, weights: QuantizedWeights, own: bool = True) -> nn.Module:
+def assemble(config: PretrainedConfig, weights: QuantizedWeights, ours: bool = True) -> nn.Module:
     """The causal LM of `config` holding `weights` (quantized modules where `kinds` says), on CPU, eval mode:
-    llama.py's modules where they serve the architecture (and `own`), else transformers'."""
-    if own and llama.supports(config):
+    llama.py's modules where they serve the architecture (and `ours`), else transformers'."""
+    if ours and llama.supports(config):
         model: nn.Module = llama.empty(config)
     else:  # an architecture llama.py does not serve: transformers' modules
         from accelerate import init_empty_weights

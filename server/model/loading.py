@@ -160,7 +160,7 @@ def _quantized(gguf: Path, own: bool = True) -> tuple[nn.Module, PreTrainedToken
 
     log.info("reading the quantized tensors of %s (first load; cached afterwards)", gguf)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config), own=own)
+    model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config), ours=own)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
 
@@ -185,7 +185,7 @@ def _read_quantized(entry: Path, own: bool = True) -> tuple[nn.Module, PreTraine
         config = AutoConfig.from_pretrained(entry)
     kinds = json.loads((entry / KINDS_FILE).read_text())
     tensors = load_file(str(entry / QUANTIZED_FILE))
-    return gguf_weights.assemble(config, gguf_weights.QuantizedWeights(kinds, tensors), own=own), load_tokenizer(entry)
+    return gguf_weights.assemble(config, gguf_weights.QuantizedWeights(kinds, tensors), ours=own), load_tokenizer(entry)
 
 
 def _read_dequantized(entry: Path, modules: str = "own") -> tuple[nn.Module, PreTrainedTokenizerBase]:
