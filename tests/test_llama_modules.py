@@ -150,3 +150,23 @@ def test_a_server_process_never_imports_transformers_modeling_stack(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "CausalLM []"
+
+
+def test_a_sharded_checkpoint_with_tied_embeddings_loads_on_the_servers_modules(tokenizer, tmp_path):
+    """Checkpoints as the hub ships them: weights in several safetensors shards named by an index, an LM head
+    tied to the input embeddings (no tensor of its own in the files), the model saved in bf16."""
+    reference = tiny_llama(len(tokenizer), seed=7)
+    reference.config.tie_word_embeddings = True
+    reference.tie_weights()
+    reference.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="200KB")
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_model(str(tmp_path), device="cpu").model
+    assert isinstance(model, llama.CausalLM) and model.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor, as the file has it
+    theirs = load_model(str(tmp_path), device="cpu", modules="transformers").model  # transformers' reading
+    ids = torch.tensor([[5, 17, 40, 99, 120, 3]])
+    with torch.no_grad():
+        want = theirs(ids).logits
+        got = model(ids).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
