@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from server.model import cpu_kernels, gguf_weights, llama
 from server.model.memory import drop_file_pages
@@ -151,7 +151,7 @@ def _dequantize(gguf: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
 
     log.info("dequantizing %s (first load; cached afterwards)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _auto_tokenizer().from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
 
 
@@ -161,7 +161,7 @@ def _quantized(gguf: Path, own: bool = True) -> tuple[nn.Module, PreTrainedToken
     log.info("reading the quantized tensors of %s (first load; cached afterwards)", gguf)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config), ours=own)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _auto_tokenizer().from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
 
 
@@ -208,6 +208,14 @@ def _from_directory(ref: str, dtype: torch.dtype, modules: str) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
 
 
+def _auto_tokenizer() -> type:
+    """transformers' `AutoTokenizer`, imported where it is needed: its tables of every model type cost a server
+    that reads its tokenizer directly (`load_tokenizer`) 5 MiB resident for nothing."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
     """A checkpoint's tokenizer. One saved as a plain `tokenizers` file (`TokenizersBackend`, as the weights cache
     writes it) loads directly: `AutoTokenizer` would first read the model's config class for nothing, importing
@@ -219,7 +227,7 @@ def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
             return TokenizersBackend.from_pretrained(str(local))
-    return AutoTokenizer.from_pretrained(str(ref))
+    return _auto_tokenizer().from_pretrained(str(ref))
 
 
 def _load_gguf(
@@ -385,4 +393,4 @@ def load_default_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizer
                 return load_tokenizer(cached)
             except Exception as err:  # converted from the GGUF below, as if there were no cache
                 log.warning("the cached tokenizer in %s is unusable: %s", cached, err)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return _auto_tokenizer().from_pretrained(gguf.parent, gguf_file=gguf.name)
