@@ -258,7 +258,7 @@ static void rms_row(const float* x, const float* w, float* h, int64_t n, float e
   for (int64_t i = 0; i < n; i += 16) store16(h + i, (load16(x + i) * splat(r)) * load16(w + i));
 }
 
-/* RoPE in place: v = v * cos + roll(v, d/2) * signed_sin (lean_forward.py's `_rotate`). */
+/* RoPE in place: v = v * cos + roll(v, d/2) * signed_sin (llama.py's `rotate`). */
 static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
   float t[256];
   memcpy(t, v, d * sizeof(float));

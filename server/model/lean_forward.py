@@ -51,6 +51,9 @@ from transformers.cache_utils import Cache
 from server.model.attention import Packing, gqa_sdpa_attention, packs
 from server.model.cpu_decoder import CpuDecoder
 from server.model.llama import Decoder
+from server.model.llama import rms_norm as _rms_norm
+from server.model.llama import rotate as _rotate
+from server.model.llama import signed_sin as _signed
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, TableHead, fused
 
@@ -206,26 +209,6 @@ def _fused(layer: nn.Module) -> _Fused | None:
         return None
     sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
     return _Fused(qkv, sizes, gate_up)
-
-
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    # transformers' LlamaRMSNorm normalises in float32 and casts back before the weight multiplies
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
-
-
-def _signed(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated: `_rotate`'s factor for the halves swapped (once per forward)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], computed as
-    x * cos + [x2, x1] * [-sin1, sin2]: the same products bit for bit (a sign moves between exact factors), in
-    three operations fewer. x [batch, T, heads, d]; cos and `_signed(sin)` [batch, T, 1, d]."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LeanForward:

@@ -100,14 +100,37 @@ def _embedding(rows: int, size: int, meta: bool) -> nn.Embedding:
     return nn.Embedding(rows, size, _weight=torch.empty(rows, size, device="meta"), _freeze=True)
 
 
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """`norm` (an RMSNorm: `weight`, `variance_epsilon`) of x, as the lean forward and the modules' own forwards
+    compute it. transformers' LlamaRMSNorm normalises in float32 and casts back before the weight multiplies."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: `rotate`'s factor for the halves swapped (once per forward)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], computed as
+    x * cos + [x2, x1] * [-sin1, sin2]: the same products bit for bit (a sign moves between exact factors), in
+    three operations fewer. Any layout whose last dimension is the head's: x [batch, T, heads, d] (the lean
+    forward) or [batch, heads, T, d] (`Decoder.forward`), cos and `signed` (`signed_sin(sin)`) broadcast against
+    it."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, meta: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, device="meta") if meta else torch.ones(size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # transformers' LlamaRMSNorm: float32 inside
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self)
 
 
 class Rotary(nn.Module):
@@ -172,11 +195,6 @@ class Output:
     logits: torch.Tensor | None = None  # [batch, T, vocab] (a causal LM's)
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class _Placed(nn.Module):
     """Where a model's weights live, as transformers' models say it (`model.device`, `model.dtype`)."""
 
@@ -218,13 +236,14 @@ class Decoder(_Placed):
         batch, width = x.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(width, device=x.device)[None].expand(batch, width)
-        cos, sin = (t[:, None] for t in self.rotary_emb(x, position_ids))  # [batch, 1, T, d]
+        cos, sin = self.rotary_emb(x, position_ids)
+        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [batch, 1, T, d]
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
             q, k, v = (p(h).view(batch, width, -1, attn.head_dim).transpose(1, 2)
                        for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            o = F.scaled_dot_product_attention(_rotated(q, cos, sin), _rotated(k, cos, sin), v, is_causal=width > 1,
+            o = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=width > 1,
                                                scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1])
             x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, width, -1))
             h = layer.post_attention_layernorm(x)
