@@ -77,10 +77,9 @@ class Settings(BaseSettings):
     weights: Literal["auto", "as-file", "int8", "fp32", "bf16"] = "auto"
     # The precision of the keys and values the target's cache keeps (vLLM's and SGLang's name; llama.cpp's
     # --cache-type-k/-v): every key and value is rounded to it when written, so the served model attends over
-    # keys and values of that precision in every pass, and the prefix cache stores them in it (half the bytes of
-    # float32 for float16; the batch cache keeps the rounded values in the model's dtype). "auto": float16 where
-    # the weights are quantized (`as-file`, `int8`: llama.cpp's default f16 cache), else the model's own dtype
-    # (server/model/kv_shape.py `kv_precision`).
+    # keys and values of that precision in every pass, and the batch cache and the prefix cache hold them in it
+    # (half the bytes of float32 for float16). "auto": float16 where the weights are quantized (`as-file`,
+    # `int8`: llama.cpp's default f16 cache), else the model's own dtype (server/model/kv_shape.py `kv_precision`).
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # `draft`: a draft model for method `draft` (None = none: the method is then unavailable); "target" =
     # the target's weights loaded again in `draft_dtype` (opt-in: on CPU a bf16 copy costs more than the

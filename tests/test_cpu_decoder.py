@@ -36,11 +36,11 @@ def model(tokenizer):
     return m
 
 
-ROUNDINGS = [None, torch.float16, torch.bfloat16]  # the cache's precision (kv_cache_dtype): as computed, rounded
+ROUNDINGS = [None, torch.float16, torch.bfloat16]  # the cache's dtype (kv_cache_dtype): the model's, or narrower
 
 
-def _runner(model, decoder: bool, kv_round: torch.dtype | None = None) -> ModelRunner:
-    runner = ModelRunner(model, kv_round=kv_round)
+def _runner(model, decoder: bool, kv_dtype: torch.dtype | None = None) -> ModelRunner:
+    runner = ModelRunner(model, kv_dtype=kv_dtype)
     forward = runner.call
     assert isinstance(forward, LeanForward) and forward.decoder is not None
     if not decoder:  # the same forward's torch path: a copy without the decoder
@@ -61,24 +61,24 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kv_round", ROUNDINGS)
-def test_the_decoder_computes_the_lean_forwards_function(model, kv_round):
-    fast, slow = _runner(model, True, kv_round), _runner(model, False, kv_round)
+@pytest.mark.parametrize("kv_dtype", ROUNDINGS)
+def test_the_decoder_computes_the_lean_forwards_function(model, kv_dtype):
+    fast, slow = _runner(model, True, kv_dtype), _runner(model, False, kv_dtype)
     for a, b in zip(_steps(fast), _steps(slow), strict=True):
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * float(b.abs().max()))
-    # both write every live key and value at the cache's precision (values it holds exactly), the same values
-    # but where the paths' float32 rounding put one on the other side of a rounding boundary (one step of it, or
-    # float32's difference itself for values near zero)
+    # both write every live key and value in the cache's dtype, the same values but where the paths' float32
+    # rounding put one on the other side of a rounding boundary (one step of it, or float32's difference itself
+    # for values near zero)
     for mine, theirs in zip(fast.kv.cache.layers, slow.kv.cache.layers, strict=True):
         for x, y in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert x.dtype == y.dtype == (kv_dtype or torch.float32)
             live = fast.kv.keep[:, : fast.kv.length]  # holes hold whatever a pass left there
-            x, y = x[:, :, : fast.kv.length].transpose(1, 2)[live], y[:, :, : slow.kv.length].transpose(1, 2)[live]
-            if kv_round is not None:
-                assert torch.equal(x, x.to(kv_round).float()) and torch.equal(y, y.to(kv_round).float())
-                assert torch.allclose(x, y, rtol=torch.finfo(kv_round).eps, atol=2e-5 * float(y.abs().max()))
+            x = x[:, :, : fast.kv.length].transpose(1, 2)[live].float()
+            y = y[:, :, : slow.kv.length].transpose(1, 2)[live].float()
+            eps = torch.finfo(kv_dtype or torch.float32).eps
+            assert torch.allclose(x, y, rtol=eps, atol=2e-5 * float(y.abs().max()))
+            if kv_dtype is not None:
                 assert float((x != y).float().mean()) < 0.01
-            else:
-                assert not torch.equal(x, x.to(torch.float16).float())  # nothing rounded
 
 
 def test_steps_and_short_prompts_run_the_decoder_and_long_prompt_chunks_the_torch_path(model, monkeypatch):
@@ -108,9 +108,9 @@ def test_a_short_prompt_gets_the_same_bits_however_it_is_chunked(model):
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
 
 
-@pytest.mark.parametrize("kv_round", ROUNDINGS)
+@pytest.mark.parametrize("kv_dtype", ROUNDINGS)
 @pytest.mark.parametrize("length", [40, 505])
-def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model, length, kv_round):
+def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model, length, kv_dtype):
     """Fed one token at a time beside a longer row, or in one pass alone, or after holes and a compaction:
     each position's logits are the same bits (what greedy exactness across proposers rests on). 505 tokens of
     prompt: the queries' keys cross a run of the C attention's (256) during the tail."""
@@ -118,17 +118,17 @@ def test_a_position_gets_the_same_bits_in_any_pass_beside_any_rows(model, length
     tail = [(13 * i) % 800 + 70 for i in range(12)]
     # prompts are prefilled one by one here: a long prompt's chunk runs the torch path, whose attention is not
     # invariant
-    singly = _runner(model, True, kv_round)
+    singly = _runner(model, True, kv_dtype)
     singly.join(["a"], [PROMPT])
     singly.join(["long"], [OTHER])
     one = torch.cat([singly.forward([[t], [7]]).logits[0, :1] for t in tail])
 
-    together = _runner(model, True, kv_round)
+    together = _runner(model, True, kv_dtype)
     together.join(["a"], [PROMPT])
     wide = together.forward([tail]).logits[0]
     assert torch.equal(one, wide)
 
-    holes = _runner(model, True, kv_round)
+    holes = _runner(model, True, kv_dtype)
     holes.join(["a"], [PROMPT])
     holes.join(["long"], [OTHER])
     got = []

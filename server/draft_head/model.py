@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from server.model import llama
-from server.model.quantized import BlockTable, table_dtype
+from server.model.quantized import BlockTable, Fp16Table, table_dtype
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -110,7 +110,7 @@ def vocab_rows(module: nn.Module) -> int:
 def _rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an embedding table or LM head's matrix (a quantized table's dequantized: quantized.py)."""
     table = getattr(module, "table", module)
-    if isinstance(table, BlockTable):
+    if isinstance(table, BlockTable | Fp16Table):
         return table.rows(ids)
     return module.weight.detach()[ids]
 
@@ -150,10 +150,11 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab_ids", ids, persistent=False)  # [N]
         self.register_buffer("lm_head_fr", _rows(head, ids).clone(), persistent=False)  # [N, H]
         self.to(device=device, dtype=head_dtype(head))
-        # the target's own table, in its own dtype (not a converted copy: 57 MB for SmolLM2): see `embed`. A table
-        # held as Q8_0 blocks (quantized.BlockTable) is looked up through its module, kept outside this module's
-        # children (it is the target's, never saved or moved with the head)
-        blocks = table if isinstance(table, BlockTable) else None
+        # the target's own table, in its own dtype (not a converted copy: 57 MB for SmolLM2): see `embed`. A
+        # quantized target's table (quantized.BlockTable, Fp16Table: its values may move into the head kernel's
+        # tiles) is looked up through its module, kept outside this module's children (it is the target's, never
+        # saved or moved with the head)
+        blocks = table if isinstance(table, BlockTable | Fp16Table) else None
         self.__dict__["_blocks"] = _Borrowed(blocks)
         self.register_buffer("embed_weight", table.weight.detach() if blocks is None else None, persistent=False)
 

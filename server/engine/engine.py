@@ -67,8 +67,8 @@ class Engine:
         self.model_name = settings.served_model_name or target.name
         self.weights = target.weights  # the weights format served (loading.py): /v1/models, cache keys
         # the precision of the target's cached keys and values (kv_shape.py): /v1/models, cache keys
-        self.kv_round = kv_precision(settings.kv_cache_dtype, target.weights, target.model.dtype)
-        self.kv_cache_dtype = kv_name(self.kv_round, target.model.dtype)
+        self.kv_dtype = kv_precision(settings.kv_cache_dtype, target.weights, target.model.dtype)
+        self.kv_cache_dtype = kv_name(self.kv_dtype, target.model.dtype)
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
@@ -86,12 +86,12 @@ class Engine:
                                              # blocks differ per weights format and cache precision
                                              namespace=f"{target.name}:{target.weights}:kv-{self.kv_cache_dtype}")
                     if settings.prefix_cache_memory is not None else None)
-        shapes = [ModelRunner.kv_shape(target.model), *self.planner.cache_shapes()]
+        shapes = [ModelRunner.kv_shape(target.model, self.kv_dtype), *self.planner.cache_shapes()]
         # the most tokens a step's pass computes, prompt tokens weighted by their depth (budget.py)
         self.step_budget = StepBudget(settings.step_token_budget(self.device.type), attention_span(target.model.config))
         slack = row_slack(self.step_budget.tokens)
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
-        self.runner = ModelRunner(target.model, self.kv_slots, kv_round=self.kv_round)
+        self.runner = ModelRunner(target.model, self.kv_slots, kv_dtype=self.kv_dtype)
         max_context = settings.max_model_len or target.max_context
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
             max_context = min(max_context, self.kv_slots - slack)

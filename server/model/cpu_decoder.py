@@ -5,8 +5,8 @@ file runs 30 layers of about 30 torch operations each (norms, projections, RoPE,
 residuals), ~900 calls of a few microseconds for ~3 ms of kernels (a one-token step measured 12.9 ms on the
 2-core development machine). `CpuDecoder` runs the same layers as one call into cpu_kernels.py's
 `decoder_forward`: per layer RMSNorm, the fused q/k/v kernel, RoPE, the new keys and values written into the
-engine's cache (`BatchKV`: the same columns `BufferLayer.update` writes, rounded to the cache's precision as it
-rounds them), attention, the output projection and
+engine's cache (`BatchKV`: the same columns `BufferLayer.update` writes, in the cache's dtype: float32, or float16
+or bfloat16 rounded to nearest as it rounds them), attention, the output projection and
 residual, RMSNorm, the fused gate/up kernel, SiLU times up, the down projection and residual, with one thread
 team for the whole stack.
 
@@ -62,9 +62,9 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "qkv_ld", "k_off",
                                            "v_off", "gu_ld", "u_off", "o_ld", "down_ld")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_round", _i64)]
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _i64)]
 
-KV_ROUND = {None: 0, torch.float16: 1, torch.bfloat16: 2}  # the cache's `round_to` -> dims.kv_round
+KV_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the cache's storage dtype -> dims.kv_kind
 
 
 def _weights(tiles: Tiles) -> _Weights:
@@ -169,7 +169,6 @@ class CpuDecoder:
         layers = cache.layers
         owner = layers[0].owner
         start = owner.length
-        self.dims.kv_round = KV_ROUND[owner.round_to]  # keys and values rounded as BufferLayer.update rounds them
         if packing is not None:
             rows, steps, width = packing.rows, packing.steps, packing.width
         else:
@@ -180,6 +179,8 @@ class CpuDecoder:
             if not layer.is_initialized:
                 like = x.new_empty(1, self.kv_heads, 1, self.head_dim)
                 layer.lazy_initialization(like, like)
+        # keys and values written in the cache's dtype, rounded as BufferLayer.update rounds them, and read back
+        self.dims.kv_kind = KV_KIND[layers[0].keys.dtype]
         capacity = layers[0].keys.shape[2]
         if start + width > min(owner.capacity, capacity):
             raise KVBudgetExceeded("a forward wrote past the reserved columns (runner.forward reserves them)")

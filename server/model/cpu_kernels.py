@@ -14,7 +14,12 @@ the call and however many threads split the outputs, so a row's result is the sa
 Measured on the 2-core development machine (AMD EPYC, AVX-512, 2 threads; docs/bench-journal.md): 3072 x 576 at
 8 / 32 / 128 / 512 rows 0.15 / 0.56 / 2.2 / 9.0 ms, 94-103 GMAC/s, as fast as MKL's float32 GEMM on dense
 weights from 128 rows on (88-90 GMAC/s) and 2x it at 8 rows; torch's int4 kernel was 1.5-2x slower at every
-row count.
+row count. An AVX2 host (AMD EPYC without AVX-512, 2 cores) has its own loops (the 512-bit vectors of the
+AVX-512 ones would live on the stack there: 5 GMAC/s): per group of 32 inputs a tile's values are decoded once
+into L1 and every row runs over them, 3072 x 576 at 1 / 4 / 17 / 128 rows 18 / 40 / 43 / 54 GMAC/s, the Q8_0
+head 23 / 46 / 52 / 55 (a one-token step of SmolLM2-135M 12.4 -> 8.0 ms, a 17-token verify pass at 300 tokens
+of context 128 -> 58 ms). Float16 weights (`Tiles.f16`, an fp16 embedding table as the LM head) run the same
+loops, unscaled.
 
 `decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
 
@@ -64,6 +69,7 @@ static inline v16 nib_hi(const uint8_t* p) {
 static inline v16 sbyte(const uint8_t* p) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+static inline v16 half16(const uint8_t* p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(__AVX2__)
 static inline v16 join(__m256 a, __m256 b) { v16 r; memcpy(&r, &a, 32); memcpy((char*)&r + 32, &b, 32); return r; }
 static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -76,6 +82,9 @@ static inline v16 nib_hi(const uint8_t* p) {
   return join(_mm256_cvtepi32_ps(_mm256_srli_epi32(u8x8(p), 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(u8x8(p + 8), 4)));
 }
 static inline v16 sbyte(const uint8_t* p) { return join(_mm256_cvtepi32_ps(s8x8(p)), _mm256_cvtepi32_ps(s8x8(p + 8))); }
+static inline v16 half16(const uint8_t* p) {
+  return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))));
+}
 #else
 #error "the float kernels need AVX2 or AVX-512"
 #endif
@@ -84,11 +93,14 @@ static inline v16 load16(const float* p) { v16 r; memcpy(&r, p, 64); return r; }
 
 /* The quantized values (as floats, unscaled) of 4 consecutive inputs k..k+3 of a tile's 16 outputs. Q4: byte j
    of the 16 at pair (k, k+1) holds q[k][j] in its low nibble and q[k+1][j] in its high one; Q8: 16 signed bytes
-   per input. */
+   per input; F16 (kind 16): 16 float16 values per input, the weights themselves (no scale). */
 #define VALUES4(kind, q, k, w)                                                                          \
   if (kind == 4) {                                                                                      \
     const uint8_t* p = q + ((k) / 2) * 16;                                                              \
     w[0] = nib_lo(p); w[1] = nib_hi(p); w[2] = nib_lo(p + 16); w[3] = nib_hi(p + 16);                   \
+  } else if (kind == 16) {                                                                              \
+    const uint8_t* p = q + (k) * 32;                                                                    \
+    w[0] = half16(p); w[1] = half16(p + 32); w[2] = half16(p + 64); w[3] = half16(p + 96);              \
   } else {                                                                                              \
     const uint8_t* p = q + (k) * 16;                                                                    \
     w[0] = sbyte(p); w[1] = sbyte(p + 16); w[2] = sbyte(p + 32); w[3] = sbyte(p + 48);                  \
@@ -113,6 +125,10 @@ static inline v16 load16(const float* p) { v16 r; memcpy(&r, p, 64); return r; }
         for (int r = 0; r < R; r++)                                                                     \
           for (int c = 0; c < 4; c++) p[r][c] += x0[r * K + k + c] * w[c];                              \
       }                                                                                                 \
+      if (kind == 16) {                                                                                 \
+        for (int r = 0; r < R; r++) a[r] += (p[r][0] + p[r][1]) + (p[r][2] + p[r][3]);                  \
+        continue;                                                                                       \
+      }                                                                                                 \
       const v16 sg = load16(s + g * 16);                                                                \
       for (int r = 0; r < R; r++) a[r] += sg * ((p[r][0] + p[r][1]) + (p[r][2] + p[r][3]));            \
       if (kind == 4) {                                                                                  \
@@ -122,6 +138,7 @@ static inline v16 load16(const float* p) { v16 r; memcpy(&r, p, 64); return r; }
     }                                                                                                   \
     for (int r = 0; r < R; r++) memcpy(y + r * ldy, &a[r], 64);                                         \
   }
+#if defined(__AVX512F__)
 ROWS(4)
 ROWS(2)
 ROWS(1)
@@ -135,6 +152,57 @@ static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* 
   if (M - r >= 2) { rows2(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy); r += 2; }
   if (M - r >= 1) rows1(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy);
 }
+#else
+/* AVX2 has 16 registers of 8 floats: 512-bit vectors of the loop above would live on the stack (measured here:
+   20x slower). A tile's 16 outputs are computed as two halves of 8, each for rows in pairs, so the four chains of
+   two rows (8 registers), the values of 4 inputs (4) and the two rows' results (2) stay in registers. Per row and
+   output the same operations as above: chains k mod 4 of x q, (c0 + c1) + (c2 + c3), then s t, then m xs. */
+static inline __m256 values8(int kind, const uint8_t* q, int64_t k, int c, int h) {
+  if (kind == 4) {  /* inputs k, k + 1 share pair k / 2; k is a multiple of 4 */
+    const __m256i v = u8x8(q + ((k + c) / 2) * 16 + 8 * h);
+    return _mm256_cvtepi32_ps(c & 1 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+  }
+  if (kind == 16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(q + (k + c) * 32 + 16 * h)));
+  return _mm256_cvtepi32_ps(s8x8(q + (k + c) * 16 + 8 * h));
+}
+
+/* One tile's 16 outputs for all M rows. Per group of 32 inputs the tile's values are decoded once (into wb, in
+   L1), then each row's four chains (k mod 4) run over the group for both halves of 8 outputs: 8 registers of
+   sums, one broadcast of x feeding two multiply-adds. The row's results live in y between groups. */
+static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
+                 const float* m, const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  float wb[32 * 16] __attribute__((aligned(32)));
+  for (int64_t g = 0; g < G; g++) {
+    for (int64_t k = g * 32; k < g * 32 + 32; k += 4)
+      for (int c = 0; c < 4; c++)
+        for (int h = 0; h < 2; h++) _mm256_store_ps(wb + (k - g * 32 + c) * 16 + 8 * h, values8(kind, q, k, c, h));
+    const __m256 s0 = kind == 16 ? _mm256_setzero_ps() : _mm256_loadu_ps(s + g * 16);  /* F16: no scale */
+    const __m256 s1 = kind == 16 ? _mm256_setzero_ps() : _mm256_loadu_ps(s + g * 16 + 8);
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K + g * 32;
+      __m256 p[4][2];
+      for (int c = 0; c < 4; c++) p[c][0] = p[c][1] = _mm256_setzero_ps();
+      for (int kk = 0; kk < 32; kk += 4)
+        for (int c = 0; c < 4; c++) {
+          const __m256 b = _mm256_set1_ps(xr[kk + c]);
+          p[c][0] = _mm256_fmadd_ps(b, _mm256_load_ps(wb + (kk + c) * 16), p[c][0]);
+          p[c][1] = _mm256_fmadd_ps(b, _mm256_load_ps(wb + (kk + c) * 16 + 8), p[c][1]);
+        }
+      float* yr = y + r * ldy;
+      __m256 a[2];
+      for (int h = 0; h < 2; h++) {
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(p[0][h], p[1][h]), _mm256_add_ps(p[2][h], p[3][h]));
+        const __m256 prev = g ? _mm256_loadu_ps(yr + 8 * h) : _mm256_setzero_ps();
+        a[h] = kind == 16 ? _mm256_add_ps(prev, t) : _mm256_fmadd_ps(h ? s1 : s0, t, prev);
+        if (kind == 4)
+          a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8 * h), _mm256_set1_ps(xs[r * G + g]), a[h]);
+        _mm256_storeu_ps(yr + 8 * h, a[h]);
+      }
+    }
+  }
+}
+#endif
 
 /* Each row's sum over each group of 32 inputs, in one fixed order: xs [M, K/32]. */
 static void group_sums(const float* x, int64_t K, float* xs) {
@@ -148,11 +216,11 @@ static void group_sums(const float* x, int64_t K, float* xs) {
   }
 }
 
-/* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes, s and m
-   [tiles][K/32][16] float32 (m unread for Q8). xs: scratch of M * K/32 floats. */
+/* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
+   float16), s and m [tiles][K/32][16] float32 (m unread for Q8, neither for F16). xs: scratch of M * K/32 floats. */
 void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                 const float* m, float* xs, float* y, int64_t tiles, int threads) {
-  const int64_t qb = kind == 4 ? K / 2 * 16 : K * 16, sb = K / 32 * 16;
+  const int64_t qb = kind == 4 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16, sb = K / 32 * 16;
   #pragma omp parallel num_threads(threads)
   {
     if (kind == 4) {
@@ -212,35 +280,50 @@ struct dims {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   int64_t qkv_ld, k_off, v_off, gu_ld, u_off, o_ld, down_ld;
   float eps, scale;
-  int64_t kv_round;  /* keys and values written rounded to: 0 as computed, 1 float16, 2 bfloat16 */
+  int64_t kv_kind;  /* the cache's keys and values: 0 float32, 1 float16, 2 bfloat16 (put_kv, get_kv) */
 };
 
 #ifndef __F16C__
-#error "the decoder's float16 cache rounding needs F16C"
+#error "the decoder's float16 cache needs F16C"
 #endif
-/* d floats (a multiple of 8) into the cache, rounded to nearest even at the cache's precision (`kv_round`), as
-   torch's .to(float16 / bfloat16) rounds them: the same values whichever path wrote a token. */
-static void put_kv(float* dst, const float* src, int64_t d, int64_t mode) {
-  if (mode == 1) {
+/* The cache's storage (`kv_kind`): 0 float32, 1 float16, 2 bfloat16. A key or value of d elements (a multiple of
+   16) is written rounded to nearest even, as torch's .to(float16 / bfloat16) rounds, and read back as floats. */
+static void put_kv(void* cache, int64_t at, const float* src, int64_t d, int64_t kind) {
+  if (kind == 1) {
+    uint16_t* dst = (uint16_t*)cache + at;
     for (int64_t i = 0; i < d; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-  } else if (mode == 2) {
+      _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (kind == 2) {
+    uint16_t* dst = (uint16_t*)cache + at;
     for (int64_t i = 0; i < d; i++) {
       uint32_t u;
       memcpy(&u, src + i, 4);
       if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7fc00000u;  /* NaN stays a NaN */
-      else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-      memcpy(dst + i, &u, 4);
+      else u = u + 0x7fffu + ((u >> 16) & 1u);
+      dst[i] = (uint16_t)(u >> 16);
     }
   } else {
-    memcpy(dst, src, d * sizeof(float));
+    memcpy((float*)cache + at, src, d * sizeof(float));
   }
+}
+
+/* The d elements of the cache from element `at` on, as floats: the storage itself (float32), or converted into buf. */
+static inline const float* get_kv(const void* cache, int64_t at, int64_t d, int64_t kind, float* buf) {
+  if (kind == 0) return (const float*)cache + at;
+  const uint16_t* src = (const uint16_t*)cache + at;
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m128i h = _mm_loadu_si128((const __m128i*)(src + i));
+    const __m256 f = kind == 1 ? _mm256_cvtph_ps(h)
+                               : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    _mm256_storeu_ps(buf + i, f);
+  }
+  return buf;
 }
 
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
-  const int64_t qb = w->kind == 4 ? w->K / 2 * 16 : w->K * 16, sb = w->K / 32 * 16;
+  const int64_t qb = w->kind == 4 ? w->K / 2 * 16 : w->kind == 16 ? w->K * 32 : w->K * 16, sb = w->K / 32 * 16;
   if (w->kind == 4) {
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++) group_sums(x + r * w->K, w->K, xs + r * (w->K / 32));
@@ -272,19 +355,44 @@ static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
    however many holes and other rows the cache holds and however many queries share the call; each key and value
    is read once for the G heads (at long contexts attention reads the cache from memory). sc: G x (KCHUNK + 16). */
 #define KCHUNK 256
-static void attend_part(const float* q, int64_t G, const float* K, const float* V, const int32_t* live, int32_t n,
-                        const float* mrow, int64_t d, float scale, float* sc, float* part) {
+/* q . k over d elements (a multiple of 16): 16 lanes of products summed over the d / 16 blocks, then the lanes
+   folded as hsum folds them (on AVX2 the 16 lanes as two registers of 8). */
+static inline float dot(const float* q, const float* k, int64_t d) {
+#if defined(__AVX512F__)
+  v16 acc = splat(0.0f);
+  for (int64_t j = 0; j < d; j += 16) acc += load16(q + j) * load16(k + j);
+  return hsum(acc);
+#else
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), hi);
+  }
+  v8 a = (v8)_mm256_add_ps(lo, hi);
+  v4 c, e; memcpy(&c, &a, 16); memcpy(&e, (char*)&a + 16, 16); c += e;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+#endif
+}
+
+/* 8 elements of a cache from element `at` on, as floats (`get_kv`'s conversions). */
+static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
+  if (kind == 0) return _mm256_loadu_ps((const float*)cache + at);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)cache + at));
+  return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static void attend_part(const float* q, int64_t G, const void* K, const void* V, int64_t kind, const int32_t* live,
+                        int32_t n, const float* mrow, int64_t d, float scale, float* sc, float* part) {
   const int32_t n16 = (n + 15) & ~15;
   float* top = part + G * d;
   float* sum = top + G;
+  float buf[256];  /* a key or value read from a 16-bit cache */
   for (int64_t h = 0; h < G; h++) top[h] = -INFINITY;
   for (int32_t i = 0; i < n; i++) {
-    const float* k = K + (int64_t)live[i] * d;
+    const float* k = get_kv(K, (int64_t)live[i] * d, d, kind, buf);
     const float m = mrow[live[i]];
     for (int64_t h = 0; h < G; h++) {
-      v16 acc = splat(0.0f);
-      for (int64_t j = 0; j < d; j += 16) acc += load16(q + h * d + j) * load16(k + j);
-      const float s = hsum(acc) * scale + m;
+      const float s = dot(q + h * d, k, d) * scale + m;
       sc[h * n16 + i] = s;
       top[h] = s > top[h] ? s : top[h];
     }
@@ -300,11 +408,12 @@ static void attend_part(const float* q, int64_t G, const float* K, const float* 
     }
     sum[h] = hsum(total);
   }
+#if defined(__AVX512F__)
   v16 o[16][16];
   for (int64_t h = 0; h < G; h++)
     for (int64_t j = 0; j < d / 16; j++) o[h][j] = splat(0.0f);
   for (int32_t i = 0; i < n; i++) {
-    const float* v = V + (int64_t)live[i] * d;
+    const float* v = get_kv(V, (int64_t)live[i] * d, d, kind, buf);
     for (int64_t h = 0; h < G; h++) {
       const v16 p = splat(sc[h * n16 + i]);
       for (int64_t j = 0; j < d / 16; j++) o[h][j] += p * load16(v + 16 * j);
@@ -312,6 +421,22 @@ static void attend_part(const float* q, int64_t G, const float* K, const float* 
   }
   for (int64_t h = 0; h < G; h++)
     for (int64_t j = 0; j < d / 16; j++) store16(part + h * d + 16 * j, o[h][j]);
+#else
+  /* AVX2: G x d / 16 vectors of 16 would not fit 16 registers of 8 floats; per head and 64 dimensions at a time
+     instead (8 registers), over the keys in the same order: the same sum for every output element. */
+  for (int64_t h = 0; h < G; h++)
+    for (int64_t jb = 0; jb < d; jb += 64) {
+      const int64_t w8 = (d - jb < 64 ? d - jb : 64) / 8;
+      __m256 o[8];
+      for (int64_t j = 0; j < w8; j++) o[j] = _mm256_setzero_ps();
+      for (int32_t i = 0; i < n; i++) {
+        const __m256 p = _mm256_set1_ps(sc[h * n16 + i]);
+        const int64_t at = (int64_t)live[i] * d + jb;
+        for (int64_t j = 0; j < w8; j++) o[j] = _mm256_fmadd_ps(p, kv8(V, at + 8 * j, kind), o[j]);
+      }
+      for (int64_t j = 0; j < w8; j++) _mm256_storeu_ps(part + h * d + jb + 8 * j, o[j]);
+    }
+#endif
 }
 
 /* A query's parts (`attend_part`, in key order) combined: out = sum_c e_c o_c / sum_c e_c s_c with
@@ -338,13 +463,14 @@ static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float
 
 /* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
    to cache row row[t], is written at column col[t], and attends with mask row mask + mrow[t] * Lk (additive;
-   -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim].
+   -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim], in
+   D->kv_kind.
    states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
    applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
    live: int32 [N, Lk + 1]; first: int64 [N + 1], items: int64 [N x kv heads x runs], parts: float [N x kv heads x
    runs x group x (head_dim + 2)], with runs = Lk / KCHUNK + 1 at most per token (attention's key runs). */
-void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, float* const* keys,
-                     float* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
+void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, void* const* keys,
+                     void* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
                      const int64_t* row, const int64_t* col, const int64_t* mrow, const float* mask, int64_t Lk,
                      float* states, const float* final_norm, float* work, int32_t* live, int64_t* first,
                      int64_t* items, float* parts, int threads) {
@@ -393,17 +519,18 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
           float* k = y + D->k_off + g * d;
           rope(k, cos + t * d, ssin + t * d, d);
           const int64_t at = ((row[t] * nkv + g) * cap + col[t]) * d;
-          put_kv(keys[l] + at, k, d, D->kv_round);
-          put_kv(values[l] + at, y + D->v_off + g * d, d, D->kv_round);
+          put_kv(keys[l], at, k, d, D->kv_kind);
+          put_kv(values[l], at, y + D->v_off + g * d, d, D->kv_kind);
         }
       }
       #pragma omp for schedule(static)
       for (int64_t it = 0; it < first[N] * nkv; it++) {
         const int64_t tg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), t = tg / nkv, g = tg % nkv;
-        const int64_t base = (row[t] * nkv + g) * cap * d, start = c * KCHUNK;
+        const int64_t base = (row[t] * nkv + g) * cap * d * (D->kv_kind ? 2 : 4), start = c * KCHUNK;
         const int32_t n = count[t] - start < KCHUNK ? count[t] - start : KCHUNK;
-        attend_part(qkv + t * D->qkv_ld + g * group * d, group, keys[l] + base, values[l] + base,
-                    live + t * Lk + start, n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
+        attend_part(qkv + t * D->qkv_ld + g * group * d, group, (const char*)keys[l] + base,
+                    (const char*)values[l] + base, D->kv_kind, live + t * Lk + start,
+                    n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
                     parts + (first[t] * nkv + g * (first[t + 1] - first[t]) + c) * group * (d + 2));
       }
       #pragma omp for schedule(static)
@@ -516,10 +643,11 @@ def library() -> ctypes.CDLL | None:
 class Tiles:
     """One layer's (or several fused layers') block weights in the kernel's layout, and the call `x -> y`."""
 
-    def __init__(self, kind: int, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, out: int, lib: ctypes.CDLL):
+    def __init__(self, kind: int, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, out: int, lib: ctypes.CDLL,
+                 in_features: int | None = None):
         self.kind, self.out, self.lib = kind, out, lib
         self.q, self.s, self.m = q.contiguous(), s.contiguous(), m.contiguous()
-        self.tiles, self.in_features = q.shape[0], s.shape[1] * 32
+        self.tiles, self.in_features = q.shape[0], in_features or s.shape[1] * 32
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -544,6 +672,18 @@ class Tiles:
         t = q.shape[0] // TILE
         qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous().view(torch.uint8)  # [tiles, K, 16]
         return cls(8, qt, _tiled(s, t), torch.zeros(1), n, lib)  # no minimum: m is never read for Q8
+
+    @classmethod
+    def f16(cls, w: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
+        """w [N, K] float16 values (K a multiple of 32), multiplied as they are: no scale, nothing rounded but the
+        float32 sums, which run as the block kinds' do (a row's result the same bits in any batch)."""
+        n, k = w.shape
+        w = w.to(torch.float16)
+        if -n % TILE:
+            w = torch.cat([w, w.new_zeros(-n % TILE, k)])
+        t = w.shape[0] // TILE
+        qt = w.view(t, TILE, k).transpose(1, 2).contiguous().view(torch.uint8)  # [tiles, K, 16] float16 as bytes
+        return cls(16, qt, torch.zeros(1), torch.zeros(1), n, lib, in_features=k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -583,8 +723,9 @@ def _probe(lib: ctypes.CDLL) -> bool:
     q4 = torch.randint(0, 16, (20, 64), generator=g)
     m = -8 * s
     q8 = torch.randint(-128, 128, (20, 64), generator=g)
+    f16 = (torch.randn(20, 64, generator=g) * 0.1).half()
     for tiles, w in ((Tiles.q4(q4, s, m, lib), s.repeat_interleave(32, 1) * q4 + m.repeat_interleave(32, 1)),
-                     (Tiles.q8(q8, s, lib), s.repeat_interleave(32, 1) * q8)):
+                     (Tiles.q8(q8, s, lib), s.repeat_interleave(32, 1) * q8), (Tiles.f16(f16, lib), f16)):
         want = x.double() @ w.double().t()
         if not torch.allclose(tiles(x).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
             return False

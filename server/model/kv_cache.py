@@ -67,16 +67,16 @@ class BatchKV:
 
     def __init__(
         self, num_layers: int, device: torch.device, slots: int | None = None, shape: KVShape | None = None,
-        *, dtype: torch.dtype | None = None, round_to: torch.dtype | None = None,
+        *, dtype: torch.dtype | None = None,
     ) -> None:
-        """`dtype`: the storage's (the model's; None: the first forward's); `round_to`: the precision every
-        key and value is rounded to when written (the `kv_cache_dtype` setting, kv_shape.py `kv_precision`;
-        None: as computed). Readers of live tokens (`live`: what the prefix cache stores) get that precision."""
+        """`dtype`: what the buffers hold (`shape`'s when given; None: the first forward's). Narrower than the
+        model computes (the `kv_cache_dtype` setting, kv_shape.py `kv_precision`), keys and values are rounded to
+        it when written and read back widened (kv_layers.py); readers of live tokens (`live`: what the prefix
+        cache stores) get it as it is."""
         self.device = device
         self.num_layers = num_layers
         self.slots = slots
         self.dtype = shape.dtype if shape is not None else dtype
-        self.round_to = round_to
         self.rows: list[str] = []
         self.length = 0  # columns used (shared by all rows)
         self.capacity = 16
@@ -208,7 +208,7 @@ class BatchKV:
         """An empty, unbudgeted cache for rows about to be prefilled and then merged with `add_rows`;
         `columns`: what the longest of them will hold, allocated at once (not doubled on the way there:
         this scratch copy of the prompts is working memory beside the batch's cache)."""
-        fresh = BatchKV(self.num_layers, self.device, dtype=self.dtype, round_to=self.round_to)
+        fresh = BatchKV(self.num_layers, self.device, dtype=self.dtype)
         fresh.capacity = max(fresh.capacity, columns)
         fresh.rows = list(request_ids)
         fresh.positions = [0] * len(request_ids)
@@ -228,7 +228,7 @@ class BatchKV:
         self.capacity = self._capacity_for(longest, rows)
         self.keep = _columns(self.keep, self.capacity)
         keys, values = next(kv for kv in prefixes if kv is not None)
-        like = torch.empty(0, dtype=self.dtype or keys.dtype, device=self.device)  # stored narrower: widened here
+        like = torch.empty(0, dtype=self.dtype or keys.dtype, device=self.device)
         for layer in self.cache.layers:
             layer.allocate(keys.shape[1], keys.shape[3], values.shape[3], like, rows * self.capacity)
         for b, kv in enumerate(prefixes):
@@ -244,8 +244,8 @@ class BatchKV:
 
     def live(self, row: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """A reader of row `row`'s keys and values at its live token positions [start, end) (in order,
-        whatever holes lie between them): [layers, kv_heads, end - start, head_dim] each, copies, in `round_to`
-        where the cache rounds (every value then fits it exactly)."""
+        whatever holes lie between them): [layers, kv_heads, end - start, head_dim] each, copies, in the cache's
+        dtype."""
         found: list[torch.Tensor] = []  # the row's live columns, found at the first read
 
         def read(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +256,8 @@ class BatchKV:
                 raise ValueError(f"row {row} holds {len(columns)} live tokens, not [{start}, {end})")
             cols = columns[start:end]
             layers = self.cache.layers
-            kept = self.round_to or layers[0].keys.dtype  # each layer's gather narrowed before stacking
-            return (torch.stack([layer.keys[row, :, cols].to(kept) for layer in layers]),
-                    torch.stack([layer.values[row, :, cols].to(kept) for layer in layers]))
+            return (torch.stack([layer.keys[row, :, cols] for layer in layers]),
+                    torch.stack([layer.values[row, :, cols] for layer in layers]))
 
         return read
 

@@ -23,7 +23,7 @@ class BatchKV(Protocol):
     length: int
     slots: int | None
     packing: Packing | None
-    round_to: torch.dtype | None  # the precision keys and values are rounded to when written (None: as computed)
+    dtype: torch.dtype | None  # what the buffers hold (None: the first forward's dtype)
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -106,15 +106,15 @@ class BufferLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
         slots = owner.slots or len(owner.rows) * owner.capacity
-        self.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states, slots)
+        like = key_states if owner.dtype in (None, key_states.dtype) else key_states.new_empty(0, dtype=owner.dtype)
+        self.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], like, slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        narrow = self.owner.round_to
-        if narrow is not None:  # the cache's precision (kv_cache_dtype); attention below reads them back rounded
-            key_states = key_states.to(narrow).to(key_states.dtype)
-            value_states = value_states.to(narrow).to(value_states.dtype)
+        computed = key_states.dtype
+        if self.keys.dtype != computed:  # a narrower cache (kv_cache_dtype): rounded to nearest when written
+            key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.keys.dtype)
         start = self.owner.length
         pack = self.owner.packing
         end = start + (pack.width if pack is not None else key_states.shape[-2])
@@ -126,6 +126,8 @@ class BufferLayer(CacheLayerMixin):
         else:
             self.keys[:, :, start:end] = key_states
             self.values[:, :, start:end] = value_states
+        if self.keys.dtype != computed:  # attention reads every key and value as written, its own tokens' too
+            return self.keys[:, :, :end].to(computed), self.values[:, :, :end].to(computed)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

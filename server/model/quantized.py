@@ -33,10 +33,13 @@ it). That keeps the target's arithmetic row-independent, which greedy exactness 
 compositions needs: weights only are quantized, never activations (dynamic activation quantization computes
 its scales over the rows of a call, and a row's logits would depend on its neighbours).
 
-The embedding table (tied to the LM head in SmolLM2's file, Q8_0 there) is held as fp16 values of the file's
-weights (d * q rounded once, |dw| <= 2^-11 |w|) and the LM head multiplies them through fbgemm's fp16 GEMM,
-fp32 activations in and fp32 logits out: bf16 logits (the int4 kernel's output type) would round a logit of 20
-to steps of 0.125 and make near-ties exact ties. Measured on the 2-core development machine (576 x 49152, one
+An embedding table held as fp16 values (`Fp16Table`: a file's F16 table, or a checkpoint's head under `int8`)
+is multiplied as the LM head in fp32 (activations in, logits out: bf16 logits, the int4 kernel's output type,
+would round a logit of 20 to steps of 0.125 and make near-ties exact ties) through the float32 block kernels'
+fp16 tiles (cpu_kernels.py: a row's logits the same bits in any batch), or, where those do not build, fbgemm's
+fp16 GEMM called on a fixed number of rows at a time (`FBGEMM_ROWS`): on an AVX2 host fbgemm's fp16 kernels sum a
+row in an order that depends on how many rows the call holds (the same row gave other last bits alone, in 2 or in
+7 rows), while in calls of one size every row gets the same bits. Measured on the 2-core development machine (576 x 49152, one
 thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
 3.2 / 5.7 / 14.3, per-channel int8 3.5 / 5.6 / 14.3, bf16 oneDNN 3.7 / 2.8 / 3.8 (docs/bench.md).
 
@@ -61,6 +64,7 @@ from server.model.memory import drop_file_pages
 GROUP = 32  # weights per ggml block (Q4_0, Q4_1, Q8_0)
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
 HEAD_SLICE_ROWS = 16384  # rows of an fp16 LM head packed per fbgemm matrix (`TableHead`)
+FBGEMM_ROWS = 8  # activation rows of every fbgemm fp16 call (the last call padded): the module doc says why
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -422,9 +426,32 @@ class Fp16Table(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight.to(torch.float16).contiguous())
         self.num_embeddings, self.embedding_dim = weight.shape
+        self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
+        self._inputs: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight).float()
+        return self.rows(ids)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once they alone hold them)."""
+        if self.tiles is None or self.weight.numel():
+            return F.embedding(ids, self.weight).float()
+        # the head kernel's tiles [T, K, 16] hold the same values: row i is lane i % 16 of tile i // 16
+        flat = ids.reshape(-1)
+        if self._inputs is None:
+            self._inputs = torch.arange(self.embedding_dim)[None]
+        tile, lane = (flat // cpu_kernels.TILE)[:, None], (flat % cpu_kernels.TILE)[:, None]
+        rows = self.tiles.q.view(torch.float16)[tile, self._inputs, lane]
+        return rows.float().view(*ids.shape, self.embedding_dim)
+
+    def release(self) -> list[torch.Tensor]:
+        """Drop the table's own values once the head kernel's tiles hold them (lookups read those): a tied table
+        is then held once. Returns what was dropped."""
+        if self.tiles is None or not self.weight.numel():
+            return []
+        dropped = [self.weight]
+        self.weight = torch.empty(0, self.embedding_dim, dtype=torch.float16, device=self.weight.device)
+        return dropped
 
 
 class BlockTable(nn.Module):
@@ -477,6 +504,20 @@ class BlockTable(nn.Module):
         return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
 
 
+def _fbgemm_fp16(x: torch.Tensor, slices: list[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] times packed fp16 slices of a head, side by side, in calls of `FBGEMM_ROWS` rows each (the last
+    padded with zeros): a row's logits the same bits in any batch (the module doc)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    rows = flat.shape[0]
+    padded = -rows % FBGEMM_ROWS
+    if padded:
+        flat = torch.cat([flat, flat.new_zeros(padded, flat.shape[1])])
+    gemm = torch.ops.quantized.linear_dynamic_fp16
+    out = torch.cat([torch.cat([gemm(part.contiguous(), s) for s in slices], dim=-1)
+                     for part in flat.split(FBGEMM_ROWS)])
+    return out[:rows].view(*x.shape[:-1], -1)
+
+
 def table_dtype(module: nn.Module) -> tuple[torch.dtype, torch.device]:
     """The dtype and device an embedding table or LM head holds its values in (a quantized table's: fp16, what
     a draft head reading it plans for), without building a dense copy."""
@@ -519,18 +560,20 @@ class TableHead(nn.Module):
             weight = table.dequantize().half()  # fbgemm's fp16 GEMM below, or F.linear
         else:
             weight = table.weight
+            lib = cpu_kernels.library() if weight.device.type == "cpu" else None
+            if lib is not None and table.embedding_dim % GROUP == 0:
+                table.tiles = cpu_kernels.Tiles.f16(weight, lib)
+                _packed_from(table)  # the values' file pages: the tiles are a copy
+                return table.tiles
         if weight.device.type == "cpu" and has_fp16_gemm():
             try:
                 # packed a slice of rows at a time: the fp32 copy fbgemm packs from is a slice's, not the
                 # table's (113 MB for SmolLM2); the logits are the slices' side by side, the same sums
                 slices = [torch.ops.quantized.linear_prepack_fp16(part.float(), None)
                           for part in weight.split(HEAD_SLICE_ROWS)]
-                gemm = torch.ops.quantized.linear_dynamic_fp16
                 if not isinstance(table, BlockTable):
                     _packed_from(table)  # the embeddings read it a row per token from here on
-                if len(slices) == 1:
-                    return lambda x: gemm(x.float().contiguous(), slices[0])
-                return lambda x: torch.cat([gemm(x.float().contiguous(), s) for s in slices], dim=-1)
+                return lambda x: _fbgemm_fp16(x, slices)
             except RuntimeError:
                 pass
         return lambda x: F.linear(x, weight.to(x.dtype))

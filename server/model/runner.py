@@ -91,11 +91,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, kv_slots: int | None = None, *, lean: bool = True,
-                 kv_round: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None) -> None:
         """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed.
         `lean`: run Llama-family models through `LeanForward` (lean_forward.py; others always run
-        transformers' forward); False runs transformers' forward for every model. `kv_round`: the precision
-        its keys and values are rounded to when written (kv_shape.py `kv_precision`; None: as computed)."""
+        transformers' forward); False runs transformers' forward for every model. `kv_dtype`: what its cache
+        holds keys and values in (kv_shape.py `kv_precision`: narrower than the model, rounded when written;
+        None: the model's dtype)."""
         self.model = model
         self.device = model.device
         self.dtype = model.dtype  # read once: `model.dtype` walks the parameters
@@ -110,11 +111,11 @@ class ModelRunner:
             self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks"}[kernels]
         if lean_call and self.call.decoder is not None:
             self.forward_kind += "+c-decoder"  # steps and verify passes in one C call (cpu_decoder.py)
-        if kv_round is not None:  # keys and values rounded when written: priced apart
-            self.forward_kind += "+kv-" + str(kv_round).removeprefix("torch.")
-        shape = self.kv_shape(model) if kv_slots is not None else None
-        self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape, dtype=self.dtype,
-                          round_to=kv_round)
+        self.kv_dtype = kv_dtype or self.dtype
+        if self.kv_dtype != self.dtype:  # keys and values rounded when written, read back widened: priced apart
+            self.forward_kind += "+kv-" + str(self.kv_dtype).removeprefix("torch.")
+        shape = self.kv_shape(model, self.kv_dtype) if kv_slots is not None else None
+        self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape, dtype=self.kv_dtype)
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
         # tokens one of its forwards computed
         self.join_bytes = self.join_tokens = 0
@@ -130,9 +131,9 @@ class ModelRunner:
         return [*self.model.parameters(), *self.model.buffers(), *packed]
 
     @staticmethod
-    def kv_shape(model: nn.Module) -> KVShape:
-        """What one token of this model's cache holds."""
-        return KVShape.of(model.config, model.dtype)
+    def kv_shape(model: nn.Module, dtype: torch.dtype | None = None) -> KVShape:
+        """What one token of this model's cache holds (in `dtype`; None: the model's)."""
+        return KVShape.of(model.config, dtype or model.dtype)
 
     @property
     def rows(self) -> list[str]:
