@@ -201,6 +201,28 @@ def test_a_q8_table_head_gives_the_files_logits_within_the_formats_bound(backend
         head.weight  # noqa: B018  no dense copy is built behind a caller's back
 
 
+def test_an_fp16_table_head_gives_its_values_logits_and_a_tied_table_is_held_once(backend):
+    """An fp16 table (a file's F16 embeddings, a checkpoint's head under int8) as the LM head: the float32 kernels'
+    fp16 tiles (or fbgemm's fp16 GEMM) against the same values in float64, a row's logits the same bits beside any
+    rows (fbgemm alone sums a row differently by call size on AVX2 hosts); once the server drops the table's own
+    values, lookups read the tiles and give the same rows."""
+    values = (torch.randn(OUT + 8, IN, generator=torch.Generator().manual_seed(4)) * 0.05).half()
+    table = Fp16Table(values)
+    head = TableHead(table)
+    x = _x(9)
+    got = head(x)
+    want = x.double() @ values.double().t()
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float((x.abs() @ values.float().abs().t()).max()))
+    for rows in ([3], [3, 4], [0, 3, 5, 6, 7, 8, 1]):  # alone, in 2, in 7: the sizes fbgemm sums differently
+        assert torch.equal(head(x[rows])[rows.index(3)], got[3])
+    ids = torch.tensor([[3, OUT + 7], [0, 50]])
+    assert torch.equal(table(ids), values[ids].float())
+    dropped = table.release()
+    if backend == "float32":  # the tiles hold the values: the table's own copy goes
+        assert [t.numel() for t in dropped] == [values.numel()] and table.weight.numel() == 0
+    assert torch.equal(table(ids), values[ids].float()) and torch.equal(head(x), got)
+
+
 @pytest.mark.slow
 def test_weights_cache_has_an_entry_per_format(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant="Q4_1")
