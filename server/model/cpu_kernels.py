@@ -83,7 +83,8 @@ static inline v16 nib_hi(const uint8_t* p) {
 }
 static inline v16 sbyte(const uint8_t* p) { return join(_mm256_cvtepi32_ps(s8x8(p)), _mm256_cvtepi32_ps(s8x8(p + 8))); }
 static inline v16 half16(const uint8_t* p) {
-  return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))));
+  const __m128i lo = _mm_loadu_si128((const __m128i*)p), hi = _mm_loadu_si128((const __m128i*)(p + 16));
+  return join(_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi));
 }
 #else
 #error "the float kernels need AVX2 or AVX-512"

@@ -39,8 +39,8 @@ would round a logit of 20 to steps of 0.125 and make near-ties exact ties) throu
 fp16 tiles (cpu_kernels.py: a row's logits the same bits in any batch), or, where those do not build, fbgemm's
 fp16 GEMM called on a fixed number of rows at a time (`FBGEMM_ROWS`): on an AVX2 host fbgemm's fp16 kernels sum a
 row in an order that depends on how many rows the call holds (the same row gave other last bits alone, in 2 or in
-7 rows), while in calls of one size every row gets the same bits. Measured on the 2-core development machine (576 x 49152, one
-thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
+7 rows), while in calls of one size every row gets the same bits. Measured on the 2-core development machine
+(576 x 49152, one thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
 3.2 / 5.7 / 14.3, per-channel int8 3.5 / 5.6 / 14.3, bf16 oneDNN 3.7 / 2.8 / 3.8 (docs/bench.md).
 
 `int8` weights (the `weights` setting, for Hugging Face checkpoints) are per-output-channel symmetric int8
