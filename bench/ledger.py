@@ -115,16 +115,21 @@ def git_commit(cwd: Path = REPO) -> tuple[str, bool]:
 def machine() -> tuple[str, str]:
     """(a one-line summary of this machine, the device a default server uses: "cpu" or "cuda").
 
-    The summary names the CPU count and model, the load average (other work on a shared host moves every
-    absolute figure) and, where torch sees one, the GPU."""
-    cpu = ""
+    The summary names the CPU count, model and vector width (AVX-512 or AVX2: a CPU step on the block kernels is
+    bound by bytes on the one and by arithmetic on the other, docs/bench.md), the load average (other work on a
+    shared host moves every absolute figure) and, where torch sees one, the GPU."""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = " (" + line.split(":", 1)[1].strip() + ")"
-                break
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    width = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    named = ", ".join(x for x in (model, width) if x)
+    cpu = f" ({named})" if named else ""
     summary = f"{os.cpu_count()} CPUs{cpu}, {platform.machine()}, load average {os.getloadavg()[0]:.1f}"
     device = "cpu"
     try:

@@ -359,9 +359,11 @@ def _machine_short(entry: dict[str, Any]) -> str:
     """"2 CPUs, load 5.8" (and the GPU, where there was one) from a ledger line's machine summary."""
     text = entry.get("machine", "?")
     cpus = re.match(r"(\d+ CPUs)", text)
+    width = re.match(r"\d+ CPUs \([^)]*\b(AVX-512|AVX2)\)", text)
     load = re.search(r"load average ([\d.]+)", text)
     gpu = text.split("; ", 1)[1] if "; " in text else ""
-    parts = [cpus.group(1) if cpus else text, *([gpu] if gpu else []), *([f"load {load.group(1)}"] if load else [])]
+    first = (cpus.group(1) + (f" {width.group(1)}" if width else "")) if cpus else text
+    parts = [first, *([gpu] if gpu else []), *([f"load {load.group(1)}"] if load else [])]
     return ", ".join(parts)
 
 

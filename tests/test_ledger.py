@@ -148,3 +148,22 @@ def test_guidellm_cells_are_default_over_none_per_profile() -> None:
                          cell("random", "concurrent-4", "auto", 44.0), cell("random", "concurrent-4", "none", 40.0)]}
     cells = ledger_cells(results)
     assert [(c.clients, round(c.ratio, 2)) for c in cells] == [(1, 1.5), (4, 1.1)]
+
+
+def test_the_machine_line_names_the_cpus_vector_width_and_readme_shows_it() -> None:
+    """A CPU run on the block kernels is bound by bytes with AVX-512 and by arithmetic with AVX2 only (the same
+    bench read 1.30x and 0.87x llama-server's tokens/s on the two): the line says which, and README's column too."""
+    from pathlib import Path
+
+    from bench.report import _machine_short
+
+    summary, _ = ledger.machine()
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    width = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else None
+    if width:
+        assert f", {width})" in summary
+        assert _machine_short({"machine": summary}).startswith(f"{summary.split()[0]} CPUs {width}, load")
+    wide = "2 CPUs (AMD EPYC, AVX-512), x86_64, load average 1.5"
+    assert _machine_short({"machine": wide}) == "2 CPUs AVX-512, load 1.5"
+    older = "2 CPUs (AMD EPYC), x86_64, load average 1.6"  # lines recorded before the width was
+    assert _machine_short({"machine": older}) == "2 CPUs, load 1.6"

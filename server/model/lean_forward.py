@@ -292,7 +292,7 @@ class LeanForward:
         if not self.head_tied:
             kernels.append(self.lm_head)
         dropped = [w for w in (k.release() for k in kernels if isinstance(k, PackedLinear)) if w is not None]
-        # a Q8_0 table tied to its head: lookups read the head kernel's tiles from here on (quantized.BlockTable)
+        # a table tied to its head (Q8_0 blocks or fp16 values): lookups read the head kernel's tiles from here on
         table = getattr(self.base.get_input_embeddings(), "release", None)
         if self.head_tied and table is not None:
             dropped.extend(table())
