@@ -97,6 +97,38 @@ def test_steps_and_short_prompts_run_the_decoder_and_long_prompt_chunks_the_torc
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16])
+def test_decoding_rows_beside_a_deep_prompt_chunk_run_the_decoder_and_keep_their_bits(model, kv_dtype):
+    """A step that carries a prompt chunk deeper than `SHORT_CONTEXT` (chunked prefill beside streaming chats): the
+    rows that decode (their drafts too) still run the C decoder, so their logits are the same bits as in a step
+    without the chunk; the chunk runs the torch path and writes the cache the torch path writes alone."""
+    deep = [(29 * i) % 900 + 40 for i in range(SHORT_CONTEXT + 30)]
+    chunk = [(17 * i) % 800 + 60 for i in range(MAX_ROW_TOKENS + 8)]
+    tail = [(13 * i) % 800 + 70 for i in range(6)]
+
+    def runner() -> ModelRunner:
+        r = _runner(model, True, kv_dtype)
+        r.join(["a"], [PROMPT])
+        r.join(["long"], [deep], chunk=len(deep))
+        return r
+
+    beside = runner()
+    mixed = beside.forward([tail[:3], chunk], scored=[3, 1])  # a row's verify pass beside the chunk
+    steps = beside.forward([tail[3:], [5]]).logits[0]  # and the next step
+    plain = runner().forward([tail[:3], [5]], scored=[3, 1])  # the same pass beside a one-token row: the decoder
+    assert torch.equal(mixed.of_rows([0])[0], plain.of_rows([0])[0])
+    # the chunk's row: what the torch path computes for it alone (its keys and values feed later steps)
+    torch_only = _runner(model, False, kv_dtype)
+    torch_only.join(["a"], [PROMPT])
+    torch_only.join(["long"], [deep], chunk=len(deep))
+    reference = torch_only.forward([tail[:3], chunk], scored=[3, 1])
+    long_mixed, _ = mixed.of_rows([1])
+    long_ref, _ = reference.of_rows([1])
+    assert torch.allclose(long_mixed, long_ref, rtol=0, atol=2e-5 * float(long_ref.abs().max()))
+    follow = torch_only.forward([tail[3:], [5]]).logits[0]
+    assert torch.allclose(steps, follow, rtol=0, atol=2e-5 * float(follow.abs().max()))
+
+
 def test_a_short_prompt_gets_the_same_bits_however_it_is_chunked(model):
     """A prompt within `SHORT_CONTEXT` runs the decoder whatever the chunks (a step's token budget cuts them), so
     what follows it does not depend on the budget."""

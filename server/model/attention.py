@@ -32,6 +32,10 @@ layers therefore attends in float64 (`use_gqa_attention` marks it): each call's 
 and vanish when the output is rounded back to float32 (the same 4 prompts, 64 tokens, `none`, `ngram`,
 `suffix`, `eagle` and `auto`: identical). Measured on 2 cores, as-file: decoding 6-7% slower (1 and 4 rows),
 a 2,000-token prompt's prefill 1.39x (attention is ~40% of a chunk's cost there; float64 halves its speed).
+A dense model on CPU attends in float64 too: on an AVX2 host (no AVX-512) SDPA's float32 results for a position
+moved by ~1e-5 of a logit with the pass's width and the rows beside it (a tiny model: 9.5e-6; 0 in float64), enough
+to change a seeded sample with the proposer. A model on the float32 block kernels runs its steps and verify passes
+in the C decoder (cpu_decoder.py: the same bits in any pass) and attends in float32 for deep prompt chunks alone.
 """
 
 from __future__ import annotations
@@ -181,10 +185,13 @@ def use_gqa_attention(model: nn.Module) -> None:
         register_with_transformers()
         if model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(NAME)
-    rounds = block_kernels(model) == "bf16"
+    kernels = block_kernels(model)
+    first = next(model.parameters(), None)
+    dense_cpu = kernels is None and first is not None and first.device.type == "cpu"
+    wide = kernels == "bf16" or dense_cpu
     for module in model.modules():
         if hasattr(module, "q_proj"):  # a decoder layer's attention
-            setattr(module, WIDE, rounds)
+            setattr(module, WIDE, wide)
 
 
 def attends_wide(model: nn.Module) -> bool:

@@ -23,7 +23,9 @@ over at most `SHORT_CONTEXT` cache columns (a short prompt, however a step's bud
 depend on the chunks). A prompt chunk deeper than that runs the lean forward's torch path, whose attention
 (PyTorch's blocked SDPA) is faster for many queries over many keys: a 128-token chunk here 0.85x the torch
 path's time at the start of a prompt, 1.1x at 256 tokens in, 1.7x at 2,048. The two paths agree to float32
-rounding (tests), as any two orders of the same sums do.
+rounding (tests), as any two orders of the same sums do. A pass that holds both kinds (chunked prefill: a deep
+prompt chunk beside decoding rows) is run in two parts over the same cache columns (`split`, lean_forward.py): the
+decoding rows here, so their logits are the same bits as in any other step, the chunks on the torch path.
 
 Used when every layer qualifies (`CpuDecoder.of`): q, k, v and gate, up fused on the float32 block kernels
 without biases, o and down on them too, RMSNorm, head and hidden sizes multiples of 16 (the kernels' vectors),
@@ -153,6 +155,29 @@ class CpuDecoder:
         fits = width <= MAX_ROW_TOKENS or columns <= SHORT_CONTEXT
         return fits and x.dtype == torch.float32 and x.device.type == "cpu"
 
+    def split(self, packing: object | None, x: torch.Tensor, mask: torch.Tensor) -> tuple | None:
+        """For a packed pass this decoder does not take whole (`takes`): the rows feeding up to `MAX_ROW_TOKENS`
+        tokens (decoding rows, their drafts) and the others (prompt chunks) as two packings of the same rows, each
+        with the positions of its tokens in the pass's packed order; None where the pass is not packed, holds no
+        row of one kind, or is not one this decoder could run in part."""
+        if packing is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        counts = packing.counts
+        few = [n if n <= MAX_ROW_TOKENS else 0 for n in counts]
+        many = [n if n > MAX_ROW_TOKENS else 0 for n in counts]
+        if not any(few) or not any(many):
+            return None
+        index = packing.index()
+        parts = []
+        for part in (few, many):
+            sub = type(packing).of(part, x.device)
+            order = [0] * sub.tokens
+            for b, positions in enumerate(sub.index()):
+                for j, at in enumerate(positions):
+                    order[at] = index[b][j]
+            parts.append((sub, torch.tensor(order, dtype=torch.long, device=x.device)))
+        return tuple(parts)
+
     def __call__(
         self,
         x: torch.Tensor,  # [batch, W, hidden] or packed [1, N, hidden] (a fresh tensor: updated in place)
@@ -169,8 +194,8 @@ class CpuDecoder:
         layers = cache.layers
         owner = layers[0].owner
         start = owner.length
-        if packing is not None:
-            rows, steps, width = packing.rows, packing.steps, packing.width
+        if packing is not None:  # the mask's rows are the whole pass's ([batch, 1, W, ...]), a part's too (`split`)
+            rows, steps, width = packing.rows, packing.steps, mask.shape[2]
         else:
             batch, width = shape[0], shape[1]
             rows = torch.arange(batch).repeat_interleave(width)
