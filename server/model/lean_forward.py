@@ -325,9 +325,12 @@ class LeanForward:
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
         states = [x] if output_hidden_states else None
-        split = None if self.decoder is None or states is not None else self.decoder.split(packing, x, attention_mask)
-        if self.decoder is not None and self.decoder.takes(
-                x, packing.width if packing is not None else width, attention_mask.shape[-1]):
+        whole = self.decoder is not None and self.decoder.takes(
+            x, packing.width if packing is not None else width, attention_mask.shape[-1])
+        # a pass it does not take whole (a deep prompt chunk beside decoding rows): the decoding rows' part
+        split = None if whole or self.decoder is None or states is not None else \
+            self.decoder.split(packing, x, attention_mask)
+        if whole:
             x, after = self.decoder(x, cos, sin, attention_mask, cache, packing, output_hidden_states)
             if states is not None:
                 states += after[:-1]
