@@ -154,10 +154,10 @@ static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* 
   if (M - r >= 1) rows1(kind, x + r * K, K, q, s, m, xs + r * G, y + r * ldy, ldy);
 }
 #else
-/* AVX2 has 16 registers of 8 floats: 512-bit vectors of the loop above would live on the stack (measured here:
-   20x slower). A tile's 16 outputs are computed as two halves of 8, each for rows in pairs, so the four chains of
-   two rows (8 registers), the values of 4 inputs (4) and the two rows' results (2) stay in registers. Per row and
-   output the same operations as above: chains k mod 4 of x q, (c0 + c1) + (c2 + c3), then s t, then m xs. */
+/* AVX2 has 16 registers of 8 floats: the 512-bit vectors of the loop above would live on the stack (measured
+   here: 20x slower). `tile` below keeps a row's four chains for both halves of a tile's 16 outputs in 8 registers.
+   Per row and output the same operations as above: chains k mod 4 of x q, (c0 + c1) + (c2 + c3), then s t, then
+   m xs. `values8`: 8 outputs' values (half h) of input k + c, as floats. */
 static inline __m256 values8(int kind, const uint8_t* q, int64_t k, int c, int h) {
   if (kind == 4) {  /* inputs k, k + 1 share pair k / 2; k is a multiple of 4 */
     const __m256i v = u8x8(q + ((k + c) / 2) * 16 + 8 * h);
