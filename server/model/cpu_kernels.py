@@ -217,11 +217,16 @@ static void group_sums(const float* x, int64_t K, float* xs) {
   }
 }
 
+/* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q8 one, F16 two (16 outputs each). */
+static inline int64_t tile_bytes(int64_t kind, int64_t K) {
+  return kind == 4 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16;
+}
+
 /* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
    float16), s and m [tiles][K/32][16] float32 (m unread for Q8, neither for F16). xs: scratch of M * K/32 floats. */
 void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                 const float* m, float* xs, float* y, int64_t tiles, int threads) {
-  const int64_t qb = kind == 4 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16, sb = K / 32 * 16;
+  const int64_t qb = tile_bytes(kind, K), sb = K / 32 * 16;
   #pragma omp parallel num_threads(threads)
   {
     if (kind == 4) {
@@ -309,22 +314,23 @@ static void put_kv(void* cache, int64_t at, const float* src, int64_t d, int64_t
   }
 }
 
+/* 8 elements of the cache from element `at` on, as floats. */
+static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
+  if (kind == 0) return _mm256_loadu_ps((const float*)cache + at);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)cache + at));
+  return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* The d elements of the cache from element `at` on, as floats: the storage itself (float32), or converted into buf. */
 static inline const float* get_kv(const void* cache, int64_t at, int64_t d, int64_t kind, float* buf) {
   if (kind == 0) return (const float*)cache + at;
-  const uint16_t* src = (const uint16_t*)cache + at;
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m128i h = _mm_loadu_si128((const __m128i*)(src + i));
-    const __m256 f = kind == 1 ? _mm256_cvtph_ps(h)
-                               : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    _mm256_storeu_ps(buf + i, f);
-  }
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(buf + i, kv8(cache, at + i, kind));
   return buf;
 }
 
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
-  const int64_t qb = w->kind == 4 ? w->K / 2 * 16 : w->kind == 16 ? w->K * 32 : w->K * 16, sb = w->K / 32 * 16;
+  const int64_t qb = tile_bytes(w->kind, w->K), sb = w->K / 32 * 16;
   if (w->kind == 4) {
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++) group_sums(x + r * w->K, w->K, xs + r * (w->K / 32));
@@ -373,13 +379,6 @@ static inline float dot(const float* q, const float* k, int64_t d) {
   v4 c, e; memcpy(&c, &a, 16); memcpy(&e, (char*)&a + 16, 16); c += e;
   return (c[0] + c[2]) + (c[1] + c[3]);
 #endif
-}
-
-/* 8 elements of a cache from element `at` on, as floats (`get_kv`'s conversions). */
-static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
-  if (kind == 0) return _mm256_loadu_ps((const float*)cache + at);
-  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)cache + at));
-  return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static void attend_part(const float* q, int64_t G, const void* K, const void* V, int64_t kind, const int32_t* live,
@@ -700,6 +699,13 @@ class Tiles:
         if self.tiles * TILE != self.out:
             y = y[:, : self.out]
         return y.view(*x.shape[:-1], self.out).to(x.dtype)
+
+
+def tile_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ([n]) of a matrix held in tiles of 16 rows, [T, C, 16] (`Tiles.q` viewed as its values, `Tiles.s`):
+    row i is lane i % 16 of tile i // 16, [n, C]."""
+    tile, lane = (ids // TILE)[:, None], (ids % TILE)[:, None]
+    return tiled[tile, torch.arange(tiled.shape[1], device=tiled.device)[None], lane]
 
 
 def _pad(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:

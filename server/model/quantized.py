@@ -427,7 +427,6 @@ class Fp16Table(nn.Module):
         self.register_buffer("weight", weight.to(torch.float16).contiguous())
         self.num_embeddings, self.embedding_dim = weight.shape
         self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
-        self._inputs: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.rows(ids)
@@ -436,12 +435,7 @@ class Fp16Table(nn.Module):
         """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once they alone hold them)."""
         if self.tiles is None or self.weight.numel():
             return F.embedding(ids, self.weight).float()
-        # the head kernel's tiles [T, K, 16] hold the same values: row i is lane i % 16 of tile i // 16
-        flat = ids.reshape(-1)
-        if self._inputs is None:
-            self._inputs = torch.arange(self.embedding_dim)[None]
-        tile, lane = (flat // cpu_kernels.TILE)[:, None], (flat % cpu_kernels.TILE)[:, None]
-        rows = self.tiles.q.view(torch.float16)[tile, self._inputs, lane]
+        rows = cpu_kernels.tile_rows(self.tiles.q.view(torch.float16), ids.reshape(-1))  # the same values
         return rows.float().view(*ids.shape, self.embedding_dim)
 
     def release(self) -> list[torch.Tensor]:
@@ -468,7 +462,6 @@ class BlockTable(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.num_embeddings, self.embedding_dim = qweight.shape
         self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
-        self._columns: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once it holds them)."""
@@ -481,11 +474,8 @@ class BlockTable(nn.Module):
 
     def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
-        tile, lane = (ids // cpu_kernels.TILE)[:, None], (ids % cpu_kernels.TILE)[:, None]
-        if self._columns is None:  # [1, hidden] and [1, hidden/32]: every input and group of a row
-            self._columns = (torch.arange(self.embedding_dim)[None], torch.arange(self.embedding_dim // GROUP)[None])
-        inputs, groups = self._columns
-        return self.tiles.q.view(torch.int8)[tile, inputs, lane].float(), self.tiles.s[tile, groups, lane]
+        tiles = self.tiles
+        return cpu_kernels.tile_rows(tiles.q.view(torch.int8), ids).float(), cpu_kernels.tile_rows(tiles.s, ids)
 
     def release(self) -> list[torch.Tensor]:
         """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):
