@@ -13,19 +13,18 @@ team for the whole stack.
 Attention here reads, for each query, only the cache columns its mask lets it see, in column order (which is
 token order: the cache keeps each row's live tokens in order), in runs of 256 live keys (threads share a long
 context's runs out; each run's softmax parts are merged in run order), and sums scores, softmax and values over
-them in one fixed order. The query heads of a KV head read each key once. A position's result therefore
-depends on its row's tokens only: not on holes, other rows, where a pass starts or how many tokens it feeds, so
-a token gets the same bits in a plain step, in any verify pass and beside any other rows (tests check it). The
-other operations are per row, as the block kernels are.
+them in one fixed order. Consecutive queries of one row (a prompt chunk, a verify pass) are attended in blocks of
+8 that read and convert each key and value once, the query heads of a KV head with them; per query the operations
+are the same whatever the block. A position's result therefore depends on its row's tokens only: not on holes,
+other rows, where a pass starts, how many tokens it feeds or how a step's budget cuts a prompt into chunks, so a
+token gets the same bits in a plain step, in any verify pass, in any prompt chunk and beside any other rows (tests
+check it). The other operations are per row, as the block kernels are.
 
-It runs forwards whose rows feed at most `MAX_ROW_TOKENS` tokens each (steps and verify passes), and any forward
-over at most `SHORT_CONTEXT` cache columns (a short prompt, however a step's budget cuts it: its bits do not
-depend on the chunks). A prompt chunk deeper than that runs the lean forward's torch path, whose attention
-(PyTorch's blocked SDPA) is faster for many queries over many keys: a 128-token chunk here 0.85x the torch
-path's time at the start of a prompt, 1.1x at 256 tokens in, 1.7x at 2,048. The two paths agree to float32
-rounding (tests), as any two orders of the same sums do. A pass that holds both kinds (chunked prefill: a deep
-prompt chunk beside decoding rows) is run in two parts over the same cache columns (`split`, lean_forward.py): the
-decoding rows here, so their logits are the same bits as in any other step, the chunks on the torch path.
+Every pass of the model runs here: steps, verify passes, prompt chunks short or deep, and passes that hold both
+(chunked prefill beside decoding rows). Measured on the 2-core AVX2 host, a 128-token prompt chunk took 0.34-0.47 s
+at the start of a prompt and 0.67-0.71 s at 2,000 tokens in, against the lean forward's torch path (PyTorch's SDPA)
+0.33 / 0.54-0.59 s: about as fast at short contexts, ~20% slower deep in a long prompt, and the same bits for a
+position whichever pass computes it, which is what lets the linear layers take int8 activations (cpu_kernels.py).
 
 Used when every layer qualifies (`CpuDecoder.of`): q, k, v and gate, up fused on the float32 block kernels
 without biases, o and down on them too, RMSNorm, head and hidden sizes multiples of 16 (the kernels' vectors),
@@ -44,9 +43,8 @@ from server.model import cpu_kernels
 from server.model.cpu_kernels import Tiles
 from server.model.kv_layers import KVBudgetExceeded
 
-MAX_ROW_TOKENS = 32  # a row feeding more (a prompt chunk) runs the torch path, unless the context is short:
-SHORT_CONTEXT = 256  # a pass over at most this many cache columns runs here whatever its rows feed
 KEY_RUN = 256  # cpu_kernels.py's KCHUNK: attention shares a query's keys out between threads in runs this long
+QUERY_BLOCK = 8  # cpu_kernels.py's QBLOCK: a row's consecutive queries attended together
 
 _i64 = ctypes.c_int64
 
@@ -149,34 +147,10 @@ class CpuDecoder:
         return cls(lib, base, fused, linears)
 
     @staticmethod
-    def takes(x: torch.Tensor, width: int, columns: int = 0) -> bool:
-        """Whether a forward of rows feeding up to `width` tokens each over `columns` cache columns (those
-        before the pass and its own), from activations `x`, runs here."""
-        fits = width <= MAX_ROW_TOKENS or columns <= SHORT_CONTEXT
-        return fits and x.dtype == torch.float32 and x.device.type == "cpu"
-
-    def split(self, packing: object | None, x: torch.Tensor, mask: torch.Tensor) -> tuple | None:
-        """For a packed pass this decoder does not take whole (`takes`): the rows feeding up to `MAX_ROW_TOKENS`
-        tokens (decoding rows, their drafts) and the others (prompt chunks) as two packings of the same rows, each
-        with the positions of its tokens in the pass's packed order; None where the pass is not packed, holds no
-        row of one kind, or is not one this decoder could run in part."""
-        if packing is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        counts = packing.counts
-        few = [n if n <= MAX_ROW_TOKENS else 0 for n in counts]
-        many = [n if n > MAX_ROW_TOKENS else 0 for n in counts]
-        if not any(few) or not any(many):
-            return None
-        index = packing.index()
-        parts = []
-        for part in (few, many):
-            sub = type(packing).of(part, x.device)
-            order = [0] * sub.tokens
-            for b, positions in enumerate(sub.index()):
-                for j, at in enumerate(positions):
-                    order[at] = index[b][j]
-            parts.append((sub, torch.tensor(order, dtype=torch.long, device=x.device)))
-        return tuple(parts)
+    def takes(x: torch.Tensor) -> bool:
+        """Whether a forward from activations `x` runs here (float32 on the CPU: every pass of the model it was
+        built for, steps, verify passes and prompt chunks alike)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu"
 
     def __call__(
         self,
@@ -194,8 +168,8 @@ class CpuDecoder:
         layers = cache.layers
         owner = layers[0].owner
         start = owner.length
-        if packing is not None:  # the mask's rows are the whole pass's ([batch, 1, W, ...]), a part's too (`split`)
-            rows, steps, width = packing.rows, packing.steps, mask.shape[2]
+        if packing is not None:
+            rows, steps, width = packing.rows, packing.steps, packing.width
         else:
             batch, width = shape[0], shape[1]
             rows = torch.arange(batch).repeat_interleave(width)
@@ -218,10 +192,11 @@ class CpuDecoder:
         cos = cos.reshape(n, self.head_dim).contiguous()
         signed_sin = signed_sin.reshape(n, self.head_dim).contiguous()
         threads = torch.get_num_threads()
-        work = torch.empty(n * self.scratch + threads * self.heads // self.kv_heads * (KEY_RUN + 16))
+        group = self.heads // self.kv_heads
+        work = torch.empty(n * self.scratch + threads * (QUERY_BLOCK * group * (KEY_RUN + 16) + 32 * self.head_dim))
         live = torch.empty(n * (length + 1), dtype=torch.int32)
         runs = n * self.kv_heads * (length // KEY_RUN + 1)  # attention's work items, at most
-        first = torch.empty(n + 1, dtype=torch.int64)
+        first = torch.empty(2 * n + 2, dtype=torch.int64)
         items = torch.empty(runs, dtype=torch.int64)
         parts = torch.empty(runs * self.heads // self.kv_heads * (self.head_dim + 2))
         out = torch.empty(self.count, n, self.hidden) if states else None

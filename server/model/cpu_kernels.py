@@ -286,7 +286,7 @@ struct dims {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   int64_t qkv_ld, k_off, v_off, gu_ld, u_off, o_ld, down_ld;
   float eps, scale;
-  int64_t kv_kind;  /* the cache's keys and values: 0 float32, 1 float16, 2 bfloat16 (put_kv, get_kv) */
+  int64_t kv_kind;  /* the cache's keys and values: 0 float32, 1 float16, 2 bfloat16 (put_kv, kv8) */
 };
 
 #ifndef __F16C__
@@ -321,13 +321,6 @@ static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
   return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* The d elements of the cache from element `at` on, as floats: the storage itself (float32), or converted into buf. */
-static inline const float* get_kv(const void* cache, int64_t at, int64_t d, int64_t kind, float* buf) {
-  if (kind == 0) return (const float*)cache + at;
-  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(buf + i, kv8(cache, at + i, kind));
-  return buf;
-}
-
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
   const int64_t qb = tile_bytes(w->kind, w->K), sb = w->K / 32 * 16;
@@ -356,90 +349,140 @@ static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
   for (int64_t i = 0; i < d; i++) v[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * ssin[i];
 }
 
-/* The G query heads of one KV head (q: G x d, side by side) against one run of their row's live keys (at most
-   KCHUNK of them, in the keys' order). Writes the part's unnormalised output (G x d), then per head its top score
-   and its sum of exp(score - top): `merge` combines a query's parts in order. The same operations for a key run
-   however many holes and other rows the cache holds and however many queries share the call; each key and value
-   is read once for the G heads (at long contexts attention reads the cache from memory). sc: G x (KCHUNK + 16). */
+/* Attention over one run of a row's live keys (at most KCHUNK of them, in the keys' order) for a block of up to
+   QBLOCK consecutive queries of that row (a prompt chunk's, a verify pass's) and the G query heads of one KV head.
+   Query b sees the run's first n[b] keys (its live keys are a prefix of the block's last query's: decoder_forward
+   forms blocks so), each key read from the cache and converted once for the whole block. Per query and head the
+   operations do not depend on the block: the score of key i is its dot product (`dots8`) times the scale plus the
+   mask, the scores' softmax parts run as one query's would, and the output sums p_i v_i over the query's keys in
+   order. So a position's result is the same bits alone, in a verify pass or in a prompt chunk, beside any rows.
+   Writes query b's part at part[b] (G x d unnormalised output, then per head its top score and its sum of
+   exp(score - top): `merge` combines a query's parts in order); part[b] NULL: query b has no keys in this run.
+   sc: QBLOCK x G x (KCHUNK + 16) floats, kb: 32 x d. */
 #define KCHUNK 256
-/* q . k over d elements (a multiple of 16): 16 lanes of products summed over the d / 16 blocks, then the lanes
-   folded as hsum folds them (on AVX2 the 16 lanes as two registers of 8). */
-static inline float dot(const float* q, const float* k, int64_t d) {
-#if defined(__AVX512F__)
-  v16 acc = splat(0.0f);
-  for (int64_t j = 0; j < d; j += 16) acc += load16(q + j) * load16(k + j);
-  return hsum(acc);
-#else
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-  for (int64_t j = 0; j < d; j += 16) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), hi);
-  }
-  v8 a = (v8)_mm256_add_ps(lo, hi);
-  v4 c, e; memcpy(&c, &a, 16); memcpy(&e, (char*)&a + 16, 16); c += e;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-#endif
+#define QBLOCK 8
+
+/* Lane sums of 8 vectors, as one vector: lane i = ((t_i0 + t_i1) + (t_i2 + t_i3)) + ((t_i4 + t_i5) + (t_i6 + t_i7)). */
+static inline __m256 sum8(const __m256* t) {
+  const __m256 a = _mm256_hadd_ps(t[0], t[1]), b = _mm256_hadd_ps(t[2], t[3]);
+  const __m256 c = _mm256_hadd_ps(t[4], t[5]), e = _mm256_hadd_ps(t[6], t[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
 }
 
-static void attend_part(const float* q, int64_t G, const void* K, const void* V, int64_t kind, const int32_t* live,
-                        int32_t n, const float* mrow, int64_t d, float scale, float* sc, float* part) {
-  const int32_t n16 = (n + 15) & ~15;
-  float* top = part + G * d;
-  float* sum = top + G;
-  float buf[256];  /* a key or value read from a 16-bit cache */
-  for (int64_t h = 0; h < G; h++) top[h] = -INFINITY;
-  for (int32_t i = 0; i < n; i++) {
-    const float* k = get_kv(K, (int64_t)live[i] * d, d, kind, buf);
-    const float m = mrow[live[i]];
-    for (int64_t h = 0; h < G; h++) {
-      const float s = dot(q + h * d, k, d) * scale + m;
-      sc[h * n16 + i] = s;
-      top[h] = s > top[h] ? s : top[h];
-    }
+/* q . k for 8 keys kb (d a multiple of 8; kb holds them interleaved: [d / 8][8 keys][8]): per key 8 lanes of
+   products summed over the d / 8 blocks in order (one multiply-add each), then the lanes folded as sum8 folds them. */
+static inline __m256 dots8(const float* q, const float* kb, int64_t d) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i++) t[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + j);
+    const float* k = kb + j * 8;
+    for (int i = 0; i < 8; i++) t[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 8 * i), t[i]);
   }
-  for (int64_t h = 0; h < G; h++) {
-    float* row = sc + h * n16;
-    for (int32_t i = n; i < n16; i++) row[i] = -INFINITY;
-    v16 total = splat(0.0f);
-    for (int32_t i = 0; i < n16; i += 16) {
-      const v16 p = vexp(load16(row + i) - splat(top[h]));
-      store16(row + i, p);
-      total += p;
-    }
-    sum[h] = hsum(total);
+  return sum8(t);
+}
+
+/* Keys live[i0 .. i0 + 8) of a cache (kind: its dtype) as floats into kb, interleaved for dots8; keys past n zero. */
+static void keys8(const void* cache, const int32_t* live, int64_t i0, int64_t n, int64_t d, int64_t kind, float* kb) {
+  for (int64_t i = 0; i < 8; i++) {
+    const int64_t at = i0 + i < n ? (int64_t)live[i0 + i] * d : -1;
+    for (int64_t j = 0; j < d; j += 8)
+      _mm256_storeu_ps(kb + j * 8 + i * 8, at >= 0 ? kv8(cache, at + j, kind) : _mm256_setzero_ps());
   }
-#if defined(__AVX512F__)
-  v16 o[16][16];
-  for (int64_t h = 0; h < G; h++)
-    for (int64_t j = 0; j < d / 16; j++) o[h][j] = splat(0.0f);
-  for (int32_t i = 0; i < n; i++) {
-    const float* v = get_kv(V, (int64_t)live[i] * d, d, kind, buf);
-    for (int64_t h = 0; h < G; h++) {
-      const v16 p = splat(sc[h * n16 + i]);
-      for (int64_t j = 0; j < d / 16; j++) o[h][j] += p * load16(v + 16 * j);
-    }
+}
+
+/* Values live[i0 .. i0 + count) of a cache as floats into vb [count][d]. */
+static void values_f32(const void* cache, const int32_t* live, int64_t i0, int64_t count, int64_t d, int64_t kind,
+                       float* vb) {
+  for (int64_t i = 0; i < count; i++) {
+    const int64_t at = (int64_t)live[i0 + i] * d;
+    for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(vb + i * d + j, kv8(cache, at + j, kind));
   }
-  for (int64_t h = 0; h < G; h++)
-    for (int64_t j = 0; j < d / 16; j++) store16(part + h * d + 16 * j, o[h][j]);
-#else
-  /* AVX2: G x d / 16 vectors of 16 would not fit 16 registers of 8 floats; per head and 64 dimensions at a time
-     instead (8 registers), over the keys in the same order: the same sum for every output element. */
-  for (int64_t h = 0; h < G; h++)
-    for (int64_t jb = 0; jb < d; jb += 64) {
-      const int64_t w8 = (d - jb < 64 ? d - jb : 64) / 8;
-      __m256 o[8];
-      for (int64_t j = 0; j < w8; j++) o[j] = _mm256_setzero_ps();
-      for (int32_t i = 0; i < n; i++) {
-        const __m256 p = _mm256_set1_ps(sc[h * n16 + i]);
-        const int64_t at = (int64_t)live[i] * d + jb;
-        for (int64_t j = 0; j < w8; j++) o[j] = _mm256_fmadd_ps(p, kv8(V, at + 8 * j, kind), o[j]);
+}
+
+/* o [w8 x 8] (w8 <= 8) += sum over the keys i < count in order of p[i] v_i, v_i = vb + i * d. */
+static inline void weigh(float* out, int first, const float* p, const float* vb, int32_t count, int64_t d, int64_t w8) {
+  __m256 o[8];
+  if (w8 == 8) {  /* the common case (64 dimensions): constant bounds, the sums in registers */
+    for (int j = 0; j < 8; j++) o[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * j);
+    for (int32_t i = 0; i < count; i++) {
+      const __m256 pv = _mm256_set1_ps(p[i]);
+      for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vb + i * d + 8 * j), o[j]);
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+    return;
+  }
+  for (int64_t j = 0; j < w8; j++) o[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * j);
+  for (int32_t i = 0; i < count; i++) {
+    const __m256 pv = _mm256_set1_ps(p[i]);
+    for (int64_t j = 0; j < w8; j++) o[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vb + i * d + 8 * j), o[j]);
+  }
+  for (int64_t j = 0; j < w8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+}
+
+static void attend_block(const float* q, int64_t ldq, int64_t B, int64_t G, const void* K, const void* V,
+                         int64_t kind, const int32_t* live, const int32_t* n, const float* const* mrow,
+                         int64_t d, float scale, float* sc, float* kb, float* const* part) {
+  const int64_t stride = KCHUNK + 16;
+  int32_t nmax = 0;
+  for (int64_t b = 0; b < B; b++) nmax = part[b] && n[b] > nmax ? n[b] : nmax;
+  __m256 top[QBLOCK * 16];
+  for (int64_t v = 0; v < B * G; v++) top[v] = _mm256_set1_ps(-INFINITY);
+  const __m256 sv = _mm256_set1_ps(scale), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int32_t i0 = 0; i0 < nmax; i0 += 8) {
+    keys8(K, live, i0, nmax, d, kind, kb);
+    for (int64_t b = 0; b < B; b++) {
+      if (!part[b] || i0 >= n[b]) continue;
+      float m[8];
+      for (int i = 0; i < 8; i++) m[i] = i0 + i < n[b] ? mrow[b][live[i0 + i]] : 0.0f;
+      const __m256 mv = _mm256_loadu_ps(m);
+      const __m256 seen = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)(n[b] - i0)), _CMP_LT_OQ);
+      for (int64_t h = 0; h < G; h++) {
+        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                          _mm256_fmadd_ps(dots8(q + b * ldq + h * d, kb, d), sv, mv), seen);
+        _mm256_storeu_ps(sc + (b * G + h) * stride + i0, s);
+        top[b * G + h] = _mm256_max_ps(top[b * G + h], s);
       }
-      for (int64_t j = 0; j < w8; j++) _mm256_storeu_ps(part + h * d + jb + 8 * j, o[j]);
     }
-#endif
+  }
+  for (int64_t b = 0; b < B; b++) {
+    if (!part[b]) continue;
+    const int32_t n16 = (n[b] + 15) & ~15;
+    for (int64_t h = 0; h < G; h++) {
+      float* row = sc + (b * G + h) * stride;
+      float t8[8];
+      _mm256_storeu_ps(t8, top[b * G + h]);
+      float top1 = t8[0];
+      for (int i = 1; i < 8; i++) top1 = t8[i] > top1 ? t8[i] : top1;
+      for (int32_t i = n[b]; i < n16; i++) row[i] = -INFINITY;
+      v16 total = splat(0.0f);
+      for (int32_t i = 0; i < n16; i += 16) {
+        const v16 p = vexp(load16(row + i) - splat(top1));
+        store16(row + i, p);
+        total += p;
+      }
+      part[b][G * d + h] = top1;
+      part[b][G * d + G + h] = hsum(total);
+    }
+  }
+  /* outputs: per query and head, 64 dimensions at a time in 8 registers, over the keys in order; the values of
+     32 keys at a time converted once for the block */
+  for (int32_t i0 = 0; i0 == 0 || i0 < nmax; i0 += 32) {
+    const int32_t span = nmax - i0 < 32 ? nmax - i0 : 32;
+    if (span > 0) values_f32(V, live, i0, span, d, kind, kb);
+    for (int64_t b = 0; b < B; b++) {
+      if (!part[b] || (i0 && i0 >= n[b])) continue;
+      const int32_t end = n[b] - i0 < 32 ? n[b] - i0 : 32;
+      for (int64_t h = 0; h < G; h++)
+        for (int64_t jb = 0; jb < d; jb += 64)
+          weigh(part[b] + h * d + jb, i0 == 0, sc + (b * G + h) * stride + i0, kb + jb, end, d,
+                (d - jb < 64 ? d - jb : 64) / 8);
+    }
+  }
 }
 
-/* A query's parts (`attend_part`, in key order) combined: out = sum_c e_c o_c / sum_c e_c s_c with
+/* A query's parts (`attend_block`, in key order) combined: out = sum_c e_c o_c / sum_c e_c s_c with
    e_c = exp(top_c - max top), part after part. One part: e = 1 exactly. */
 static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float* out) {
   const int64_t size = G * (d + 2);
@@ -467,8 +510,8 @@ static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float
    D->kv_kind.
    states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
    applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
-   live: int32 [N, Lk + 1]; first: int64 [N + 1], items: int64 [N x kv heads x runs], parts: float [N x kv heads x
-   runs x group x (head_dim + 2)], with runs = Lk / KCHUNK + 1 at most per token (attention's key runs). */
+   live: int32 [N, Lk + 1]; first: int64 [2 N + 2], items: int64 [N x kv heads x runs], parts: float [N x kv heads
+   x runs x group x (head_dim + 2)], with runs = Lk / KCHUNK + 1 at most per token (attention's key runs). */
 void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, void* const* keys,
                      void* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
                      const int64_t* row, const int64_t* col, const int64_t* mrow, const float* mask, int64_t Lk,
@@ -484,11 +527,14 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
   float* act = gu + N * D->gu_ld;
   const int64_t widest = D->inter > qd ? (D->inter > H ? D->inter : H) : (qd > H ? qd : H);
   float* xs = act + N * D->inter;  /* [N, widest / 32]: group sums */
-  float* scores = xs + N * (widest / 32);  /* [threads][group][KCHUNK + 16] */
+  float* scores = xs + N * (widest / 32);  /* per thread: attend_block's sc [QBLOCK][group][KCHUNK + 16], kb [32][d] */
   int32_t* count = live + N * Lk;
+  int64_t* block = first + N + 1;  /* attention's query blocks: block b is tokens block[b] .. block[b + 1] - 1 */
+  int64_t n_items = 0;
   #pragma omp parallel num_threads(threads)
   {
-    float* sc = scores + (int64_t)omp_get_thread_num() * group * (KCHUNK + 16);
+    float* sc = scores + (int64_t)omp_get_thread_num() * (QBLOCK * group * (KCHUNK + 16) + 32 * d);
+    float* kb = sc + QBLOCK * group * (KCHUNK + 16);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < N; t++) {
       const float* m = mask + mrow[t] * Lk;
@@ -496,15 +542,27 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
       for (int64_t c = 0; c < Lk; c++) if (m[c] > -FLT_MAX) live[t * Lk + n++] = (int32_t)c;
       count[t] = n;
     }
-    /* attention's work items: per token and KV head, its live keys in runs of KCHUNK (at least one run), so
-       that a long context's keys are shared out between threads the same way whatever else the call holds */
+    /* attention's work: per token its live keys in runs of KCHUNK (at least one run; `first`: where its parts
+       start), so that a long context's keys are shared out between threads the same way whatever else the call
+       holds. Consecutive tokens of one row whose live keys extend each other's (a prompt chunk, a verify pass)
+       form blocks of up to QBLOCK queries that read each key once; a work item is a block's run for one KV head. */
     #pragma omp single
     {
       first[0] = 0;
       for (int64_t t = 0; t < N; t++) first[t + 1] = first[t] + (count[t] + KCHUNK - 1) / KCHUNK + (count[t] == 0);
-      for (int64_t t = 0, i = 0; t < N; t++)
+      int64_t blocks = 0;
+      for (int64_t t = 0; t < N; t++) {
+        const int joins = blocks && t - block[blocks - 1] < QBLOCK && row[t] == row[t - 1] &&
+                          count[t - 1] <= count[t] &&
+                          !memcmp(live + (t - 1) * Lk, live + t * Lk, (size_t)count[t - 1] * sizeof(int32_t));
+        if (!joins) block[blocks++] = t;
+      }
+      block[blocks] = N;
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t last = block[b + 1] - 1;
         for (int64_t g = 0; g < nkv; g++)
-          for (int64_t c = first[t]; c < first[t + 1]; c++) items[i++] = (t * nkv + g) << 20 | (c - first[t]);
+          for (int64_t c = 0; c < first[last + 1] - first[last]; c++) items[n_items++] = (b * nkv + g) << 20 | c;
+      }
     }
     for (int64_t l = 0; l < n_layers; l++) {
       const struct layer* L = layers + l;
@@ -523,15 +581,24 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
           put_kv(values[l], at, y + D->v_off + g * d, d, D->kv_kind);
         }
       }
-      #pragma omp for schedule(static)
-      for (int64_t it = 0; it < first[N] * nkv; it++) {
-        const int64_t tg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), t = tg / nkv, g = tg % nkv;
-        const int64_t base = (row[t] * nkv + g) * cap * d * (D->kv_kind ? 2 : 4), start = c * KCHUNK;
-        const int32_t n = count[t] - start < KCHUNK ? count[t] - start : KCHUNK;
-        attend_part(qkv + t * D->qkv_ld + g * group * d, group, (const char*)keys[l] + base,
-                    (const char*)values[l] + base, D->kv_kind, live + t * Lk + start,
-                    n > 0 ? n : 0, mask + mrow[t] * Lk, d, D->scale, sc,
-                    parts + (first[t] * nkv + g * (first[t + 1] - first[t]) + c) * group * (d + 2));
+      #pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < n_items; it++) {
+        const int64_t bg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), g = bg % nkv;
+        const int64_t t0 = block[bg / nkv], B = block[bg / nkv + 1] - t0;
+        const int64_t base = (row[t0] * nkv + g) * cap * d * (D->kv_kind ? 2 : 4), start = c * KCHUNK;
+        int32_t n[QBLOCK];
+        const float* mr[QBLOCK];
+        float* part[QBLOCK];
+        for (int64_t b = 0; b < B; b++) {
+          const int64_t t = t0 + b, runs = first[t + 1] - first[t];
+          const int64_t left = count[t] - start;
+          n[b] = left <= 0 ? 0 : left < KCHUNK ? (int32_t)left : KCHUNK;
+          mr[b] = mask + mrow[t] * Lk;
+          part[b] = c < runs ? parts + (first[t] * nkv + g * runs + c) * group * (d + 2) : NULL;
+        }
+        attend_block(qkv + t0 * D->qkv_ld + g * group * d, D->qkv_ld, B, group, (const char*)keys[l] + base,
+                     (const char*)values[l] + base, D->kv_kind, live + (t0 + B - 1) * Lk + start, n, mr, d, D->scale,
+                     sc, kb, part);
       }
       #pragma omp for schedule(static)
       for (int64_t tg = 0; tg < N * nkv; tg++) {

@@ -325,19 +325,12 @@ class LeanForward:
         cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
         cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
         states = [x] if output_hidden_states else None
-        whole = self.decoder is not None and self.decoder.takes(
-            x, packing.width if packing is not None else width, attention_mask.shape[-1])
-        # a pass it does not take whole (a deep prompt chunk beside decoding rows): the decoding rows' part
-        split = None if whole or self.decoder is None or states is not None else \
-            self.decoder.split(packing, x, attention_mask)
-        if whole:
+        if self.decoder is not None and self.decoder.takes(x):
             x, after = self.decoder(x, cos, sin, attention_mask, cache, packing, output_hidden_states)
             if states is not None:
                 states += after[:-1]
             if self.decoder.final is None:
                 x = self.final_norm(x)
-        elif split is not None:
-            x = self._split(x, cos, sin, attention_mask, cache, split)
         else:
             x = self.final_norm(self._layers(x, cos, sin, attention_mask, cache, packing, states))
         if states is not None:
@@ -348,27 +341,6 @@ class LeanForward:
         elif self.lm_head is not None and logits_to_keep is not None:
             logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
         return LeanOutput(logits, tuple(states) if states is not None else None, x)
-
-    def _split(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor, cache: Cache,
-        split: tuple[tuple[Packing, torch.Tensor], tuple[Packing, torch.Tensor]],
-    ) -> torch.Tensor:
-        """A packed pass the C decoder does not take whole (a deep prompt chunk beside decoding rows): the rows
-        that feed a few tokens through the C decoder, as they would run alone, then the prompt chunks through the
-        torch path, each over the same cache columns; outputs back in the pass's packed order (after the final
-        norm). A decoding row's logits are then the same bits beside a long prompt as in any other step."""
-        (fast, at_fast), (slow, at_slow) = split
-        owner = cache.layers[0].owner
-        out = torch.empty_like(x)
-        y, _ = self.decoder(x[:, at_fast], cos[:, at_fast], sin[:, at_fast], attention_mask, cache, fast, False)
-        out[:, at_fast] = y if self.decoder.final is not None else self.final_norm(y)
-        full, owner.packing = owner.packing, slow  # the cache writes the torch rows' tokens by their packing
-        try:
-            y = self._layers(x[:, at_slow], cos[:, at_slow], sin[:, at_slow], attention_mask, cache, slow, None)
-        finally:
-            owner.packing = full
-        out[:, at_slow] = self.final_norm(y)
-        return out
 
     def _layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor, cache: Cache,
