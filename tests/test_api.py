@@ -65,6 +65,7 @@ async def test_models_docs_and_metrics(tiny_engine_factory):
         assert [m["id"] for m in models["data"]] == [MODEL]
         assert {"id", "object", "created", "owned_by"} <= models["data"][0].keys()
         assert models["data"][0]["weights"] == "fp32"  # the weights format served (the tiny target: dense fp32)
+        assert models["data"][0]["activations"] == "float32"
         assert (await client.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
         r = await client.get("/v1/models/gpt-4")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -57,17 +57,19 @@ def _random_layer(kind: str, seed: int = 0, out: int = OUT, inputs: int = IN) ->
     return Int8Linear.quantize(torch.randn(out, inputs, generator=g) * 0.05)
 
 
-@pytest.fixture(scope="module", params=["float32", "torch-int4"])
+@pytest.fixture(scope="module", params=["float32", "int8", "torch-int4"])
 def backend(request):
-    """Which kernel the block layers built in a test multiply through: the float32 block kernels
-    (cpu_kernels.py, where they build) or torch's int4 kernel (bf16 activations; `SPECULA_CPU_KERNELS=0`)."""
-    if request.param == "float32" and cpu_kernels.library() is None:
+    """Which kernel the block layers built in a test multiply through: the float32 block kernels (cpu_kernels.py,
+    where they build) on float32 activations or, Q4 blocks, on int8 ones (`SPECULA_INT8_ACTIVATIONS`), or torch's
+    int4 kernel (bf16 activations; `SPECULA_CPU_KERNELS=0`)."""
+    if request.param != "torch-int4" and cpu_kernels.library() is None:
         if os.environ.get("CI"):  # CI installs a compiler: the kernels must build there
             pytest.fail("the float32 block kernels did not build (see the log for why)")
         pytest.skip("the float32 block kernels do not build here")
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "torch-int4":
             patch.setattr(cpu_kernels, "library", lambda: None)
+        patch.setenv("SPECULA_INT8_ACTIVATIONS", "1" if request.param == "int8" else "0")
         yield request.param
 
 
@@ -98,11 +100,17 @@ def test_kernel_matches_the_dequantized_weights_within_the_formats_bound(kind, b
     exact = x.double() @ layer.dequantize().double().t()
     bound = output_error_bound(layer, x)
     assert ((got - exact).abs() <= bound).all(), float(((got - exact).abs() - bound).max())
-    assert float(bound.max()) < 0.05 * float(exact.abs().max())  # the bound says something: bf16-sized
+    # the bound says something: bf16-sized (int8 activations: the worst case of half a step on every input, 8%)
+    assert float(bound.max()) < (0.1 if layer.int8_activations() else 0.05) * float(exact.abs().max())
     if layer.rounds_inputs():
         assert got.dtype == torch.float64 and (got - exact).abs().max() > 1e-4 * exact.abs().max()  # bf16 shows
-    else:  # the float32 block kernels: float32-sized, on every shape, rows not a multiple of 4 and outputs of 16
-        assert kind != "int8" and float(bound.max()) < 1e-4 * float(exact.abs().max())
+    else:  # the block kernels: float32-sized (int8-sized on int8 activations), on every shape, rows not a
+        # multiple of 4 and outputs of 16
+        assert layer.int8_activations() == (backend == "int8" and kind.startswith("Q4"))
+        if layer.int8_activations():
+            assert (got - exact).abs().max() > 1e-4 * exact.abs().max()  # the activations' rounding shows
+        else:
+            assert kind != "int8" and float(bound.max()) < 1e-4 * float(exact.abs().max())
         odd = _random_layer(kind, out=40, inputs=96)
         xs = _x(5, inputs=96)
         err = (odd.kernel()(xs).double() - xs.double() @ odd.dequantize().double().t()).abs()
@@ -187,14 +195,14 @@ def test_a_q8_table_head_gives_the_files_logits_within_the_formats_bound(backend
     x = _x(7)
     got = head(x).double()
     want = x.double() @ table.dequantize().double().t()
-    if backend == "float32":
+    if backend != "torch-int4":
         assert (got - want).abs().le(output_error_bound(layer, x)).all()
     else:  # fp16 values: 2^-11 of each weight
         assert torch.allclose(got, want, rtol=0, atol=2.0**-10 * float((x.abs() @ layer.dequantize().abs().t()).max()))
     assert torch.equal(head(x[3:4]), head(x)[3:4])
     ids = torch.tensor([[3, 150], [7, 0]])
     assert torch.equal(table(ids), layer.dequantize()[ids])
-    if backend == "float32":  # a server drops the table's own blocks: lookups read the head kernel's
+    if backend != "torch-int4":  # a server drops the table's own blocks: lookups read the head kernel's
         assert sum(t.numel() for t in table.release()) == layer.qweight.numel() + layer.scales.numel()
         assert table.qweight.numel() == 0 and torch.equal(table(ids), layer.dequantize()[ids])
     with pytest.raises(AttributeError):
@@ -218,7 +226,7 @@ def test_an_fp16_table_head_gives_its_values_logits_and_a_tied_table_is_held_onc
     ids = torch.tensor([[3, OUT + 7], [0, 50]])
     assert torch.equal(table(ids), values[ids].float())
     dropped = table.release()
-    if backend == "float32":  # the tiles hold the values: the table's own copy goes
+    if backend != "torch-int4":  # the tiles hold the values: the table's own copy goes
         assert [t.numel() for t in dropped] == [values.numel()] and table.weight.numel() == 0
     assert torch.equal(table(ids), values[ids].float()) and torch.equal(head(x), got)
 
@@ -337,10 +345,9 @@ def test_a_position_gets_the_same_logits_in_a_call_of_any_width_on_a_quantized_t
 ):
     """torch's int4 kernel rounds its inputs to bfloat16, so attention's last bits would reach the logits: a model
     on it attends in float64 (attention.py), and a position's logits are the same bits fed one token at a time
-    beside a longer row as fed within a 10-token pass alone. On the float32 block kernels nothing is rounded to
-    bfloat16: the model keeps float32 attention (its steps and verify passes run the C decoder, the same bits in
-    any pass: test_cpu_decoder.py), and the torch path's logits agree to float32's rounding. A dense model on CPU
-    attends in float64 (attention.py)."""
+    beside a longer row as fed within a 10-token pass alone. On the block kernels nothing is rounded to bfloat16:
+    the model keeps float32 attention, and every pass runs the C decoder, the same bits in any pass
+    (test_cpu_decoder.py). A dense model on CPU attends in float64 (attention.py)."""
     model = quantized_pair[0].model
     use_gqa_attention(model)
     rounds = backend == "torch-int4"
@@ -354,10 +361,7 @@ def test_a_position_gets_the_same_logits_in_a_call_of_any_width_on_a_quantized_t
     wide = ModelRunner(model)
     wide.join(["a"], [tokens[:30]])
     together = wide.forward([tokens[30:]]).logits[0]
-    if rounds:
-        assert torch.equal(singly, together)
-    else:
-        assert torch.allclose(singly, together, rtol=0, atol=1e-5 * float(together.abs().max()))
+    assert torch.equal(singly, together)
 
 
 def test_mixed_methods_in_one_batch_on_a_quantized_target(quantized_pair, quantized_reference, prompt_ids):
@@ -372,7 +376,7 @@ def test_mixed_methods_in_one_batch_on_a_quantized_target(quantized_pair, quanti
 
 
 def test_calibration_and_prefix_cache_keys_name_the_weights_format_and_the_caches_precision(
-    quantized_pair, tiny_target
+    quantized_pair, tiny_target, backend
 ):
     from server.engine.calibration import Subject, cache_path
     from server.engine.engine import Engine
@@ -390,9 +394,11 @@ def test_calibration_and_prefix_cache_keys_name_the_weights_format_and_the_cache
     assert cache_path(settings.cache_dir, key(quantized)) != cache_path(settings.cache_dir, key(wide))
     # auto: a quantized target's keys and values in float16 (llama.cpp's cache), a dense one's as computed
     assert (quantized.kv_cache_dtype, wide.kv_cache_dtype, dense.kv_cache_dtype) == ("float16", "float32", "float32")
-    assert quantized.admission.prefixes.namespace.endswith(":as-file:kv-float16")
-    assert wide.admission.prefixes.namespace.endswith(":as-file:kv-float32")
-    assert dense.admission.prefixes.namespace.endswith(":fp32:kv-float32")
+    act = quantized.activations  # int8 or float32 by the backend (bfloat16 on torch's int4 kernel)
+    assert act == {"int8": "int8", "float32": "float32", "torch-int4": "bfloat16"}[backend]
+    assert quantized.admission.prefixes.namespace.endswith(f":as-file:{act}:kv-float16")
+    assert wide.admission.prefixes.namespace.endswith(f":as-file:{act}:kv-float32")
+    assert dense.admission.prefixes.namespace.endswith(":fp32:float32:kv-float32")
     tokens = list(range(40))
     names = [PrefixCache(1 << 20, namespace=ns).names(tokens, None) for ns in ("m:as-file", "m:fp32", "m:as-file")]
     assert names[0] != names[1] and names[0] == names[2]
@@ -471,5 +477,5 @@ def test_the_start_up_log_names_the_kernel_each_block_layer_runs(tokenizer, back
     from server.model.loading import describe_weights
 
     model = _quantized(tiny_llama(len(tokenizer), seed=4), "q4")
-    kernel = "bf16 kernel" if backend == "torch-int4" else "float32 kernel"
+    kernel = {"torch-int4": "bf16 kernel", "float32": "float32 kernel", "int8": "int8 activations"}[backend]
     assert f"q4 ({kernel})" in describe_weights(model, "as-file")

@@ -33,6 +33,7 @@ class ModelInfo:
     auto_max_speculative_tokens: int  # `auto`'s K when the request names none (the setting)
     weights: str = "fp32"  # the weights format the model is served in (server/model/loading.py)
     kv_cache_dtype: str = "float32"  # the precision of the target's cached keys and values (kv_shape.py)
+    activations: str = "float32"  # what the target's linear layers take their inputs in (quantized.py)
 
     @property
     def methods(self) -> list[str]:

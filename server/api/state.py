@@ -120,6 +120,7 @@ class ServerState:
             default_max_tokens=s.default_max_tokens,
             weights=engine.weights,
             kv_cache_dtype=engine.kv_cache_dtype,
+            activations=engine.activations,
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)

@@ -35,6 +35,7 @@ from server.model.attention import use_gqa_attention
 from server.model.kv_shape import kv_name, kv_precision
 from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.memory import HeapTrimmer, budget_bytes, rss_bytes
+from server.model.quantized import activations
 from server.model.runner import ModelRunner
 from server.speculation.acceptance import AcceptanceModel
 from server.speculation.budget import StepBudget, attention_span
@@ -69,6 +70,8 @@ class Engine:
         # the precision of the target's cached keys and values (kv_shape.py): /v1/models, cache keys
         self.kv_dtype = kv_precision(settings.kv_cache_dtype, target.weights, target.model.dtype)
         self.kv_cache_dtype = kv_name(self.kv_dtype, target.model.dtype)
+        # what the linear layers take their inputs in (quantized.py): /v1/models, cache keys
+        self.activations = activations(target.model)
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
@@ -83,8 +86,9 @@ class Engine:
         # prompt prefixes computed before, reused at join (prefix_cache.py); None: every prompt is prefilled
         prefixes = (prefix_cache.PrefixCache(budget_bytes(settings.prefix_cache_memory, self.device,
                                                           "prefix_cache_memory"),
-                                             # blocks differ per weights format and cache precision
-                                             namespace=f"{target.name}:{target.weights}:kv-{self.kv_cache_dtype}")
+                                             # blocks differ per weights format, activations and cache precision
+                                             namespace=f"{target.name}:{target.weights}:{self.activations}:"
+                                                       f"kv-{self.kv_cache_dtype}")
                     if settings.prefix_cache_memory is not None else None)
         shapes = [ModelRunner.kv_shape(target.model, self.kv_dtype), *self.planner.cache_shapes()]
         # the most tokens a step's pass computes, prompt tokens weighted by their depth (budget.py)

@@ -109,7 +109,7 @@ class CpuDecoder:
             self.keep.append(self.final)
         self.scratch = self.hidden + self.dims.qkv_ld + self.heads * self.head_dim + \
             max(self.dims.o_ld, self.dims.down_ld) + self.dims.gu_ld + self.inter + \
-            max(self.inter, self.heads * self.head_dim, self.hidden) // 32  # floats per token
+            cpu_kernels.scratch_per_row(max(self.inter, self.heads * self.head_dim, self.hidden))  # floats per token
 
     @classmethod
     def of(cls, base: nn.Module, fused: list, linears: list) -> CpuDecoder | None:

@@ -346,7 +346,8 @@ def describe_weights(model: nn.Module, weights: str) -> str:
     for module in model.modules():
         kind = getattr(module, "kind", None)
         if isinstance(module, QuantLinear) and module.runs_kernel():  # which kernel multiplies it
-            kind += " (bf16 kernel)" if module.rounds_inputs() else " (float32 kernel)"
+            kind += " (bf16 kernel)" if module.rounds_inputs() else \
+                " (int8 activations)" if module.int8_activations() else " (float32 kernel)"
         if kind is None and type(module).__name__ == "Linear":
             kind = f"dense {str(module.weight.dtype).removeprefix('torch.')}"
         if kind is not None:

@@ -2,7 +2,9 @@
 
 On an x86 CPU with a C compiler the blocks multiply through the float32 block kernels (cpu_kernels.py):
 float32 activations and outputs, the file's w = s q + m summed as s (sum x q) + m (sum x) per group of 32, a row's
-result the same bits in any batch, faster than torch's int4 kernel at every row count measured. Elsewhere, and with
+result the same bits in any batch, faster than torch's int4 kernel at every row count measured; on hosts without
+AVX-512 Q4 blocks take int8 activations, rounded per row and group of 32 (`QuantLinear.int8_activations`,
+cpu_kernels.py), still a row's own arithmetic. Elsewhere, and with
 `SPECULA_CPU_KERNELS=0`, they run through torch's int4 kernel as described below (`rounds_inputs`).
 
 A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes: SmolLM2-135M
@@ -30,8 +32,9 @@ s = d, z = 8d for the low ones: one byte a weight, w = bf16(d) * q exactly.
 Each output element is one sequential fp32 sum over its own row of activations: the kernel blocks rows four at
 a time but never mixes them, so a row's result is the same bits whatever rows share the call (tests check
 it). That keeps the target's arithmetic row-independent, which greedy exactness across proposers and batch
-compositions needs: weights only are quantized, never activations (dynamic activation quantization computes
-its scales over the rows of a call, and a row's logits would depend on its neighbours).
+compositions needs: no activation scale is ever computed over the rows of a call (dynamic int8 quantization
+does that, and a row's logits would depend on its neighbours); the block kernels' int8 activations take their
+scales from each row's own group of 32 inputs.
 
 An embedding table held as fp16 values (`Fp16Table`: a file's F16 table, or a checkpoint's head under `int8`)
 is multiplied as the LM head in fp32 (activations in, logits out: bf16 logits, the int4 kernel's output type,
@@ -121,6 +124,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._kernel: Kernel | None = None
+        self._int8: bool | None = None  # whether the kernel built for it (its own or a fused one) takes int8 inputs
 
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [out, in]: the file's values (the reference the kernels are tested against)."""
@@ -162,6 +166,12 @@ class QuantLinear(nn.Module):
     def _floats(self) -> bool:
         """Whether this layer multiplies through the float32 block kernels (GGUF blocks, where they built)."""
         return self.blocks and cpu_kernels.library() is not None
+
+    def int8_activations(self) -> bool:
+        """Whether its kernel rounds each row's activations to int8 per group of 32 (Q4 blocks on the block
+        kernels, where `cpu_kernels.int8_activations` says so): per row, so a row's result still does not depend
+        on the rows beside it."""
+        return False
 
     def release(self) -> list[torch.Tensor]:
         """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
@@ -261,8 +271,15 @@ class Q4Linear(QuantLinear):
         lib = cpu_kernels.library()
         if lib is not None:  # float32 in and out, w = s q + m with m = z - 8 s (the file's d q + m)
             s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
-            return _with_bias(cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib), self.bias)
+            tiles = cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib)
+            self._int8 = tiles.kind == cpu_kernels.KIND_Q4_INT8
+            return _with_bias(tiles, self.bias)
         return _int4_call(_int4_pack(q), self.scales_zeros, self.out_features, self.bias)
+
+    def int8_activations(self) -> bool:
+        if self._int8 is not None:
+            return self._int8
+        return self._floats() and cpu_kernels.int8_activations()
 
     def block_magnitude(self) -> torch.Tensor:
         """Per weight, |s| q + |z| + 8 |s| >= |s q| + |m| (m = z - 8s): the size of the terms the float32 block
@@ -270,6 +287,12 @@ class Q4Linear(QuantLinear):
         s, z = self.scales_zeros[..., 0].t().abs(), self.scales_zeros[..., 1].t().abs()
         q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
         return (s[..., None] * q + (z + 8 * s)[..., None]).reshape(self.out_features, self.in_features)
+
+    def scaled_values(self) -> torch.Tensor:
+        """Per weight |s| q: the terms int8 activations multiply (`output_error_bound`)."""
+        s = self.scales_zeros[..., 0].t().abs()
+        q = unpack_nibbles(self.qweight).float().view(self.out_features, -1, GROUP)
+        return (s[..., None] * q).reshape(self.out_features, self.in_features)
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight, the most the kernel's weight (bf16 s and z) can differ from the file's: u(|s||q-8| + |z|)."""
@@ -373,13 +396,18 @@ def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     accumulation (K 2^-24 sum |x w|, generously). A layer on the float32 block kernels (cpu_kernels.py) rounds
     nothing to bf16: it sums s (sum x q) + m (sum x) per group of 32 in fp32 (chains of 8 products, a 32-term sum
     of x, one product each, then K/32 groups; m recomputed from the stored zero), so its error is at most about
-    (K/32 + 16) 2^-24 sum |x| (|s| q + |m|), taken twice as generously."""
+    (K/32 + 16) 2^-24 sum |x| (|s| q + |m|), taken twice as generously; on int8 activations each input is also
+    off by up to half its group's step (`cpu_kernels.activation_error`) in the s q terms (the m terms take the
+    float sum of x): sum |dx| |s| q."""
     w = layer.dequantize().double()
     xa = x.double().abs()
     exact = x.double() @ w.t()
     if not layer.rounds_inputs():
         magnitude = layer.block_magnitude().double()
-        return (layer.in_features / GROUP + 16) * 2.0**-23 * (xa @ magnitude.t())
+        bound = (layer.in_features / GROUP + 16) * 2.0**-23 * (xa @ magnitude.t())
+        if layer.int8_activations():
+            bound = bound + cpu_kernels.activation_error(x) @ layer.scaled_values().double().t() * (1 + 2.0**-20)
+        return bound
     weights = xa @ layer.weight_error_bound().double().t()
     inputs = BF16_U * (xa @ w.abs().t())
     accumulate = layer.in_features * 2.0**-23 * (xa @ w.abs().t())
@@ -388,12 +416,24 @@ def output_error_bound(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def block_kernels(model: nn.Module) -> str | None:
     """Which kernels a model's quantized layers multiply through: "bf16" when any rounds its inputs to bf16
-    (torch's; the model then attends in float64: attention.py), "float32" when they all run the float32 block
-    kernels, None when no layer runs a quantized kernel."""
+    (torch's; the model then attends in float64: attention.py), "int8" when they run the block kernels and some
+    take int8 activations, "float32" when they all run the float32 block kernels on float32 activations, None when
+    no layer runs a quantized kernel."""
     running = [m for m in model.modules() if isinstance(m, QuantLinear) and m.runs_kernel()]
     if not running:
         return None
-    return "bf16" if any(m.rounds_inputs() for m in running) else "float32"
+    if any(m.rounds_inputs() for m in running):
+        return "bf16"
+    return "int8" if any(m.int8_activations() for m in running) else "float32"
+
+
+def activations(model: nn.Module) -> str:
+    """The precision a model's linear layers take their inputs in (/v1/models, cache keys): "int8" (Q4 blocks on
+    int8 activations), "bfloat16" (torch's int4 / int8 kernels round them), else the model's dtype."""
+    kernels = block_kernels(model)
+    if kernels in ("int8", "bf16"):
+        return {"int8": "int8", "bf16": "bfloat16"}[kernels]
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def fused(layers: list[QuantLinear]) -> Kernel | None:
@@ -413,6 +453,8 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
         merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
     call = merged.kernel()
     _packed_from(*layers)
+    for layer in layers:
+        layer._int8 = merged._int8
     return call
 
 

@@ -108,7 +108,7 @@ class ModelRunner:
         self.forward_kind = "transformers" if not lean_call else "lean-onednn" if self.call.packed else "lean"
         kernels = block_kernels(model)  # which quantized kernels
         if kernels is not None:
-            self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks"}[kernels]
+            self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks", "int8": "+q8-act-blocks"}[kernels]
         if lean_call and self.call.decoder is not None:
             self.forward_kind += "+c-decoder"  # steps and verify passes in one C call (cpu_decoder.py)
         self.kv_dtype = kv_dtype or self.dtype
