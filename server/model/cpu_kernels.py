@@ -60,7 +60,8 @@ import torch
 log = logging.getLogger(__name__)
 
 TILE = 16  # outputs a tile holds (one 512-bit vector of float32)
-KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_F16 = 4, 5, 8, 16  # the kernels' kinds: Q4 on float32 or int8 activations
+KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_F16 = 4, 5, 8, 9, 16  # the kernels' kinds (on float32 or int8
+# activations)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 
 SOURCE = r"""
@@ -245,48 +246,108 @@ static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
   }
 }
 
+/* The int8 product of one row's group with one tile: a (pairs 0-7) and b (pairs 8-15) summed in 16 bits, widened,
+   then acc += (s dx) t + m xs for both halves of 16 outputs. w: the group's 16 pairs as maddubs takes them. */
+static inline void group_q4i(const __m256i* w, const int8_t* xp, float dx, float xs, const float* s, const float* m,
+                             __m256* acc) {
+  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  for (int p = 0; p < 16; p++) {
+    int16_t pair;
+    memcpy(&pair, xp + 2 * p, 2);
+    const __m256i t = _mm256_maddubs_epi16(w[p], _mm256_set1_epi16(pair));
+    if (p < 8) a = _mm256_add_epi16(a, t);
+    else b = _mm256_add_epi16(b, t);
+  }
+  const __m256i lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
+                                      _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
+  const __m256i hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
+  const __m256 d = _mm256_set1_ps(dx), sum = _mm256_set1_ps(xs);
+  acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m), sum,
+                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]));
+  acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sum,
+                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]));
+}
+
+/* A group's 16 pairs of a kind-5 tile: per 4 inputs k..k+3, 32 bytes whose byte 2j holds q[k][j] (low nibble) and
+   q[k+2][j] (high), byte 2j+1 q[k+1][j] and q[k+3][j] (Tiles.q4): the low nibbles are pair (k, k+1) for each
+   output j as maddubs takes it, the high ones pair (k+2, k+3). */
+static inline void pairs_q4i(const uint8_t* q, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int u = 0; u < 8; u++) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + u * 32));
+    w[2 * u] = _mm256_and_si256(v, low);
+    w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+}
+
 /* One tile's 16 outputs for all M rows, kind 5: xs holds the rows' group sums [M, K/32], then their scales dx
-   [M, K/32], then their int8 values [M, K] (`prepare_row`). */
+   [M, K/32], then their int8 values [M, K] (`prepare_row`). One row (a decoding step) keeps its sums in registers
+   over the groups; more rows take each group's pairs once and leave their sums in y between groups: the same
+   operations per row either way. */
 static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, const float* xs,
                      float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
   const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
-  const __m128i low = _mm_set1_epi8(15);
-  __m256i wb[16];
+  __m256i w[16];
+  if (M == 1) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) {
+      pairs_q4i(q + g * 256, w);
+      group_q4i(w, xq + g * 32, dx[g], xs[g], s + g * 16, m + g * 16, acc);
+    }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
+    return;
+  }
   for (int64_t g = 0; g < G; g++) {
-    for (int p = 0; p < 16; p++) {  /* pair (k, k + 1): byte j holds q[k][j] low, q[k + 1][j] high */
-      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (g * 16 + p) * 16));
-      const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-      wb[p] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-    }
-    const __m256 s0 = _mm256_loadu_ps(s + g * 16), s1 = _mm256_loadu_ps(s + g * 16 + 8);
-    const __m256 m0 = _mm256_loadu_ps(m + g * 16), m1 = _mm256_loadu_ps(m + g * 16 + 8);
+    pairs_q4i(q + g * 256, w);
     for (int64_t r = 0; r < M; r++) {
-      const int8_t* xp = xq + r * K + g * 32;
-      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-      for (int p = 0; p < 8; p++) {
-        int16_t pair;
-        memcpy(&pair, xp + 2 * p, 2);
-        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(wb[p], _mm256_set1_epi16(pair)));
-      }
-      for (int p = 8; p < 16; p++) {
-        int16_t pair;
-        memcpy(&pair, xp + 2 * p, 2);
-        b = _mm256_add_epi16(b, _mm256_maddubs_epi16(wb[p], _mm256_set1_epi16(pair)));
-      }
-      const __m256i lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
-                                          _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
-      const __m256i hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
-                                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
-      const __m256 d = _mm256_set1_ps(dx[r * G + g]), sum = _mm256_set1_ps(xs[r * G + g]);
       float* yr = y + r * ldy;
-      __m256 a0 = g ? _mm256_loadu_ps(yr) : _mm256_setzero_ps(), a1 = g ? _mm256_loadu_ps(yr + 8) : _mm256_setzero_ps();
-      a0 = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(_mm256_mul_ps(s0, d), _mm256_cvtepi32_ps(lo), a0));
-      a1 = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(_mm256_mul_ps(s1, d), _mm256_cvtepi32_ps(hi), a1));
-      _mm256_storeu_ps(yr, a0);
-      _mm256_storeu_ps(yr + 8, a1);
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (g) acc[0] = _mm256_loadu_ps(yr), acc[1] = _mm256_loadu_ps(yr + 8);
+      group_q4i(w, xq + r * K + g * 32, dx[r * G + g], xs[r * G + g], s + g * 16, m + g * 16, acc);
+      _mm256_storeu_ps(yr, acc[0]);
+      _mm256_storeu_ps(yr + 8, acc[1]);
     }
+  }
+}
+
+/* Q8 products on int8 activations (kind 9, KIND_Q8_INT8): per 4 inputs k..k+3 a tile holds 64 bytes, for each of
+   its 16 outputs j the 4 values q[k..k+3][j] side by side. _mm256_maddubs_epi16 multiplies |q| by xq given q's
+   sign (llama.cpp's trick: at most 2 x 128 x 127 in 16 bits, exact), _mm256_madd_epi16 adds each output's two
+   halves in 32 bits: 32 multiply-adds in five instructions. Summed over the group (exact), then y += (s dx) t. */
+static inline void group_q8i(const uint8_t* q, const int8_t* xp, float dx, const float* s, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  for (int u = 0; u < 8; u++) {
+    int32_t quad;
+    memcpy(&quad, xp + 4 * u, 4);
+    const __m256i x = _mm256_set1_epi32(quad);
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
+    const __m256i pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a));
+    const __m256i pb = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(x, b));
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pa, ones));
+    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(pb, ones));
+  }
+  const __m256 d = _mm256_set1_ps(dx);
+  acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]);
+  acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
+}
+
+/* One tile's 16 outputs for all M rows, kind 9 (xs as for kind 5: `prepare_row`): a row's sums kept in registers
+   over the groups, the same operations per row for any M. */
+static void tile_q8i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  const float* dx = xs + M * G;
+  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
+  for (int64_t r = 0; r < M; r++) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) group_q8i(q + g * 512, xq + r * K + g * 32, dx[r * G + g], s + g * 16, acc);
+    _mm256_storeu_ps(y + r * ldy, acc[0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[1]);
   }
 }
 
@@ -304,7 +365,7 @@ static void group_sums(const float* x, int64_t K, float* xs) {
 
 /* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q8 one, F16 two (16 outputs each). */
 static inline int64_t tile_bytes(int64_t kind, int64_t K) {
-  return kind == 4 || kind == 5 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16;
+  return kind == 4 || kind == 5 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16;  /* Q8: kinds 8 and 9 */
 }
 
 /* What a Q4 product needs of row r of x [M, K] (every row's, before any tile): its group sums xs [M, K/32] and,
@@ -312,13 +373,14 @@ static inline int64_t tile_bytes(int64_t kind, int64_t K) {
 static void prepare_row(int kind, const float* x, int64_t M, int64_t K, float* xs, int64_t r) {
   const int64_t G = K / 32;
   group_sums(x + r * K, K, xs + r * G);
-  if (kind == 5) quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K);
+  if (kind == 5 || kind == 9) quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K);
 }
 
 /* One tile's outputs for all M rows, by kind. */
 static inline void tile_of(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                            const float* m, const float* xs, float* y, int64_t ldy) {
   if (kind == 5) tile_q4i(M, K, q, s, m, xs, y, ldy);
+  else if (kind == 9) tile_q8i(M, K, q, s, xs, y, ldy);
   else tile(kind, x, M, K, q, s, m, xs, y, ldy);
 }
 
@@ -330,7 +392,7 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q
   const int64_t qb = tile_bytes(kind, K), sb = K / 32 * 16;
   #pragma omp parallel num_threads(threads)
   {
-    if (kind == 4 || kind == 5) {
+    if (kind == 4 || kind == 5 || kind == 9) {
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < M; r++) prepare_row(kind, x, M, K, xs, r);
     }
@@ -425,7 +487,7 @@ static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
 /* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
   const int64_t qb = tile_bytes(w->kind, w->K), sb = w->K / 32 * 16;
-  if (w->kind == 4 || w->kind == 5) {
+  if (w->kind == 4 || w->kind == 5 || w->kind == 9) {
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++) prepare_row(w->kind, x, M, w->K, xs, r);
   }
@@ -824,24 +886,33 @@ class Tiles:
         return self.q, self.s, self.m
 
     @classmethod
-    def q4(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
-        """q [N, K] values in [0, 15]; s, m [N, K/32]: w = s q + m."""
+    def q4(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, lib: ctypes.CDLL, int8: bool | None = None) -> Tiles:
+        """q [N, K] values in [0, 15]; s, m [N, K/32]: w = s q + m; on int8 activations where `int8` (None: where
+        `int8_activations` says)."""
         n, k = q.shape
         q, s, m = _pad(q, s, m)
         t = q.shape[0] // TILE
         qt = q.to(torch.uint8).view(t, TILE, k).transpose(1, 2)  # [tiles, K, 16]
+        if int8_activations() if int8 is None else int8:
+            # per 4 inputs k..k+3, 32 bytes: byte 2j = k (low) and k + 2 (high), 2j + 1 = k + 1 and k + 3
+            quads = qt.reshape(t, k // 4, 4, TILE)
+            even, odd = quads[:, :, 0] | (quads[:, :, 2] << 4), quads[:, :, 1] | (quads[:, :, 3] << 4)
+            packed = torch.stack([even, odd], dim=-1).reshape(t, k // 2, TILE)
+            return cls(KIND_Q4_INT8, packed, _tiled(s, t), _tiled(m, t), n, lib)
         packed = qt[:, 0::2] | (qt[:, 1::2] << 4)  # [tiles, K/2, 16]: inputs k (low) and k + 1 (high)
-        kind = KIND_Q4_INT8 if int8_activations() else KIND_Q4
-        return cls(kind, packed, _tiled(s, t), _tiled(m, t), n, lib)
+        return cls(KIND_Q4, packed, _tiled(s, t), _tiled(m, t), n, lib)
 
     @classmethod
-    def q8(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
-        """q [N, K] int8; s [N, K/32]: w = s q."""
+    def q8(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL, int8: bool | None = None) -> Tiles:
+        """q [N, K] int8; s [N, K/32]: w = s q; on int8 activations where `int8` (None: `int8_activations`)."""
         n, k = q.shape
         q, s, _ = _pad(q, s, s[:, :0])
         t = q.shape[0] // TILE
-        qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous().view(torch.uint8)  # [tiles, K, 16]
-        return cls(KIND_Q8, qt, _tiled(s, t), torch.zeros(1), n, lib)  # no minimum: m is never read for Q8
+        qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 16]
+        if int8_activations() if int8 is None else int8:  # per 4 inputs k..k+3: 16 x (q[k][j] .. q[k+3][j])
+            quads = qt.view(t, k // 4, 4, TILE).transpose(2, 3).contiguous().view(torch.uint8).view(t, k, TILE)
+            return cls(KIND_Q8_INT8, quads, _tiled(s, t), torch.zeros(1), n, lib)
+        return cls(KIND_Q8, qt.view(torch.uint8), _tiled(s, t), torch.zeros(1), n, lib)  # m is never read for Q8
 
     @classmethod
     def f16(cls, w: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
@@ -854,6 +925,20 @@ class Tiles:
         t = w.shape[0] // TILE
         qt = w.view(t, TILE, k).transpose(1, 2).contiguous().view(torch.uint8)  # [tiles, K, 16] float16 as bytes
         return cls(KIND_F16, qt, torch.zeros(1), torch.zeros(1), n, lib, in_features=k)
+
+    def values(self, ids: torch.Tensor) -> torch.Tensor:
+        """The unscaled values of output rows `ids` ([n]) over every input, [n, K] (int8 for Q8, float16 for F16):
+        what a table's lookups read once the tiles alone hold it."""
+        if self.kind == KIND_F16:
+            return tile_rows(self.q.view(torch.float16), ids)
+        q = self.q.view(torch.int8)
+        if self.kind == KIND_Q8_INT8:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
+            t = self.q.shape[0]
+            quads = q.view(t, self.in_features // 4, TILE, 4)
+            tile, lane = (ids // TILE)[:, None], (ids % TILE)[:, None]
+            at = torch.arange(self.in_features // 4, device=q.device)[None]
+            return quads[tile, at, lane].reshape(len(ids), self.in_features)
+        return tile_rows(q, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -917,8 +1002,8 @@ def _tiled(v: torch.Tensor, tiles: int) -> torch.Tensor:
 
 
 def _probe(lib: ctypes.CDLL) -> bool:
-    """One small product of each kind against float64, within float32's rounding (and, for Q4 on int8 activations,
-    the activations' rounding: `activation_error`)."""
+    """One small product of each kind against float64, within float32's rounding (and, on int8 activations, the
+    activations' rounding: `activation_error`)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g)
     s = torch.rand(20, 2, generator=g) * 0.1
@@ -926,14 +1011,14 @@ def _probe(lib: ctypes.CDLL) -> bool:
     m = -8 * s
     q8 = torch.randint(-128, 128, (20, 64), generator=g)
     f16 = (torch.randn(20, 64, generator=g) * 0.1).half()
-    w4 = s.repeat_interleave(32, 1) * q4 + m.repeat_interleave(32, 1)
-    floats, int8 = Tiles.q4(q4, s, m, lib), Tiles.q4(q4, s, m, lib)
-    floats.kind, int8.kind = KIND_Q4, KIND_Q4_INT8
-    for tiles, w in ((floats, w4), (int8, w4), (Tiles.q8(q8, s, lib), s.repeat_interleave(32, 1) * q8),
-                     (Tiles.f16(f16, lib), f16)):
+    scaled4, scaled8 = s.repeat_interleave(32, 1) * q4, s.repeat_interleave(32, 1) * q8
+    w4 = scaled4 + m.repeat_interleave(32, 1)
+    for tiles, w, scaled in (*((Tiles.q4(q4, s, m, lib, int8=i8), w4, scaled4) for i8 in (False, True)),
+                             *((Tiles.q8(q8, s, lib, int8=i8), scaled8, scaled8) for i8 in (False, True)),
+                             (Tiles.f16(f16, lib), f16, None)):
         want = x.double() @ w.double().t()
-        slack = activation_error(x) @ (s.repeat_interleave(32, 1) * q4).double().abs().t() \
-            if tiles.kind == KIND_Q4_INT8 else 0
+        rounded = tiles.kind in (KIND_Q4_INT8, KIND_Q8_INT8)
+        slack = activation_error(x) @ scaled.double().abs().t() if rounded else 0
         if not ((tiles(x).double() - want).abs() <= slack + 1e-5 * float(want.abs().max())).all():
             return False
     return True

@@ -168,10 +168,16 @@ class QuantLinear(nn.Module):
         return self.blocks and cpu_kernels.library() is not None
 
     def int8_activations(self) -> bool:
-        """Whether its kernel rounds each row's activations to int8 per group of 32 (Q4 blocks on the block
+        """Whether its kernel rounds each row's activations to int8 per group of 32 (Q4 and Q8 blocks on the block
         kernels, where `cpu_kernels.int8_activations` says so): per row, so a row's result still does not depend
         on the rows beside it."""
-        return False
+        if self._int8 is not None:
+            return self._int8
+        return self._floats() and cpu_kernels.int8_activations()
+
+    def scaled_values(self) -> torch.Tensor:
+        """Per weight |d q|: the terms int8 activations multiply (`output_error_bound`)."""
+        return self.block_magnitude()
 
     def release(self) -> list[torch.Tensor]:
         """Drop this layer's own buffers once the kernels that serve it hold their copies (a server's model:
@@ -276,11 +282,6 @@ class Q4Linear(QuantLinear):
             return _with_bias(tiles, self.bias)
         return _int4_call(_int4_pack(q), self.scales_zeros, self.out_features, self.bias)
 
-    def int8_activations(self) -> bool:
-        if self._int8 is not None:
-            return self._int8
-        return self._floats() and cpu_kernels.int8_activations()
-
     def block_magnitude(self) -> torch.Tensor:
         """Per weight, |s| q + |z| + 8 |s| >= |s q| + |m| (m = z - 8s): the size of the terms the float32 block
         kernel sums for it (`output_error_bound`)."""
@@ -332,7 +333,9 @@ class Q8Linear(QuantLinear):
     def _build(self) -> Kernel:
         lib = cpu_kernels.library()
         if lib is not None:  # float32 in and out, w = d q
-            return _with_bias(cpu_kernels.Tiles.q8(self.qweight, self.scales, lib), self.bias)
+            tiles = cpu_kernels.Tiles.q8(self.qweight, self.scales, lib)
+            self._int8 = tiles.kind == cpu_kernels.KIND_Q8_INT8
+            return _with_bias(tiles, self.bias)
         u = self.qweight.to(torch.int32) + 128  # [out, in] in [0, 255]
         hi, lo = u >> 4, u & 15
         packed = _int4_pack(torch.cat([hi, lo], dim=1))  # [out, 2 in]: the high halves' groups, then the low
@@ -477,7 +480,7 @@ class Fp16Table(nn.Module):
         """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once they alone hold them)."""
         if self.tiles is None or self.weight.numel():
             return F.embedding(ids, self.weight).float()
-        rows = cpu_kernels.tile_rows(self.tiles.q.view(torch.float16), ids.reshape(-1))  # the same values
+        rows = self.tiles.values(ids.reshape(-1))  # the same values
         return rows.float().view(*ids.shape, self.embedding_dim)
 
     def release(self) -> list[torch.Tensor]:
@@ -517,7 +520,7 @@ class BlockTable(nn.Module):
     def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
         tiles = self.tiles
-        return cpu_kernels.tile_rows(tiles.q.view(torch.int8), ids).float(), cpu_kernels.tile_rows(tiles.s, ids)
+        return tiles.values(ids).float(), cpu_kernels.tile_rows(tiles.s, ids)
 
     def release(self) -> list[torch.Tensor]:
         """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):
