@@ -21,15 +21,17 @@ head 23 / 46 / 52 / 55 (a one-token step of SmolLM2-135M 12.4 -> 8.0 ms, a 17-to
 of context 128 -> 58 ms). Float16 weights (`Tiles.f16`, an fp16 embedding table as the LM head) run the same
 loops, unscaled.
 
-On such a host a Q4 product is bound by float arithmetic, not bytes: decoding the 4-bit values to floats costs
-more than the multiply-add. There Q4 layers take int8 activations (`KIND_Q4_INT8`, `int8_activations`;
-`SPECULA_INT8_ACTIVATIONS=0` / `1` decides): each row's inputs rounded per group of 32 to int8 with the scale
-max|x| / 127 (llama.cpp's Q8_1 for its Q4_1 products), multiplied by the 4-bit values in integers (32
-multiply-adds an instruction), the group's sum scaled once, the minimum's term on the float sum of the inputs.
-Per row, so a row's result is still the same bits in any batch; each input is off by at most half its group's
-step (`activation_error`). 3072 x 576 at 1 / 4 / 17 / 128 rows 26 / 59 / 94 / 99 GMAC/s against the float loops'
-11-18 / 24-40 / 47 / 27-54 under the same load; a one-token step of SmolLM2-135M 8.0 -> 6.3 ms, a 17-token verify
-pass 55 -> 37 ms. AVX-512 hosts keep float32 activations (their float loops measured as fast).
+On such a host a product is bound by float arithmetic, not bytes: decoding the 4-bit values to floats costs more
+than the multiply-add. There Q4 and Q8 blocks take int8 activations (`KIND_Q4_INT8`, `KIND_Q8_INT8`,
+`int8_activations`; `SPECULA_INT8_ACTIVATIONS=0` / `1` decides): each row's inputs rounded per group of 32 to int8
+with the scale max|x| / 127 (llama.cpp's Q8_1 and Q8_0 for its Q4_1 and Q8_0 products), multiplied by the
+weights' values in integers (exact), each group's sum scaled once, Q4's minimum term on the float sum of the
+inputs. Per row, so a row's result is still the same bits in any batch; each input is off by at most half its
+group's step (`activation_error`). In-process on the AVX2 host, float32 against int8 activations: 3072 x 576 Q4
+at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s; the 49152 x 576
+Q8_0 head at 1 / 5 / 17 rows 21 / 48 / 54 against 31 / 65 / 85; a one-token step of SmolLM2-135M at 300 tokens
+of context 8.6-9.9 against 6.0-6.2 ms, a 17-token verify pass 55-62 against 34-35 ms. AVX-512 hosts keep float32
+activations (their float loops measured as fast as these there, and keep the inputs exact).
 
 `decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
 
