@@ -34,8 +34,8 @@ and vanish when the output is rounded back to float32 (the same 4 prompts, 64 to
 a 2,000-token prompt's prefill 1.39x (attention is ~40% of a chunk's cost there; float64 halves its speed).
 A dense model on CPU attends in float64 too: on an AVX2 host (no AVX-512) SDPA's float32 results for a position
 moved by ~1e-5 of a logit with the pass's width and the rows beside it (a tiny model: 9.5e-6; 0 in float64), enough
-to change a seeded sample with the proposer. A model on the float32 block kernels runs its steps and verify passes
-in the C decoder (cpu_decoder.py: the same bits in any pass) and attends in float32 for deep prompt chunks alone.
+to change a seeded sample with the proposer. A model on the float32 block kernels runs every pass in the C decoder
+(cpu_decoder.py: the same bits in any pass); it attends here in float32 only with `SPECULA_CPU_DECODER=0`.
 """
 
 from __future__ import annotations
