@@ -253,9 +253,9 @@ class Model(_Doc):
                                      "bf16 (the `weights` setting, resolved)")
     kv_cache_dtype: str = Field(description="the precision of the cached keys and values: float16, bfloat16, "
                                             "float32 (the `kv_cache_dtype` setting, resolved)")
-    activations: str = Field(description="what the linear layers take their inputs in: int8 (a GGUF's Q4 blocks on "
-                                         "CPU hosts without AVX-512: per row and group of 32, as llama.cpp's Q8_1), "
-                                         "bfloat16, float32")
+    activations: str = Field(description="what the linear layers take their inputs in: int8 (a GGUF's Q4 and Q8_0 "
+                                         "blocks on CPU hosts without AVX-512: per row and group of 32, as llama.cpp's "
+                                         "Q8_1), bfloat16, float32")
     speculation: ModelSpeculation
 
 

@@ -31,7 +31,7 @@ group's step (`activation_error`). In-process on the AVX2 host, float32 against 
 at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s; the 49152 x 576
 Q8_0 head at 1 / 5 / 17 rows 21 / 48 / 54 against 31 / 65 / 85; a one-token step of SmolLM2-135M at 300 tokens
 of context 8.6-9.9 against 6.0-6.2 ms, a 17-token verify pass 55-62 against 34-35 ms. AVX-512 hosts keep float32
-activations (their float loops measured as fast as these there, and keep the inputs exact).
+activations (their float loops reached 94-103 GMAC/s there and keep the inputs exact; int8 is not measured there).
 
 `decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
 

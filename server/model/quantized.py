@@ -3,7 +3,7 @@
 On an x86 CPU with a C compiler the blocks multiply through the float32 block kernels (cpu_kernels.py):
 float32 activations and outputs, the file's w = s q + m summed as s (sum x q) + m (sum x) per group of 32, a row's
 result the same bits in any batch, faster than torch's int4 kernel at every row count measured; on hosts without
-AVX-512 Q4 blocks take int8 activations, rounded per row and group of 32 (`QuantLinear.int8_activations`,
+AVX-512 Q4 and Q8_0 blocks take int8 activations, rounded per row and group of 32 (`QuantLinear.int8_activations`,
 cpu_kernels.py), still a row's own arithmetic. Elsewhere, and with
 `SPECULA_CPU_KERNELS=0`, they run through torch's int4 kernel as described below (`rounds_inputs`).
 
@@ -431,8 +431,8 @@ def block_kernels(model: nn.Module) -> str | None:
 
 
 def activations(model: nn.Module) -> str:
-    """The precision a model's linear layers take their inputs in (/v1/models, cache keys): "int8" (Q4 blocks on
-    int8 activations), "bfloat16" (torch's int4 / int8 kernels round them), else the model's dtype."""
+    """The precision a model's linear layers take their inputs in (/v1/models, cache keys): "int8" (Q4 and Q8_0
+    blocks on int8 activations), "bfloat16" (torch's int4 / int8 kernels round them), else the model's dtype."""
     kernels = block_kernels(model)
     if kernels in ("int8", "bf16"):
         return {"int8": "int8", "bf16": "bfloat16"}[kernels]
