@@ -386,24 +386,6 @@ static inline void tile_of(int kind, const float* x, int64_t M, int64_t K, const
   else tile(kind, x, M, K, q, s, m, xs, y, ldy);
 }
 
-/* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
-   float16), s and m [tiles][K/32][16] float32 (m unread for Q8, neither for F16). xs: scratch of M * (K/32 * 2 +
-   K/4) floats (`prepare_row`). */
-void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
-                const float* m, float* xs, float* y, int64_t tiles, int threads) {
-  const int64_t qb = tile_bytes(kind, K), sb = K / 32 * 16;
-  #pragma omp parallel num_threads(threads)
-  {
-    if (kind == 4 || kind == 5 || kind == 9) {
-      #pragma omp for schedule(static)
-      for (int64_t r = 0; r < M; r++) prepare_row(kind, x, M, K, xs, r);
-    }
-    #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-      tile_of(kind, x, M, K, q + t * qb, s + t * sb, m + t * sb, xs, y + t * 16, tiles * 16);
-  }
-}
-
 /* ---- the decoder stack of a Llama model on these weights, in one call (cpu_decoder.py) ---------------- */
 #include <float.h>
 #include <math.h>
@@ -518,7 +500,8 @@ static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
   return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* The threads' share of y = x W (called inside a parallel region): tiles split statically. */
+/* The threads' share of y = x W (called inside a parallel region): tiles split statically. xs: scratch of
+   M * (K/32 * 2 + K/4) floats (`prepare_row`). */
 static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
   const int64_t qb = tile_bytes(w->kind, w->K), sb = w->K / 32 * 16;
   if (w->kind == 4 || w->kind == 5 || w->kind == 9) {
@@ -528,6 +511,16 @@ static void gemm_in(const struct weights* w, const float* x, int64_t M, float* x
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < w->tiles; t++)
     tile_of(w->kind, x, M, w->K, w->q + t * qb, w->s + t * sb, w->m + t * sb, xs, y + t * 16, w->tiles * 16);
+}
+
+/* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
+   float16; the int8-activation kinds in their own order, Tiles.q4 / q8), s and m [tiles][K/32][16] float32 (m
+   unread for Q8, neither for F16). */
+void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
+                const float* m, float* xs, float* y, int64_t tiles, int threads) {
+  const struct weights w = {q, s, m, tiles, K, kind, 0};
+  #pragma omp parallel num_threads(threads)
+  gemm_in(&w, x, M, xs, y);
 }
 
 /* transformers' RMSNorm in float32: h = (x * rsqrt(mean(x^2) + eps)) * w, the mean summed in one fixed order. */
@@ -599,23 +592,21 @@ static void values_f32(const void* cache, const int32_t* live, int64_t i0, int64
 }
 
 /* o [w8 x 8] (w8 <= 8) += sum over the keys i < count in order of p[i] v_i, v_i = vb + i * d. */
-static inline void weigh(float* out, int first, const float* p, const float* vb, int32_t count, int64_t d, int64_t w8) {
+static inline __attribute__((always_inline)) void weigh_n(float* out, int first, const float* p, const float* vb,
+                                                          int32_t count, int64_t d, int64_t w8) {
   __m256 o[8];
-  if (w8 == 8) {  /* the common case (64 dimensions): constant bounds, the sums in registers */
-    for (int j = 0; j < 8; j++) o[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * j);
-    for (int32_t i = 0; i < count; i++) {
-      const __m256 pv = _mm256_set1_ps(p[i]);
-      for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vb + i * d + 8 * j), o[j]);
-    }
-    for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
-    return;
-  }
   for (int64_t j = 0; j < w8; j++) o[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * j);
   for (int32_t i = 0; i < count; i++) {
     const __m256 pv = _mm256_set1_ps(p[i]);
     for (int64_t j = 0; j < w8; j++) o[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vb + i * d + 8 * j), o[j]);
   }
   for (int64_t j = 0; j < w8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+}
+
+/* The common case (64 dimensions) with constant bounds, so the sums stay in registers. */
+static void weigh(float* out, int first, const float* p, const float* vb, int32_t count, int64_t d, int64_t w8) {
+  if (w8 == 8) weigh_n(out, first, p, vb, count, d, 8);
+  else weigh_n(out, first, p, vb, count, d, w8);
 }
 
 static void attend_block(const float* q, int64_t ldq, int64_t B, int64_t G, const void* K, const void* V,
@@ -967,11 +958,8 @@ class Tiles:
             return tile_rows(self.q.view(torch.float16), ids)
         q = self.q.view(torch.int8)
         if self.kind == KIND_Q8_INT8:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
-            t = self.q.shape[0]
-            quads = q.view(t, self.in_features // 4, TILE, 4)
-            tile, lane = (ids // TILE)[:, None], (ids % TILE)[:, None]
-            at = torch.arange(self.in_features // 4, device=q.device)[None]
-            return quads[tile, at, lane].reshape(len(ids), self.in_features)
+            quads = q.view(self.tiles, self.in_features // 4, TILE, 4)
+            return tile_rows(quads, ids).reshape(len(ids), self.in_features)
         return tile_rows(q, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -1015,8 +1003,8 @@ def activation_error(x: torch.Tensor) -> torch.Tensor:
 
 
 def tile_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` ([n]) of a matrix held in tiles of 16 rows, [T, C, 16] (`Tiles.q` viewed as its values, `Tiles.s`):
-    row i is lane i % 16 of tile i // 16, [n, C]."""
+    """Rows `ids` ([n]) of a matrix held in tiles of 16 rows, [T, C, 16, ...] (`Tiles.q` viewed as its values,
+    `Tiles.s`): row i is lane i % 16 of tile i // 16, [n, C, ...]."""
     tile, lane = (ids // TILE)[:, None], (ids % TILE)[:, None]
     return tiled[tile, torch.arange(tiled.shape[1], device=tiled.device)[None], lane]
 
