@@ -28,7 +28,9 @@ with the scale max|x| / 127 (llama.cpp's Q8_1 and Q8_0 for its Q4_1 and Q8_0 pro
 weights' values in integers (exact), each group's sum scaled once, Q4's minimum term on the float sum of the
 inputs. Per row, so a row's result is still the same bits in any batch; each input is off by at most half its
 group's step (`activation_error`). In-process on the AVX2 host, float32 against int8 activations: 3072 x 576 Q4
-at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s; the 49152 x 576
+at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s (one thread, with
+the weights unpacked once per block of 3 rows, 4 / 17 / 128 rows 57 / 68-71 / 68-69 where a whole group's unpacked
+values per row reached 46 / 52 / 55: two threads 70-101 / 85-131 / 134); the 49152 x 576
 Q8_0 head at 1 / 5 / 17 rows 21 / 48 / 54 against 31 / 65 / 85; a one-token step of SmolLM2-135M at 300 tokens
 of context 8.6-9.9 against 6.0-6.2 ms, a 17-token verify pass 55-62 against 34-35 ms. AVX-512 hosts keep float32
 activations (their float loops reached 94-103 GMAC/s there and keep the inputs exact; int8 is not measured there).
@@ -221,11 +223,11 @@ static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* 
 
 /* Q4 products on int8 activations (kind 5, KIND_Q4_INT8 in Python; AVX2 instructions, which AVX-512 hosts have
    too). Each row's activations are rounded to int8 per group of 32 (`quantize_row`: dx = max|x| / 127, xq = x / dx
-   to nearest even), then _mm256_maddubs_epi16 multiplies a tile's byte pairs (q[k][j], q[k+1][j]) for its 16
-   outputs by the pair (xq[k], xq[k+1]): 32 multiply-adds an instruction where the float loops do 8 (as llama.cpp's
-   Q4_1 x Q8_1 dot product does). Per group: two runs of 8 pairs summed in 16 bits (at most 8 x 2 x 15 x 127 =
-   30,480), widened and added (exact), then y += (s dx) t + m xs in float32, with xs the float sum of the group's
-   inputs (group_sums, as kind 4 uses it). All of it per row: a row's result is the same bits in any batch. */
+   to nearest even), then _mm256_maddubs_epi16 multiplies a tile's 4 values (q[k..k+3][j]) of 8 outputs by the
+   row's 4 inputs (xq[k..k+3]) in pairs: 32 multiply-adds an instruction where the float loops do 8 (as llama.cpp's
+   Q4_1 x Q8_1 dot product does). Per group: summed in 16 bits (exact, `group_q4i`), each output's two lanes added
+   in 32 bits, then y += (s dx) t + m xs in float32, with xs the float sum of the group's inputs (group_sums, as
+   kind 4 uses it). All of it per row: a row's result is the same bits in any batch. */
 static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -248,72 +250,93 @@ static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
   }
 }
 
-/* The int8 product of one row's group with one tile: a (pairs 0-7) and b (pairs 8-15) summed in 16 bits, widened,
-   then acc += (s dx) t + m xs for both halves of 16 outputs. w: the group's 16 pairs as maddubs takes them. */
-static inline void group_q4i(const __m256i* w, const int8_t* xp, float dx, float xs, const float* s, const float* m,
-                             __m256* acc) {
-  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-  for (int p = 0; p < 16; p++) {
-    int16_t pair;
-    memcpy(&pair, xp + 2 * p, 2);
-    const __m256i t = _mm256_maddubs_epi16(w[p], _mm256_set1_epi16(pair));
-    if (p < 8) a = _mm256_add_epi16(a, t);
-    else b = _mm256_add_epi16(b, t);
-  }
-  const __m256i lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
-                                      _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
-  const __m256i hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
-                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
-  const __m256 d = _mm256_set1_ps(dx), sum = _mm256_set1_ps(xs);
-  acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m), sum,
-                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]));
-  acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sum,
-                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]));
-}
-
-/* A group's 16 pairs of a kind-5 tile: per 4 inputs k..k+3, 32 bytes whose byte 2j holds q[k][j] (low nibble) and
-   q[k+2][j] (high), byte 2j+1 q[k+1][j] and q[k+3][j] (Tiles.q4): the low nibbles are pair (k, k+1) for each
-   output j as maddubs takes it, the high ones pair (k+2, k+3). */
-static inline void pairs_q4i(const uint8_t* q, __m256i* w) {
+/* The int8 products of R rows' groups with one tile's group (R a constant where it is inlined; 3 rows keep their
+   6 sums and the weights in AVX2's 16 registers, 4 spilled two to the stack). Per 4 inputs u a tile holds 32
+   bytes, byte 4j + e holding q[4u + e][j] (low nibble) and q[4u + e][j + 8] (high) (Tiles.q4). One unpacking of
+   a quad feeds every row: with a row's 4 inputs broadcast (a load, no shuffle), _mm256_maddubs_epi16 multiplies
+   each output's 4 weights by them in pairs, 32 multiply-adds an instruction, summed in 16 bits over the group
+   (at most 8 x 2 x 15 x 127 = 30,480: exact). lo[r] holds outputs 0-7, hi[r] outputs 8-15, two lanes each. */
+static inline __attribute__((always_inline)) void group_q4i(const int R, const uint8_t* q, const int8_t* xp,
+                                                            int64_t ldx, __m256i* lo, __m256i* hi) {
   const __m256i low = _mm256_set1_epi8(15);
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 1
   for (int u = 0; u < 8; u++) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + u * 32));
-    w[2 * u] = _mm256_and_si256(v, low);
-    w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const __m256i wl = _mm256_and_si256(v, low);
+    for (int r = 0; r < R; r++) {
+      int32_t quad;
+      memcpy(&quad, xp + r * ldx + 4 * u, 4);
+      lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad)));
+    }
+    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    for (int r = 0; r < R; r++) {
+      int32_t quad;
+      memcpy(&quad, xp + r * ldx + 4 * u, 4);
+      hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad)));
+    }
+  }
+}
+
+/* A group's integer sums into float32: each output's two 16-bit lanes added in 32 bits (exact), then
+   acc += (s dx) t + m xs for both halves of 16 outputs. */
+static inline void scale_q4i(__m256i lo, __m256i hi, float dx, float xs, const float* s, const float* m,
+                             __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 d = _mm256_set1_ps(dx), sum = _mm256_set1_ps(xs);
+  const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones));
+  const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones));
+  acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m), sum, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), t0, acc[0]));
+  acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sum,
+                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), t1, acc[1]));
+}
+
+/* Group g of R rows from row r0 on (R a constant where it is inlined), their sums so far in y. */
+static inline __attribute__((always_inline)) void rows_q4i(const int R, int64_t r0, int64_t g, int64_t M, int64_t K,
+                                                           const uint8_t* q, const float* s, const float* m,
+                                                           const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  const float* dx = xs + M * G;
+  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
+  __m256i lo[3], hi[3];
+  group_q4i(R, q + g * 256, xq + r0 * K + g * 32, K, lo, hi);
+  for (int r = 0; r < R; r++) {
+    float* yr = y + (r0 + r) * ldy;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (g) acc[0] = _mm256_loadu_ps(yr), acc[1] = _mm256_loadu_ps(yr + 8);
+    scale_q4i(lo[r], hi[r], dx[(r0 + r) * G + g], xs[(r0 + r) * G + g], s + g * 16, m + g * 16, acc);
+    _mm256_storeu_ps(yr, acc[0]);
+    _mm256_storeu_ps(yr + 8, acc[1]);
   }
 }
 
 /* One tile's 16 outputs for all M rows, kind 5: xs holds the rows' group sums [M, K/32], then their scales dx
    [M, K/32], then their int8 values [M, K] (`prepare_row`). One row (a decoding step) keeps its sums in registers
-   over the groups; more rows take each group's pairs once and leave their sums in y between groups: the same
-   operations per row either way. */
+   over the groups; more rows take each group in blocks of up to 3 rows, one unpacking of the weights for a block,
+   and leave their sums in y between groups: the same operations per row either way. */
 static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, const float* xs,
                      float* y, int64_t ldy) {
   const int64_t G = K / 32;
-  const float* dx = xs + M * G;
-  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
-  __m256i w[16];
   if (M == 1) {
+    const float* dx = xs + G;
+    const int8_t* xq = (const int8_t*)(xs + 2 * G);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < G; g++) {
-      pairs_q4i(q + g * 256, w);
-      group_q4i(w, xq + g * 32, dx[g], xs[g], s + g * 16, m + g * 16, acc);
+      __m256i lo, hi;
+      group_q4i(1, q + g * 256, xq + g * 32, K, &lo, &hi);
+      scale_q4i(lo, hi, dx[g], xs[g], s + g * 16, m + g * 16, acc);
     }
     _mm256_storeu_ps(y, acc[0]);
     _mm256_storeu_ps(y + 8, acc[1]);
     return;
   }
-  for (int64_t g = 0; g < G; g++) {
-    pairs_q4i(q + g * 256, w);
-    for (int64_t r = 0; r < M; r++) {
-      float* yr = y + r * ldy;
-      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      if (g) acc[0] = _mm256_loadu_ps(yr), acc[1] = _mm256_loadu_ps(yr + 8);
-      group_q4i(w, xq + r * K + g * 32, dx[r * G + g], xs[r * G + g], s + g * 16, m + g * 16, acc);
-      _mm256_storeu_ps(yr, acc[0]);
-      _mm256_storeu_ps(yr + 8, acc[1]);
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t r0 = 0; r0 < M; r0 += 3) {
+      const int64_t n = M - r0;
+      if (n >= 3) rows_q4i(3, r0, g, M, K, q, s, m, xs, y, ldy);
+      else if (n == 2) rows_q4i(2, r0, g, M, K, q, s, m, xs, y, ldy);
+      else rows_q4i(1, r0, g, M, K, q, s, m, xs, y, ldy);
     }
-  }
 }
 
 /* Q8 products on int8 activations (kind 9, KIND_Q8_INT8): per 4 inputs k..k+3 a tile holds 64 bytes, for each of
@@ -919,10 +942,9 @@ class Tiles:
         t = q.shape[0] // TILE
         qt = q.to(torch.uint8).view(t, TILE, k).transpose(1, 2)  # [tiles, K, 16]
         if int8_activations() if int8 is None else int8:
-            # per 4 inputs k..k+3, 32 bytes: byte 2j = k (low) and k + 2 (high), 2j + 1 = k + 1 and k + 3
-            quads = qt.reshape(t, k // 4, 4, TILE)
-            even, odd = quads[:, :, 0] | (quads[:, :, 2] << 4), quads[:, :, 1] | (quads[:, :, 3] << 4)
-            packed = torch.stack([even, odd], dim=-1).reshape(t, k // 2, TILE)
+            # per 4 inputs 4u..4u+3, 32 bytes: byte 4j + e = input 4u + e of output j (low) and of j + 8 (high)
+            quads = qt.reshape(t, k // 4, 4, TILE)  # [tiles, u, e, j]
+            packed = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(t, k // 2, TILE)
             return cls(KIND_Q4_INT8, packed, _tiled(s, t), _tiled(m, t), n, lib)
         packed = qt[:, 0::2] | (qt[:, 1::2] << 4)  # [tiles, K/2, 16]: inputs k (low) and k + 1 (high)
         return cls(KIND_Q4, packed, _tiled(s, t), _tiled(m, t), n, lib)
