@@ -15,6 +15,7 @@ from server.config import Settings
 from server.engine import calibration
 from server.engine import engine as engine_module
 from server.engine.calibration import Subject, batch_shapes, batch_sizes, cache_path, widths
+from server.model import cpu_kernels
 from server.model.lean_forward import packs_linears
 from server.model.runner import ModelRunner
 from server.speculation.acceptance import AcceptanceModel
@@ -133,6 +134,19 @@ def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp
     assert not calibrate(a, budget_s=UNBOUNDED).loaded
     assert calibrate(a, budget_s=UNBOUNDED).loaded  # the re-measured file replaced the broken one
 
+
+
+def test_a_rebuilt_kernel_library_is_timed_again(tiny_engine_factory, tmp_path, monkeypatch):
+    """Costs timed on one build of the CPU kernels are not planned with after they change (a new version's
+    faster wide passes would otherwise be priced at the old ones' cost)."""
+    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
+    monkeypatch.setattr(cpu_kernels, "_loaded", "block_gemm-0000000000000000")
+    assert calibration_key(engine)["kernels"] == cpu_kernels.build_id() == "block_gemm-0000000000000000"
+    old = calibrate(engine, budget_s=UNBOUNDED)
+    assert calibrate(engine, budget_s=UNBOUNDED).loaded
+    monkeypatch.setattr(cpu_kernels, "_loaded", "block_gemm-1111111111111111")
+    assert cache_path(tmp_path, calibration_key(engine)) != cache_path(tmp_path, old.key)
+    assert not calibrate(engine, budget_s=UNBOUNDED).loaded
 
 @pytest.mark.slow
 def test_calibration_leaves_the_engine_as_it_found_it(tiny_engine_factory, tmp_path, prompt_ids, greedy_reference):

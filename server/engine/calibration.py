@@ -22,8 +22,9 @@ loading) `calibrate` therefore times:
 The timings are fed to the cost model as its prior (its ratios of wider passes to plain ones, and plain
 passes scaled to how fast the machine runs now; timings of real steps join them) and stored as
 JSON in `settings.cache_dir/calibration/`, keyed by the target, its dtype, the device, torch's thread
-count and what else changes the costs (draft model, draft head, K, batch size), so a restart with the
-same key reads them back instead of timing again.
+count, the CPU kernels' build (`cpu_kernels.build_id`: a new version's kernels are timed again) and what
+else changes the costs (draft model, draft head, K, batch size), so a restart with the same key reads them
+back instead of timing again.
 Calibration stops early once `budget_s` seconds are spent: the points measured so far are fed to the
 cost model, and stored marked incomplete, so the next start measures again. It is skipped entirely
 with the `calibrate` setting off.
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 from server.config import Settings
+from server.model import cpu_kernels
 from server.model.loading import LoadedModel
 from server.model.runner import ModelRunner
 from server.sampling import BatchSampling, probabilities
@@ -107,8 +109,8 @@ class Subject:
         return max(self.settings.num_speculative_tokens, self.settings.auto_max_speculative_tokens)
 
     def key(self) -> dict[str, object]:
-        """What the step costs depend on: model, dtype, weights format, device, threads, and the settings that
-        change them."""
+        """What the step costs depend on: model, dtype, weights format, device, threads, the CPU kernels' build,
+        and the settings that change them."""
         s = self.settings
         return {
             "target": self.target.name,
@@ -117,6 +119,7 @@ class Subject:
             "device": str(self.target.device),
             "threads": torch.get_num_threads(),
             "forward": self.runner.forward_kind,
+            "kernels": cpu_kernels.build_id(),
             "draft": [s.draft, s.draft_dtype] if s.draft is not None else None,
             "draft_head": s.draft_head if "eagle" in self.proposers else None,
             "k": s.num_speculative_tokens,

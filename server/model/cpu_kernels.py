@@ -933,6 +933,14 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 _directory: Path | None = None  # `use_directory`'s
+_loaded: str | None = None  # the library `library()` loaded, by name
+
+
+def build_id() -> str | None:
+    """Which kernels this process runs: the loaded library's name (a hash of the source, compiler, flags and CPU),
+    or None where none is loaded. Figures timed on the kernels (calibration) are keyed by it, so a changed kernel
+    is timed again rather than planned with the old one's costs."""
+    return _loaded
 
 
 def use_directory(path: Path) -> None:
@@ -952,9 +960,12 @@ def library() -> ctypes.CDLL | None:
     default = _directory or Path.home() / ".cache" / "specula" / "kernels"
     directory = Path(os.environ.get("SPECULA_KERNEL_DIR") or default)
     try:
-        lib = _load(_build(directory))
+        path = _build(directory)
+        lib = _load(path)
         if not _probe(lib):
             raise RuntimeError("the float kernels' probe product differs from the reference")
+        global _loaded
+        _loaded = path.stem
         return lib
     except Exception as e:  # optional machinery: torch's kernel serves instead
         log.warning("float32 block kernels unavailable (%s); quantized layers use torch's int4 kernel", e)
