@@ -21,11 +21,11 @@ token gets the same bits in a plain step, in any verify pass, in any prompt chun
 check it). The other operations are per row, as the block kernels are.
 
 Every pass of the model runs here: steps, verify passes, prompt chunks short or deep, and passes that hold both
-(chunked prefill beside decoding rows). Measured on the 2-core AVX2 host with int8 activations, alternating, a
-128-token prompt chunk took 174-183 ms at the start of a prompt, 364-400 at 1,000 tokens in and 477-489 at 2,000,
-against the lean forward's torch path (PyTorch's SDPA) 205-313 / 401-407 / 470-497: as fast, and the same bits for
-a position whichever pass computes it, which is what lets the linear layers take int8 activations (cpu_kernels.py:
-an activation's rounding would turn two paths' float differences into steps).
+(chunked prefill beside decoding rows). Measured on the 2-core AVX2 host with int8 activations, a 128-token prompt
+chunk takes 116-125 ms at the start of a prompt, 235-253 at 1,000 tokens in and 342-349 at 2,000 (medians of 7;
+the lean forward's torch path, PyTorch's SDPA, took 205-313 / 401-407 / 470-497 when last compared): faster, and
+the same bits for a position whichever pass computes it, which is what lets the linear layers take int8 activations
+(cpu_kernels.py: an activation's rounding would turn two paths' float differences into steps).
 
 Used when every layer qualifies (`CpuDecoder.of`): q, k, v and gate, up fused on the float32 block kernels
 without biases, o and down on them too, RMSNorm, head and hidden sizes multiples of 16 (the kernels' vectors),
