@@ -135,7 +135,6 @@ def test_another_key_or_a_broken_file_is_measured_again(tiny_engine_factory, tmp
     assert calibrate(a, budget_s=UNBOUNDED).loaded  # the re-measured file replaced the broken one
 
 
-
 def test_a_rebuilt_kernel_library_is_timed_again(tiny_engine_factory, tmp_path, monkeypatch):
     """Costs timed on one build of the CPU kernels are not planned with after they change (a new version's
     faster wide passes would otherwise be priced at the old ones' cost)."""
@@ -147,6 +146,7 @@ def test_a_rebuilt_kernel_library_is_timed_again(tiny_engine_factory, tmp_path, 
     monkeypatch.setattr(cpu_kernels, "_loaded", "block_gemm-1111111111111111")
     assert cache_path(tmp_path, calibration_key(engine)) != cache_path(tmp_path, old.key)
     assert not calibrate(engine, budget_s=UNBOUNDED).loaded
+
 
 @pytest.mark.slow
 def test_calibration_leaves_the_engine_as_it_found_it(tiny_engine_factory, tmp_path, prompt_ids, greedy_reference):

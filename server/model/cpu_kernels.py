@@ -28,9 +28,9 @@ with the scale max|x| / 127 (llama.cpp's Q8_1 and Q8_0 for its Q4_1 and Q8_0 pro
 weights' values in integers (exact), each group's sum scaled once, Q4's minimum term on the float sum of the
 inputs. Per row, so a row's result is still the same bits in any batch; each input is off by at most half its
 group's step (`activation_error`). In-process on the AVX2 host, float32 against int8 activations: 3072 x 576 Q4
-at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s (one thread, with
-the weights unpacked once per block of 3 rows, 4 / 17 / 128 rows 57 / 68-71 / 68-69 where a whole group's unpacked
-values per row reached 46 / 52 / 55: two threads 70-101 / 85-131 / 134); the 49152 x 576
+at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s (since the Q4 tile
+takes 4 inputs an instruction, unpacked once per 3 rows: 4 / 17 / 128 rows on one thread 57 / 68-71 / 68-69
+against the earlier 46 / 52 / 55, on two 70-101 / 85-131 / 134); the 49152 x 576
 Q8_0 head at 1 / 5 / 17 rows 21 / 48 / 54 against 31 / 65 / 85; a one-token step of SmolLM2-135M at 300 tokens
 of context 8.6-9.9 against 6.0-6.2 ms, a 17-token verify pass 55-62 against 34-35 ms. AVX-512 hosts keep float32
 activations (their float loops reached 94-103 GMAC/s there and keep the inputs exact; int8 is not measured there).
@@ -250,6 +250,13 @@ static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
   }
 }
 
+/* 4 int8 inputs at p, repeated over 8 lanes of 32 bits (a broadcast load). */
+static inline __m256i quad(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 /* The int8 products of R rows' groups with one tile's group (R a constant where it is inlined; 3 rows keep their
    6 sums and the weights in AVX2's 16 registers, 4 spilled two to the stack). Per 4 inputs u a tile holds 32
    bytes, byte 4j + e holding q[4u + e][j] (low nibble) and q[4u + e][j + 8] (high) (Tiles.q4). One unpacking of
@@ -264,17 +271,9 @@ static inline __attribute__((always_inline)) void group_q4i(const int R, const u
   for (int u = 0; u < 8; u++) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + u * 32));
     const __m256i wl = _mm256_and_si256(v, low);
-    for (int r = 0; r < R; r++) {
-      int32_t quad;
-      memcpy(&quad, xp + r * ldx + 4 * u, 4);
-      lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad)));
-    }
+    for (int r = 0; r < R; r++) lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, quad(xp + r * ldx + 4 * u)));
     const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    for (int r = 0; r < R; r++) {
-      int32_t quad;
-      memcpy(&quad, xp + r * ldx + 4 * u, 4);
-      hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad)));
-    }
+    for (int r = 0; r < R; r++) hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, quad(xp + r * ldx + 4 * u)));
   }
 }
 
@@ -347,9 +346,7 @@ static inline void group_q8i(const uint8_t* q, const int8_t* xp, float dx, const
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
   for (int u = 0; u < 8; u++) {
-    int32_t quad;
-    memcpy(&quad, xp + 4 * u, 4);
-    const __m256i x = _mm256_set1_epi32(quad);
+    const __m256i x = quad(xp + 4 * u);
     const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
     const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
     const __m256i pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a));
@@ -452,7 +449,7 @@ static inline v16 vexp(v16 x) {
 }
 #else
 /* AVX2: the same steps on 8 lanes in intrinsics (GCC turns the 16-lane integer conversions above into scalar
-   inserts without AVX-512: measured as the larger share of a deep prompt chunk's attention), twice. */
+   inserts without AVX-512: measured as the larger share of a deep prompt chunk's attention). */
 static inline __m256 vexp8(__m256 x) {
   const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
   x = _mm256_blendv_ps(x, _mm256_set1_ps(88.7f), _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
@@ -473,18 +470,11 @@ static inline __m256 vexp8(__m256 x) {
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
   return _mm256_blendv_ps(y, _mm256_setzero_ps(), under);
 }
-
-static inline v16 vexp(v16 x) {
-  __m256 lo, hi;
-  memcpy(&lo, &x, 32);
-  memcpy(&hi, (char*)&x + 32, 32);
-  return join(vexp8(lo), vexp8(hi));
-}
 #endif
 
-/* The two loops that run vexp over whole rows, on 8 lanes in intrinsics where the host lacks AVX-512 (GCC passes
-   16-lane vectors through the stack there: measured as 40% of a deep chunk's attention). Each lane's operations,
-   and the order of the sum, are the 16-lane code's. */
+/* The two loops that run exp over whole rows: on AVX2 in 8-lane intrinsics (GCC passes 16-lane vectors through the
+   stack there: measured as 40% of a deep chunk's attention), each lane's operations and the order of the sum the
+   16-lane code's. */
 #if defined(__AVX512F__)
 /* row[i] = exp(row[i] - top) for i < n16 (a multiple of 16); returns their sum, 16 lanes folded as hsum folds. */
 static float exp_row(float* row, int32_t n16, float top) {
