@@ -77,13 +77,12 @@ def test_the_avx2_variant_gives_the_same_results_within_float32_and_rows_in_any_
     q4 = Q4Linear.quantize(torch.randn(40, 96, generator=g) * 0.05)
     s, z = q4.scales_zeros[..., 0].t(), q4.scales_zeros[..., 1].t()
     q8 = Q8Linear.quantize(torch.randn(40, 96, generator=g) * 0.05)
-    floats, int8 = (cpu_kernels.Tiles.q4(unpack_nibbles(q4.qweight), s, z - 8 * s, lib, int8=i8)
-                    for i8 in (False, True))
-    eight = [cpu_kernels.Tiles.q8(q8.qweight, q8.scales, lib, int8=i8) for i8 in (False, True)]
-    for tiles, layer in ((floats, q4), (int8, q4), (eight[0], q8), (eight[1], q8)):
+    cases = [(cpu_kernels.Tiles.q4(unpack_nibbles(q4.qweight), s, z - 8 * s, lib, int8=i8), q4, i8)
+             for i8 in (False, True)] + [(cpu_kernels.Tiles.q8(q8.qweight, q8.scales, lib, int8=i8), q8, i8)
+                                         for i8 in (False, True)]
+    for tiles, layer, rounded in cases:  # rounded: int8 activations, half a step of each input's group
         got = tiles(x)
         exact = x.double() @ layer.dequantize().double().t()
-        rounded = tiles is int8 or tiles is eight[1]  # int8 activations: half a step of each input's group
         slack = cpu_kernels.activation_error(x) @ layer.scaled_values().double().t() if rounded else 0
         assert ((got.double() - exact).abs() <= slack + 1e-5 * exact.abs().max()).all()
         assert all(torch.equal(tiles(x[i : i + 1])[0], got[i]) for i in range(7))

@@ -433,10 +433,8 @@ def block_kernels(model: nn.Module) -> str | None:
 def activations(model: nn.Module) -> str:
     """The precision a model's linear layers take their inputs in (/v1/models, cache keys): "int8" (Q4 and Q8_0
     blocks on int8 activations), "bfloat16" (torch's int4 / int8 kernels round them), else the model's dtype."""
-    kernels = block_kernels(model)
-    if kernels in ("int8", "bf16"):
-        return {"int8": "int8", "bf16": "bfloat16"}[kernels]
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    rounded = {"int8": "int8", "bf16": "bfloat16"}.get(block_kernels(model))
+    return rounded or str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def fused(layers: list[QuantLinear]) -> Kernel | None:

@@ -110,7 +110,7 @@ class ModelRunner:
         if kernels is not None:
             self.forward_kind += {"bf16": "+bf16-kernels", "float32": "+f32-blocks", "int8": "+q8-act-blocks"}[kernels]
         if lean_call and self.call.decoder is not None:
-            self.forward_kind += "+c-decoder"  # steps and verify passes in one C call (cpu_decoder.py)
+            self.forward_kind += "+c-decoder"  # every pass as one C call (cpu_decoder.py)
         self.kv_dtype = kv_dtype or self.dtype
         if self.kv_dtype != self.dtype:  # keys and values rounded when written, read back widened: priced apart
             self.forward_kind += "+kv-" + str(self.kv_dtype).removeprefix("torch.")
