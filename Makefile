@@ -34,8 +34,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# ruff over every Python tree, and the CPU kernels' C (server/model/csrc) for both instruction sets with warnings
+# as errors (compiled only: a host runs the one its CPU has)
 lint: $(STAMP)
 	$(BIN)/ruff check server tests bench compat
+	$(BIN)/python -m server.model.cpu_kernels --lint
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -11,7 +11,9 @@ the step, a full prefill, the current thread count, calibrating from traffic). A
 (`SWITCH_OFF_AFTER` failures) is switched off until restart.
 
 Part names: `threads`, `calibration`, `cost_model`, `acceptance`, `planner`, `prefix_cache`, `grammar`,
-and `proposer:<name>` per proposer. Single-threaded like the engine; other threads only read `report()`.
+`kernels` (the CPU block kernels could not be built or loaded: recorded once at start, the blocks then multiply
+through torch's kernel) and `proposer:<name>` per proposer. Single-threaded like the engine; other threads only
+read `report()`.
 """
 
 from __future__ import annotations

@@ -139,11 +139,11 @@ def test_a_rebuilt_kernel_library_is_timed_again(tiny_engine_factory, tmp_path, 
     """Costs timed on one build of the CPU kernels are not planned with after they change (a new version's
     faster wide passes would otherwise be priced at the old ones' cost)."""
     engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
-    monkeypatch.setattr(cpu_kernels, "_loaded", "block_gemm-0000000000000000")
-    assert calibration_key(engine)["kernels"] == cpu_kernels.build_id() == "block_gemm-0000000000000000"
+    monkeypatch.setattr(cpu_kernels, "build_id", lambda: "kernels-avx2-0000000000000000")
+    assert calibration_key(engine)["kernels"] == cpu_kernels.build_id() == "kernels-avx2-0000000000000000"
     old = calibrate(engine, budget_s=UNBOUNDED)
     assert calibrate(engine, budget_s=UNBOUNDED).loaded
-    monkeypatch.setattr(cpu_kernels, "_loaded", "block_gemm-1111111111111111")
+    monkeypatch.setattr(cpu_kernels, "build_id", lambda: "kernels-avx2-1111111111111111")
     assert cache_path(tmp_path, calibration_key(engine)) != cache_path(tmp_path, old.key)
     assert not calibrate(engine, budget_s=UNBOUNDED).loaded
 

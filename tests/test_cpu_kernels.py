@@ -7,6 +7,7 @@ has AVX-512, and what happens without a compiler.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -36,14 +37,15 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None and not os.envi
 def test_a_library_is_built_once_per_source_compiler_and_cpu_and_then_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
     assert build() is not None
-    built = list(tmp_path.glob("block_gemm-*.so"))
+    built = list(tmp_path.glob("kernels-*.so"))
     assert len(built) == 1 and not [p for p in tmp_path.iterdir() if p.is_dir()]  # no temporaries left
     stamp = built[0].stat().st_mtime_ns
     assert build() is not None
-    assert list(tmp_path.glob("block_gemm-*.so")) == built and built[0].stat().st_mtime_ns == stamp
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")
+    assert list(tmp_path.glob("kernels-*.so")) == built and built[0].stat().st_mtime_ns == stamp
+    identity = cpu_kernels._cpu_identity()
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: identity.replace("model name", "model name: another"))
     assert build() is not None
-    assert len(list(tmp_path.glob("block_gemm-*.so"))) == 2  # never loads a library built for other flags
+    assert len(list(tmp_path.glob("kernels-*.so"))) == 2  # never loads a library built for other flags
 
 
 def test_without_a_compiler_quantized_layers_keep_torchs_kernel(tmp_path, monkeypatch, caplog):
@@ -68,9 +70,7 @@ def test_the_kernels_can_be_switched_off(monkeypatch):
 def test_the_avx2_variant_gives_the_same_results_within_float32_and_rows_in_any_batch(tmp_path, monkeypatch):
     """Most laptops have AVX2 and no AVX-512: the kernels' other branch, built here for a Haswell."""
     monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
-                                                    for f in cpu_kernels.FLAGS))
-    lib = build()
+    lib = build("avx2")
     assert lib is not None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 96, generator=g)
@@ -102,9 +102,7 @@ def test_the_avx2_variants_decoder_agrees_with_the_torch_path_and_keeps_a_positi
 
     monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("SPECULA_INT8_ACTIVATIONS", "0")
-    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f
-                                                    for f in cpu_kernels.FLAGS))
-    lib = build()
+    lib = build("avx2")
     assert lib is not None
     monkeypatch.setattr(cpu_kernels, "library", lambda: lib)
     model = tiny_llama(512, seed=5)
@@ -138,6 +136,96 @@ def test_kernels_are_built_under_the_servers_cache_dir(tmp_path, monkeypatch):
     load_model(str(path), device="cpu", cache_dir=tmp_path / "cache", weights="as-file")
     assert cpu_kernels._directory == tmp_path / "cache" / "kernels"
     assert build() is not None
-    assert list((tmp_path / "cache" / "kernels").glob("block_gemm-*.so"))
+    assert list((tmp_path / "cache" / "kernels").glob("kernels-*.so"))
     monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path / "elsewhere"))
-    assert build() is not None and list((tmp_path / "elsewhere").glob("block_gemm-*.so"))
+    assert build() is not None and list((tmp_path / "elsewhere").glob("kernels-*.so"))
+
+
+# ---- a damaged kernel cache costs a rebuild, never a crash ----------------------------------------------------
+
+
+def _damage(library: Path, how: str) -> None:
+    data = library.read_bytes()
+    if how == "truncated":  # a full disk, an interrupted copy of the cache volume
+        library.write_bytes(data[: len(data) // 2])
+    elif how == "overwritten":  # the same size, other bytes
+        library.write_bytes(os.urandom(len(data)))
+    elif how == "empty":
+        library.write_bytes(b"")
+    else:  # unreadable: a link to nowhere (root reads any file, whatever its mode)
+        library.unlink()
+        library.symlink_to(library.with_name("gone.so"))
+
+
+_START = """
+import sys
+from server.model import cpu_kernels
+from server.model.quantized import Q4Linear
+import torch
+lib = cpu_kernels.library()
+layer = Q4Linear.quantize(torch.randn(48, 64, generator=torch.Generator().manual_seed(3)))
+y = layer(torch.ones(2, 64))
+print(lib is not None, layer.runs_kernel(), cpu_kernels.build_id(), float(y.double().sum()))
+"""
+
+
+def _start(directory: Path) -> list[str]:
+    """A fresh process's kernels under `directory` (a damaged library loaded in-process would crash pytest)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECULA_KERNEL_DIR": str(directory)}
+    done = subprocess.run([sys.executable, "-c", _START], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]  # SIGBUS / SIGSEGV before the digest check
+    return done.stdout.split()
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("how", ["truncated", "overwritten", "empty", "unreadable"])
+def test_a_damaged_library_is_rebuilt_and_the_start_serves_the_same_blocks(tmp_path, how):
+    healthy = _start(tmp_path)
+    assert healthy[:2] == ["True", "True"]
+    (library,) = tmp_path.glob("kernels-*.so")
+    _damage(library, how)
+    again = _start(tmp_path)
+    assert again == healthy  # the blocks on the same kernels, the same products
+    rebuilt = [p for p in tmp_path.glob("kernels-*.so") if p.is_file() and not p.is_symlink()]
+    assert len(rebuilt) == 1 and cpu_kernels._digest(rebuilt[0]) == rebuilt[0].stem.rsplit("-", 1)[1]
+    assert _start(tmp_path) == healthy  # and the next start loads the rebuilt file
+
+
+@needs_kernels
+def test_an_unwritable_kernel_directory_builds_privately_instead_of_giving_up_the_blocks(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(blocked / "kernels"))
+    lib = build()
+    assert lib is not None and cpu_kernels.problem() is None
+    assert blocked.read_text() == "not a directory"
+
+
+def test_a_build_that_fails_is_reported_for_health(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULA_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_kernels, "_problems", {})
+    assert build() is None
+    if cpu_kernels.host_isa() is not None and os.uname().machine in ("x86_64", "amd64"):
+        assert "no C compiler" in cpu_kernels.problem()
+    monkeypatch.setenv("SPECULA_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_problems", {})
+    assert build() is None and cpu_kernels.problem() is None  # switched off on purpose: nothing degraded
+
+
+def test_the_kinds_and_structs_have_one_definition():
+    """csrc/specula.h is the only copy of the block kinds; cpu_decoder.py's ctypes mirrors match its structs."""
+    from server.model import cpu_decoder
+
+    header = (cpu_kernels.CSRC / "specula.h").read_text()
+    assert f"KIND_Q4_INT8 = {cpu_kernels.KIND_Q4_INT8}," in header and "KIND_F16 = 16" in header
+    lib = cpu_kernels.library()
+    if lib is None:
+        pytest.skip("no kernels here")
+    sizes = (ctypes.sizeof(cpu_decoder._Weights), ctypes.sizeof(cpu_decoder._Layer), ctypes.sizeof(cpu_decoder._Dims))
+    assert cpu_kernels.abi(lib) == sizes

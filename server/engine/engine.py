@@ -30,7 +30,7 @@ from server.engine.threads import DECODE, PROMPT, ThreadGovernor, governed
 from server.engine.verify import Verified, Verifier
 from server.failsafe import OptionalParts
 from server.grammar import Grammars
-from server.model import prefix_cache
+from server.model import cpu_kernels, prefix_cache
 from server.model.attention import use_gqa_attention
 from server.model.kv_shape import kv_name, kv_precision
 from server.model.loading import LoadedModel, load_draft_like, load_model
@@ -289,6 +289,8 @@ def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str =
         target.name, target.weights, draft.name if draft else None, target.device, time.perf_counter() - started,
     )
     engine = Engine(target, draft, settings)
+    if (problem := cpu_kernels.problem()) is not None:  # the file's blocks on torch's kernel: slower, same answers
+        engine.parts.failed("kernels", RuntimeError(problem))
     log.info("the target's cache keeps keys and values in %s (kv_cache_dtype %s)", engine.kv_cache_dtype,
              settings.kv_cache_dtype)
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py

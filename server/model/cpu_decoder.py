@@ -118,6 +118,8 @@ class CpuDecoder:
         lib = cpu_kernels.library()
         if lib is None or not enabled() or not base.layers:
             return None
+        if cpu_kernels.abi(lib) != (ctypes.sizeof(_Weights), ctypes.sizeof(_Layer), ctypes.sizeof(_Dims)):
+            return None  # structs out of step with csrc/specula.h: the lean forward's layers serve
         config = base.config
         if next(base.parameters()).dtype != torch.float32 or next(base.parameters()).device.type != "cpu":
             return None

@@ -1,0 +1,154 @@
+/* Products on int8 activations (AVX2 instructions, which AVX-512 hosts have too): kinds KIND_Q4_INT8 and
+   KIND_Q8_INT8. */
+/* Q4 products on int8 activations (kind 5, KIND_Q4_INT8 in Python; AVX2 instructions, which AVX-512 hosts have
+   too). Each row's activations are rounded to int8 per group of 32 (`quantize_row`: dx = max|x| / 127, xq = x / dx
+   to nearest even), then _mm256_maddubs_epi16 multiplies a tile's 4 values (q[k..k+3][j]) of 8 outputs by the
+   row's 4 inputs (xq[k..k+3]) in pairs: 32 multiply-adds an instruction where the float loops do 8 (as llama.cpp's
+   Q4_1 x Q8_1 dot product does). Per group: summed in 16 bits (exact, `group_q4i`), each output's two lanes added
+   in 32 bits, then y += (s dx) t + m xs in float32, with xs the float sum of the group's inputs (group_sums, as
+   kind 4 uses it). All of it per row: a row's result is the same bits in any batch. */
+static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / 32; g++) {
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_loadu_ps(x + g * 32 + 8 * i);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, top);
+    float amax = t[0];
+    for (int i = 1; i < 8; i++) amax = t[i] > amax ? t[i] : amax;
+    dx[g] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i*)(xq + g * 32), _mm256_permutevar8x32_epi32(packed, order));
+  }
+}
+
+/* 4 int8 inputs at p, repeated over 8 lanes of 32 bits (a broadcast load). */
+static inline __m256i quad(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+/* The int8 products of R rows' groups with one tile's group (R a constant where it is inlined; 3 rows keep their
+   6 sums and the weights in AVX2's 16 registers, 4 spilled two to the stack). Per 4 inputs u a tile holds 32
+   bytes, byte 4j + e holding q[4u + e][j] (low nibble) and q[4u + e][j + 8] (high) (Tiles.q4). One unpacking of
+   a quad feeds every row: with a row's 4 inputs broadcast (a load, no shuffle), _mm256_maddubs_epi16 multiplies
+   each output's 4 weights by them in pairs, 32 multiply-adds an instruction, summed in 16 bits over the group
+   (at most 8 x 2 x 15 x 127 = 30,480: exact). lo[r] holds outputs 0-7, hi[r] outputs 8-15, two lanes each. */
+static inline __attribute__((always_inline)) void group_q4i(const int R, const uint8_t* q, const int8_t* xp,
+                                                            int64_t ldx, __m256i* lo, __m256i* hi) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 1
+  for (int u = 0; u < 8; u++) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + u * 32));
+    const __m256i wl = _mm256_and_si256(v, low);
+    for (int r = 0; r < R; r++) lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, quad(xp + r * ldx + 4 * u)));
+    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    for (int r = 0; r < R; r++) hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, quad(xp + r * ldx + 4 * u)));
+  }
+}
+
+/* A group's integer sums into float32: each output's two 16-bit lanes added in 32 bits (exact), then
+   acc += (s dx) t + m xs for both halves of 16 outputs. */
+static inline void scale_q4i(__m256i lo, __m256i hi, float dx, float xs, const float* s, const float* m,
+                             __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 d = _mm256_set1_ps(dx), sum = _mm256_set1_ps(xs);
+  const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones));
+  const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones));
+  acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m), sum, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), t0, acc[0]));
+  acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sum,
+                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), t1, acc[1]));
+}
+
+/* Group g of R rows from row r0 on (R a constant where it is inlined), their sums so far in y. */
+static inline __attribute__((always_inline)) void rows_q4i(const int R, int64_t r0, int64_t g, int64_t M, int64_t K,
+                                                           const uint8_t* q, const float* s, const float* m,
+                                                           const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  const float* dx = xs + M * G;
+  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
+  __m256i lo[3], hi[3];
+  group_q4i(R, q + g * 256, xq + r0 * K + g * 32, K, lo, hi);
+  for (int r = 0; r < R; r++) {
+    float* yr = y + (r0 + r) * ldy;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (g) acc[0] = _mm256_loadu_ps(yr), acc[1] = _mm256_loadu_ps(yr + 8);
+    scale_q4i(lo[r], hi[r], dx[(r0 + r) * G + g], xs[(r0 + r) * G + g], s + g * 16, m + g * 16, acc);
+    _mm256_storeu_ps(yr, acc[0]);
+    _mm256_storeu_ps(yr + 8, acc[1]);
+  }
+}
+
+/* One tile's 16 outputs for all M rows, kind 5: xs holds the rows' group sums [M, K/32], then their scales dx
+   [M, K/32], then their int8 values [M, K] (`prepare_row`). One row (a decoding step) keeps its sums in registers
+   over the groups; more rows take each group in blocks of up to 3 rows, one unpacking of the weights for a block,
+   and leave their sums in y between groups: the same operations per row either way. */
+static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, const float* xs,
+                     float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  if (M == 1) {
+    const float* dx = xs + G;
+    const int8_t* xq = (const int8_t*)(xs + 2 * G);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) {
+      __m256i lo, hi;
+      group_q4i(1, q + g * 256, xq + g * 32, K, &lo, &hi);
+      scale_q4i(lo, hi, dx[g], xs[g], s + g * 16, m + g * 16, acc);
+    }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
+    return;
+  }
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t r0 = 0; r0 < M; r0 += 3) {
+      const int64_t n = M - r0;
+      if (n >= 3) rows_q4i(3, r0, g, M, K, q, s, m, xs, y, ldy);
+      else if (n == 2) rows_q4i(2, r0, g, M, K, q, s, m, xs, y, ldy);
+      else rows_q4i(1, r0, g, M, K, q, s, m, xs, y, ldy);
+    }
+}
+
+/* Q8 products on int8 activations (kind 9, KIND_Q8_INT8): per 4 inputs k..k+3 a tile holds 64 bytes, for each of
+   its 16 outputs j the 4 values q[k..k+3][j] side by side. _mm256_maddubs_epi16 multiplies |q| by xq given q's
+   sign (llama.cpp's trick: at most 2 x 128 x 127 in 16 bits, exact), _mm256_madd_epi16 adds each output's two
+   halves in 32 bits: 32 multiply-adds in five instructions. Summed over the group (exact), then y += (s dx) t. */
+static inline void group_q8i(const uint8_t* q, const int8_t* xp, float dx, const float* s, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  for (int u = 0; u < 8; u++) {
+    const __m256i x = quad(xp + 4 * u);
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
+    const __m256i pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a));
+    const __m256i pb = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(x, b));
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pa, ones));
+    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(pb, ones));
+  }
+  const __m256 d = _mm256_set1_ps(dx);
+  acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]);
+  acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
+}
+
+/* One tile's 16 outputs for all M rows, kind 9 (xs as for kind 5: `prepare_row`): a row's sums kept in registers
+   over the groups, the same operations per row for any M. */
+static void tile_q8i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  const float* dx = xs + M * G;
+  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
+  for (int64_t r = 0; r < M; r++) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) group_q8i(q + g * 512, xq + r * K + g * 32, dx[r * G + g], s + g * 16, acc);
+    _mm256_storeu_ps(y + r * ldy, acc[0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[1]);
+  }
+}
+
