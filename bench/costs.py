@@ -94,7 +94,7 @@ def engine_attention(*models: torch.nn.Module | None) -> Iterator[None]:
         yield
     finally:
         for m, impl in saved:
-            if hasattr(m, "set_attn_implementation"):  # transformers' modules (server/model/llama.py's attend one way)
+            if hasattr(m, "set_attn_implementation"):  # transformers' modules (decoder.py's attend one way)
                 m.set_attn_implementation(impl)
 
 

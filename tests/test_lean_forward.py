@@ -131,13 +131,29 @@ def test_lean_bfloat16_follows_transformers_rounding(pack):
     torch.testing.assert_close(a.logits, b.logits, atol=0.05, rtol=0.02)
 
 
+def test_a_sliding_window_is_applied_as_transformers_applies_it():
+    """Mistral's window over the keys (each query sees its last 6 here), in prompt chunks, a verify pass and steps:
+    the logits of transformers' whole-sequence forward, which masks with the window itself."""
+    torch.manual_seed(0)
+    model = _ready(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=6)))
+    assert LeanForward.of(model) is not None
+    tokens = [(11 * i) % 900 + 5 for i in range(20)]
+    runner = ModelRunner(model)
+    runner.join(["a"], [tokens[:9]], chunk=4)
+    got = [runner.forward([tokens[9:14]]).logits[0]]
+    got += [runner.forward([[t]]).logits[0] for t in tokens[14:20]]
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")  # transformers' own masks, the window in them
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, 9:20]
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
+
+
 def test_models_not_shaped_like_llama_keep_transformers_forward():
     plain_sdpa = tiny_llama(1000)  # transformers' own sdpa: not the engine's attention
     assert LeanForward.of(plain_sdpa) is None
     assert ModelRunner(plain_sdpa).call is plain_sdpa
     torch.manual_seed(0)
-    windowed = _ready(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)))
-    assert LeanForward.of(windowed) is None  # a sliding window the engine's masks would not apply
     no_window = _ready(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)))
     assert isinstance(LeanForward.of(no_window), LeanForward)
     gelu = _ready(tiny_llama(1000))

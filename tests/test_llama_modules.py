@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from server.config import Settings
 from server.draft_head.model import EagleHead
-from server.model import llama
+from server.model import decoder as llama
 from server.model.loading import LoadedModel, load_model
 from server.model.runner import ModelRunner
 from tests.engine_helpers import request, run
@@ -49,9 +49,13 @@ def test_a_llama_checkpoint_loads_on_the_servers_modules_and_computes_transforme
 
 def test_the_lean_forward_gives_the_same_bits_on_either_module_tree(checkpoint):
     """What the engine runs: prompt passes and a verify pass over two rows, logits and hidden states."""
+    from server.model.attention import use_gqa_attention
+
     _, reference = checkpoint
     own = llama.adopt(reference)
     assert isinstance(own, llama.CausalLM) and own.lm_head.weight.data_ptr() == reference.lm_head.weight.data_ptr()
+    for model in (reference, own):  # the engine's attention on both (adopt leaves the reference's as it was)
+        use_gqa_attention(model)
     outs = []
     for model in (reference, own):
         runner = ModelRunner(model)
@@ -89,14 +93,14 @@ def test_older_configs_and_other_architectures(tmp_path):
         "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}, "num_attention_heads": 4}))
     config = llama.read_config(tmp_path)
-    assert config.rope_parameters == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                                      "rope_theta": 500000.0}
+    assert {k: v for k, v in config.rope_parameters.items() if k != "type"} == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
     assert config.num_key_value_heads == 4 and config.tie_word_embeddings is False and llama.supports(config)
     base = {"model_type": "llama", "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}}
     assert llama.supports(llama.config_from_dict(base))
     for other in ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0, "factor": 2.0}},
-                  {"model_type": "mistral"}, {"hidden_act": "gelu"}):
+                  {"model_type": "olmo"}, {"hidden_act": "gelu"}):
         assert not llama.supports(llama.config_from_dict({**base, **other})), other
 
 

@@ -142,24 +142,6 @@ def test_fused_layers_give_each_layers_own_results(kind, backend):
     assert torch.equal(joined, torch.cat([layer.kernel()(x) for layer in layers], dim=-1))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_decode_to_ggmls_own_dequantization(kind):
-    import gguf
-    from gguf.quants import dequantize, quantize
-
-    qtype = gguf.GGMLQuantizationType[kind]
-    values = np.random.default_rng(0).standard_normal((OUT, IN)).astype(np.float32)
-    blocks = quantize(values, qtype)
-    reference = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
-    if kind == "Q8_0":
-        layer = Q8Linear(*gguf_weights.decode_q8(blocks, OUT))
-        assert torch.equal(layer.dequantize(), reference)
-    else:
-        layer = Q4Linear.from_blocks(*gguf_weights.decode_q4(blocks, OUT, with_min=kind == "Q4_1"))
-        tolerance = 4 * torch.finfo(torch.float32).eps * reference.abs().max()
-        assert (layer.dequantize() - reference).abs().max() <= tolerance
-
-
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_file_served_as_it_is(tmp_path, quant):
     """A tiny GGUF in each type: linear layers stay quantized, the Q8_0 table stays Q8_0 blocks (the input

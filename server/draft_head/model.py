@@ -20,7 +20,7 @@ which keeps speculative sampling lossless (the rejection sampler only needs q(x)
 drafted).
 
 The decoder part is a one-layer Llama decoder stack (fed through `inputs_embeds`) of its target's module family
-(server/model/llama.py's for a served target, transformers' `LlamaModel` for distillation), so the engine's
+(server/model/decoder.py's for a served target, transformers' `LlamaModel` for distillation), so the engine's
 batched KV machinery (a cache object, per-row `position_ids`, a 4D additive mask) drives it exactly as it drives
 the target. Position convention: the pair (f_t, x_{t+1}) sits at position t+1,
 the position of the token it embeds.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from server.model import llama
+from server.model import decoder
 from server.model.quantized import BlockTable, Fp16Table, table_dtype
 
 CONFIG_FILE = "config.json"
@@ -78,11 +78,11 @@ def decoder_config(target_config: Any) -> dict[str, Any]:
 
 
 def _decoder(values: dict[str, Any], target: nn.Module) -> nn.Module:
-    """The head's one-layer decoder, from the same module family as its target's: llama.py's for a served target
+    """The head's one-layer decoder, from the same module family as its target's: decoder.py's for a served target
     (which runs only through the lean forward), transformers' `LlamaModel` for one whose forwards a tool calls
     (distillation trains the head through transformers' forward)."""
-    if isinstance(target, llama.CausalLM):
-        return llama.Decoder(llama.config_from_dict(values))
+    if isinstance(target, decoder.CausalLM):
+        return decoder.Decoder(decoder.config_from_dict({**values, decoder.COMPLETE: True}))  # every value given
     from transformers import LlamaConfig, LlamaModel
 
     from server.model.attention import register_with_transformers

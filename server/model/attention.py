@@ -119,6 +119,7 @@ def gqa_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     packing: Packing | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     gqa = key.shape[1] != query.shape[1]
@@ -126,8 +127,10 @@ def gqa_sdpa_attention(
         mask = attention_mask.double() if attention_mask is not None and attention_mask.is_floating_point() \
             else attention_mask
         out, _ = gqa_sdpa_attention(module, query.double(), key.double(), value.double(), mask, dropout, scaling,
-                                    packing, **kwargs)
+                                    packing, softcap, **kwargs)
         return out.to(query.dtype), None
+    if softcap:  # SDPA has no score cap: the scores themselves, grouped by KV head
+        return _capped(query, key, value, attention_mask, scaling, softcap, packing), None
     if packing is not None:
         return _packed(query, key, value, attention_mask, scaling, gqa, packing), None
     is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
@@ -169,6 +172,29 @@ def _packed(
     return torch.cat(parts)[None]
 
 
+def _capped(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+    cap: float, pack: Packing | None,
+) -> torch.Tensor:
+    """Attention with scores cap * tanh(s / cap) before the mask (Gemma 2), for the batch or a packed forward (its
+    queries placed in the padded layout first): [batch, q_len, heads, d] / [1, N, heads, d]."""
+    if pack is not None:
+        q = query[0].transpose(0, 1)  # [N, heads, d]
+        padded = q.new_zeros(len(pack.counts), pack.width, *q.shape[1:])
+        padded[pack.rows, pack.steps] = q
+        out = _capped(padded.transpose(1, 2), key, value, mask, scaling, cap, None)  # [batch, W, heads, d]
+        return out[pack.rows, pack.steps][None]
+    batch, heads, width, dim = query.shape
+    groups = heads // key.shape[1]
+    q = query.reshape(batch, key.shape[1], groups * width, dim)  # each KV head's query heads side by side
+    scores = q @ key.transpose(2, 3) * (scaling if scaling is not None else dim**-0.5)
+    scores = (torch.tanh(scores / cap) * cap).reshape(batch, heads, width, -1)
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype).reshape(batch, key.shape[1], groups * width, -1)
+    return (weights @ value).view(batch, heads, width, dim).transpose(1, 2).contiguous()
+
+
 def register_with_transformers() -> None:
     """Make `NAME` an attention implementation transformers' models can name (idempotent)."""
     from transformers import AttentionInterface
@@ -180,7 +206,7 @@ def use_gqa_attention(model: nn.Module) -> None:
     """Switch a model running plain `sdpa` to the grouped-head SDPA above; a model whose linear layers round
     their inputs to bfloat16 (quantized layers on CPU) attends in float64 (module doc). A transformers model gets
     the function registered with transformers' attention interface (imported here, so a server whose models are
-    llama.py's never imports transformers' modeling stack); llama.py's modules name it in their config already."""
+    decoder.py's never imports transformers' modeling stack); decoder.py's modules name it in their config already."""
     if hasattr(model, "set_attn_implementation"):
         register_with_transformers()
         if model.config._attn_implementation == "sdpa":

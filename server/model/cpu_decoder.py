@@ -42,6 +42,9 @@ from torch import nn
 
 from server.model import cpu_kernels
 from server.model.cpu_kernels import Tiles
+from server.model.decoder import layer_norms, norm_weight
+from server.model.decoder import signed_sin as signed
+from server.model.families.base import Spec
 from server.model.kv_layers import KVBudgetExceeded
 
 KEY_RUN = 256  # cpu_kernels.py's KCHUNK: attention shares a query's keys out between threads in runs this long
@@ -51,103 +54,153 @@ _i64 = ctypes.c_int64
 
 
 class _Weights(ctypes.Structure):
-    _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p), ("tiles", _i64),
-                ("K", _i64), ("kind", ctypes.c_int32), ("unused", ctypes.c_int32)]
+    _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("tiles", _i64), ("K", _i64), ("kind", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("part", _Weights * 3), ("parts", _i64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", _Weights), ("o", _Weights),
-                ("gate_up", _Weights), ("down", _Weights)]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("attn_in", "attn_out", "ffn_in", "ffn_out", "q_norm",
+                                                     "k_norm")] + \
+               [(name, _Product) for name in ("qkv", "o", "gate_up", "down")] + [("window", _i64), ("rope", _i64)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "qkv_ld", "k_off",
                                            "v_off", "gu_ld", "u_off", "o_ld", "down_ld")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _i64)]
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", _i64), ("rot_dim", _i64),
+                ("act", _i64), ("softcap", ctypes.c_float), ("unused", ctypes.c_float)]
 
+
+SIZES = (_Weights, _Product, _Layer, _Dims)  # csrc/specula.h's structs, in `cpu_kernels.abi`'s order
 KV_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the cache's storage dtype -> dims.kv_kind
+ACT = {"silu": 0, "gelu_tanh": 1}  # dims.act
 
 
 def _weights(tiles: Tiles) -> _Weights:
-    return _Weights(tiles.q.data_ptr(), tiles.s.data_ptr(), tiles.m.data_ptr(), tiles.tiles, tiles.in_features,
+    bias = tiles.bias.data_ptr() if tiles.bias is not None else None
+    return _Weights(tiles.q.data_ptr(), tiles.s.data_ptr(), tiles.m.data_ptr(), bias, tiles.tiles, tiles.in_features,
                     tiles.kind, 0)
+
+
+def _product(parts: list[Tiles]) -> _Product:
+    product = _Product()
+    for i, tiles in enumerate(parts):
+        product.part[i] = _weights(tiles)
+    product.parts = len(parts)
+    return product
+
+
+def _width(parts: list[Tiles]) -> int:
+    return sum(t.tiles for t in parts) * 16
 
 
 def enabled() -> bool:
     return os.environ.get("SPECULA_CPU_DECODER", "1").lower() not in ("0", "false", "no", "off")
 
 
+def _parts(both: object, kernels: tuple, fused: str, single: tuple[int, ...]) -> list[Tiles] | None:
+    """A layer's q/k/v (or gate/up) products as the C decoder takes them: the fused kernel, or its layers one by
+    one (layers of different block types: a Q4_K_M file's Q6_K v beside Q4_K q and k); None when one is not on the
+    block kernels."""
+    parts = [getattr(both, fused)] if both is not None else [kernels[j] for j in single]
+    return parts if all(isinstance(t, Tiles) for t in parts) else None
+
+
+def _norm(module: nn.Module | None) -> torch.Tensor | None:
+    return norm_weight(module).detach().float().contiguous() if module is not None else None
+
+
 class CpuDecoder:
     """The decoder layers of one lean forward (lean_forward.py) as `decoder_forward` calls."""
 
-    def __init__(self, lib: ctypes.CDLL, base: nn.Module, fused: list, linears: list) -> None:
+    def __init__(self, lib: ctypes.CDLL, base: nn.Module, spec: Spec, products: list[tuple[list[Tiles], ...]]
+                 ) -> None:
         self.lib = lib
         config, attn = base.config, base.layers[0].self_attn
-        first = fused[0]
-        q_size, k_size, _ = first.qkv_sizes
+        qkv, o, gate_up, down = products[0]
         self.hidden, self.head_dim = config.hidden_size, attn.head_dim
-        self.heads, self.kv_heads = q_size // attn.head_dim, k_size // attn.head_dim
-        self.inter = linears[0][6].in_features
-        self.dims = _Dims(self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
-                          first.qkv.tiles * 16, q_size, q_size + k_size, first.gate_up.tiles * 16, self.inter,
-                          linears[0][3].tiles * 16, linears[0][6].tiles * 16,
-                          base.layers[0].input_layernorm.variance_epsilon, attn.scaling)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        q_size, k_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inter = down[0].in_features
+        self.sets = max(spec.rope_sets) + 1
+        self.rot = spec.rotary_dim
+        self.dims = _Dims(self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, _width(qkv), q_size,
+                          q_size + k_size, _width(gate_up), self.inter, _width(o), _width(down),
+                          layer_norms(base.layers[0])[0].variance_epsilon, spec.scaling, 0, self.rot,
+                          ACT[spec.activation], spec.attn_softcap or 0.0, 0.0)
         self.layers = (_Layer * len(base.layers))()
         self.keep: list[object] = []  # what the pointers point into: alive as long as this decoder
-        for i, (layer, both, kernels) in enumerate(zip(base.layers, fused, linears, strict=True)):
-            norms = (layer.input_layernorm.weight.detach().float().contiguous(),
-                     layer.post_attention_layernorm.weight.detach().float().contiguous())
-            self.keep += [*norms, both.qkv, both.gate_up, kernels[3], kernels[6]]
-            self.layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _weights(both.qkv),
-                                    _weights(kernels[3]), _weights(both.gate_up), _weights(kernels[6]))
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(base.layers, products, strict=True)):
+            norms = [_norm(n) for n in layer_norms(layer)]
+            qk = [_norm(getattr(layer.self_attn, n, None)) for n in ("q_norm", "k_norm")]
+            self.keep += [*norms, *qk, *qkv, *o, *gate_up, *down]
+            pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+            self.layers[i] = _Layer(*(pointer(t) for t in (*norms, *qk)), _product(qkv), _product(o),
+                                    _product(gate_up), _product(down), spec.windows[i], spec.rope_sets[i])
         self.count = len(base.layers)
         # the final RMSNorm too, where it is one with the layers' epsilon (a draft head's decoder has none)
-        norm, first_norm = base.norm, base.layers[0].input_layernorm
+        norm, first_norm = base.norm, layer_norms(base.layers[0])[0]
         self.final = None
         if type(norm) is type(first_norm) and norm.variance_epsilon == first_norm.variance_epsilon \
                 and norm.weight.shape == (self.hidden,):
-            self.final = norm.weight.detach().float().contiguous()
+            self.final = _norm(norm)
             self.keep.append(self.final)
         self.scratch = self.hidden + self.dims.qkv_ld + self.heads * self.head_dim + \
             max(self.dims.o_ld, self.dims.down_ld) + self.dims.gu_ld + self.inter + \
             cpu_kernels.scratch_per_row(max(self.inter, self.heads * self.head_dim, self.hidden))  # floats per token
 
     @classmethod
-    def of(cls, base: nn.Module, fused: list, linears: list) -> CpuDecoder | None:
+    def of(cls, base: nn.Module, spec: Spec, fused: list, linears: list) -> CpuDecoder | None:
         """The decoder for a lean forward's layers, or None when one does not qualify (module doc)."""
         lib = cpu_kernels.library()
         if lib is None or not enabled() or not base.layers:
             return None
-        if cpu_kernels.abi(lib) != (ctypes.sizeof(_Weights), ctypes.sizeof(_Layer), ctypes.sizeof(_Dims)):
+        if cpu_kernels.abi(lib) != tuple(ctypes.sizeof(t) for t in SIZES):
             return None  # structs out of step with csrc/specula.h: the lean forward's layers serve
         config = base.config
         if next(base.parameters()).dtype != torch.float32 or next(base.parameters()).device.type != "cpu":
             return None
-        attn0, norm0 = base.layers[0].self_attn, base.layers[0].input_layernorm  # LeanForward.of: RMSNorms
-        head_dim = getattr(attn0, "head_dim", 0)
-        if not head_dim or head_dim % 16 or head_dim > 256 or config.hidden_size % 16:
+        head_dim, hidden = spec.head_dim, config.hidden_size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if head_dim % 16 or head_dim > 256 or hidden % 16 or spec.rotary_dim % 2 or spec.rotary_dim > head_dim:
             return None
+        if heads % kv_heads or heads // kv_heads > 16:  # query heads per KV head: the C attention holds up to 16
+            return None
+        eps = layer_norms(base.layers[0])[0].variance_epsilon
+        products = []
         for layer, both, kernels in zip(base.layers, fused, linears, strict=True):
-            if both is None or not all(isinstance(k, Tiles) for k in (both.qkv, both.gate_up, kernels[3], kernels[6])):
+            qkv, gate_up = _parts(both, kernels, "qkv", (0, 1, 2)), _parts(both, kernels, "gate_up", (4, 5))
+            o, down = [kernels[3]], [kernels[6]]
+            if qkv is None or gate_up is None or not isinstance(o[0], Tiles) or not isinstance(down[0], Tiles):
                 return None
             attn = layer.self_attn
-            q_size, k_size, v_size = both.qkv_sizes
-            if attn.head_dim != head_dim or k_size != v_size or q_size % head_dim or k_size % head_dim:
+            if attn.head_dim != head_dim or attn.scaling != spec.scaling:
                 return None
-            if (q_size // head_dim) % (k_size // head_dim) or attn.scaling != attn0.scaling:
+            if [t.out for t in qkv] not in ([heads * head_dim + 2 * kv_heads * head_dim],
+                                            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]):
                 return None
-            if q_size // k_size > 16:  # query heads per KV head: the C attention holds up to 16
+            if o[0].in_features != heads * head_dim or o[0].out != hidden:
                 return None
-            if kernels[3].in_features != q_size or kernels[3].out != config.hidden_size:
+            inter = down[0].in_features
+            if inter % 16 or sum(t.out for t in gate_up) != 2 * inter or down[0].out != hidden:
                 return None
-            inter = kernels[6].in_features
-            if inter % 16 or both.gate_up.out != 2 * inter or kernels[6].out != config.hidden_size:
+            if len(gate_up) == 2 and gate_up[0].out != inter:
                 return None
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if type(norm) is not type(norm0) or norm.variance_epsilon != norm0.variance_epsilon \
-                        or norm.weight.shape != (config.hidden_size,):
+            if len(qkv) == 3 and (qkv[0].tiles * 16, qkv[1].tiles * 16) != (heads * head_dim, kv_heads * head_dim):
+                return None  # k and v start where the kernel's padded outputs of q (and k) end
+            norms = [n for n in layer_norms(layer) if n is not None] + \
+                [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+            if spec.qk_norm != hasattr(attn, "q_norm"):
+                return None
+            for norm in norms:
+                if getattr(norm, "variance_epsilon", None) != eps or norm.weight.shape[0] not in (hidden, head_dim):
                     return None
-        return cls(lib, base, fused, linears)
+            products.append((qkv, o, gate_up, down))
+        return cls(lib, base, spec, products)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -158,8 +211,7 @@ class CpuDecoder:
     def __call__(
         self,
         x: torch.Tensor,  # [batch, W, hidden] or packed [1, N, hidden] (a fresh tensor: updated in place)
-        cos: torch.Tensor,  # [batch, W, d] / [1, N, d]
-        signed_sin: torch.Tensor,
+        rotations: list[tuple[torch.Tensor, torch.Tensor]],  # per rotary set (cos, sin) [batch, W, rot] / [1, N, rot]
         mask: torch.Tensor,  # [batch, 1, W, length + W] additive
         cache: object,  # kv_layers.BatchCache
         packing: object | None,  # attention.Packing
@@ -192,8 +244,8 @@ class CpuDecoder:
         length = mask.shape[-1]
         cols = start + steps
         mask_rows = rows * width + steps
-        cos = cos.reshape(n, self.head_dim).contiguous()
-        signed_sin = signed_sin.reshape(n, self.head_dim).contiguous()
+        cos = torch.stack([c.reshape(n, self.rot) for c, _ in rotations[: self.sets]]).contiguous()
+        signed_sin = torch.stack([signed(s.reshape(n, self.rot)) for _, s in rotations[: self.sets]]).contiguous()
         threads = torch.get_num_threads()
         group = self.heads // self.kv_heads
         work = torch.empty(n * self.scratch + threads * (QUERY_BLOCK * group * (KEY_RUN + 16) + 32 * self.head_dim))

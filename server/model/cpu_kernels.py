@@ -87,8 +87,10 @@ def _kinds() -> dict[str, int]:
 
 
 _KINDS = _kinds()
-KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_F16 = (_KINDS[k] for k in (
-    "KIND_Q4", "KIND_Q4_INT8", "KIND_Q8", "KIND_Q8_INT8", "KIND_F16"))  # on float32 or int8 activations
+KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_F16 = (_KINDS[k] for k in (
+    "KIND_Q4", "KIND_Q4_INT8", "KIND_Q8", "KIND_Q8_INT8", "KIND_Q8M_INT8", "KIND_Q8G16_INT8", "KIND_F16"))
+INT8_KINDS = (KIND_Q4_INT8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8)  # kinds on int8 activations
+Q8_LAYOUT = (KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8)  # kinds whose tiles hold 4 inputs' values side by side
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra",
          "-Wno-psabi")
 # the instruction sets kernels.c is built for, each with what it adds to FLAGS; the host's best one is loaded
@@ -202,9 +204,9 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def abi(lib: ctypes.CDLL) -> tuple[int, ...]:
-    """The sizes of the library's `struct weights`, `struct layer` and `struct dims` (cpu_decoder.py checks its
-    ctypes mirrors against them)."""
-    sizes = (ctypes.c_int64 * 3)()
+    """The sizes of the library's `struct weights`, `struct product`, `struct layer` and `struct dims` (cpu_decoder.py
+    checks its ctypes mirrors against them)."""
+    sizes = (ctypes.c_int64 * 4)()
     lib.specula_abi(sizes)
     return tuple(sizes)
 
@@ -272,12 +274,20 @@ class Tiles:
                  in_features: int | None = None):
         self.kind, self.out, self.lib = kind, out, lib
         self.q, self.s, self.m = q.contiguous(), s.contiguous(), m.contiguous()
-        self.tiles, self.in_features = q.shape[0], in_features or s.shape[1] * 32
+        self.tiles = q.shape[0]
+        self.in_features = in_features or s.shape[1] * (16 if kind == KIND_Q8G16_INT8 else 32)
+        self.bias: torch.Tensor | None = None  # [tiles * 16] float32, added to the outputs (`with_bias`)
+
+    def with_bias(self, bias: torch.Tensor | None) -> Tiles:
+        """These tiles adding `bias` [out] to their outputs (here and in the C decoder's products)."""
+        if bias is not None:
+            self.bias = torch.cat([bias.detach().float(), bias.new_zeros(self.tiles * TILE - self.out).float()])
+        return self
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What it holds (memory accounting)."""
-        return self.q, self.s, self.m
+        return (self.q, self.s, self.m) + ((self.bias,) if self.bias is not None else ())
 
     @classmethod
     def q4(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, lib: ctypes.CDLL, int8: bool | None = None) -> Tiles:
@@ -296,15 +306,23 @@ class Tiles:
         return cls(KIND_Q4, packed, _tiled(s, t), _tiled(m, t), n, lib)
 
     @classmethod
-    def q8(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL, int8: bool | None = None) -> Tiles:
-        """q [N, K] int8; s [N, K/32]: w = s q; on int8 activations where `int8` (None: `int8_activations`)."""
+    def q8(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL, int8: bool | None = None,
+           m: torch.Tensor | None = None) -> Tiles:
+        """q [N, K] int8; s [N, K/32] (w = s q) or [N, K/16] (w = s q per 16 inputs: Q6_K); m [N, K/32] or None:
+        w = s q + m (Q5_1, Q5_K). On int8 activations where `int8` (None: `int8_activations`); the per-16 scales and
+        the minimum exist only there (`KIND_Q8G16_INT8`, `KIND_Q8M_INT8`: llama.cpp runs its K-quants on int8
+        activations everywhere)."""
         n, k = q.shape
-        q, s, _ = _pad(q, s, s[:, :0])
+        group16 = s.shape[1] == k // 16
+        q, s, m_padded = _pad(q, s, m if m is not None else s[:, :0])
         t = q.shape[0] // TILE
         qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 16]
-        if int8_activations() if int8 is None else int8:  # per 4 inputs k..k+3: 16 x (q[k][j] .. q[k+3][j])
+        if group16 or m is not None or (int8_activations() if int8 is None else int8):
+            # per 4 inputs k..k+3: 16 x (q[k][j] .. q[k+3][j])
             quads = qt.view(t, k // 4, 4, TILE).transpose(2, 3).contiguous().view(torch.uint8).view(t, k, TILE)
-            return cls(KIND_Q8_INT8, quads, _tiled(s, t), torch.zeros(1), n, lib)
+            kind = KIND_Q8G16_INT8 if group16 else KIND_Q8M_INT8 if m is not None else KIND_Q8_INT8
+            mins = _tiled(m_padded, t) if m is not None else torch.zeros(1)
+            return cls(kind, quads, _tiled(s, t), mins, n, lib, in_features=k)
         return cls(KIND_Q8, qt.view(torch.uint8), _tiled(s, t), torch.zeros(1), n, lib)  # m is never read for Q8
 
     @classmethod
@@ -325,7 +343,7 @@ class Tiles:
         if self.kind == KIND_F16:
             return tile_rows(self.q.view(torch.float16), ids)
         q = self.q.view(torch.int8)
-        if self.kind == KIND_Q8_INT8:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
+        if self.kind in Q8_LAYOUT:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
             quads = q.view(self.tiles, self.in_features // 4, TILE, 4)
             return tile_rows(quads, ids).reshape(len(ids), self.in_features)
         return tile_rows(q, ids)
@@ -341,6 +359,8 @@ class Tiles:
             self.lib.block_gemm(self.kind, flat.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                                 self.s.data_ptr(), self.m.data_ptr(), sums.data_ptr(), y.data_ptr(), self.tiles,
                                 torch.get_num_threads())
+        if self.bias is not None:
+            y += self.bias
         if self.tiles * TILE != self.out:
             y = y[:, : self.out]
         return y.view(*x.shape[:-1], self.out).to(x.dtype)
@@ -397,17 +417,21 @@ def _probe(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g)
     s = torch.rand(20, 2, generator=g) * 0.1
+    s16 = torch.rand(20, 4, generator=g) * 0.1
     q4 = torch.randint(0, 16, (20, 64), generator=g)
     m = -8 * s
     q8 = torch.randint(-128, 128, (20, 64), generator=g)
+    q5 = torch.randint(0, 32, (20, 64), generator=g)
     f16 = (torch.randn(20, 64, generator=g) * 0.1).half()
     scaled4, scaled8 = s.repeat_interleave(32, 1) * q4, s.repeat_interleave(32, 1) * q8
-    w4 = scaled4 + m.repeat_interleave(32, 1)
+    scaled5, scaled16 = s.repeat_interleave(32, 1) * q5, s16.repeat_interleave(16, 1) * q8
+    w4, w5 = scaled4 + m.repeat_interleave(32, 1), scaled5 + m.repeat_interleave(32, 1)
     for tiles, w, scaled in (*((Tiles.q4(q4, s, m, lib, int8=i8), w4, scaled4) for i8 in (False, True)),
                              *((Tiles.q8(q8, s, lib, int8=i8), scaled8, scaled8) for i8 in (False, True)),
+                             (Tiles.q8(q5, s, lib, m=m), w5, scaled5), (Tiles.q8(q8, s16, lib), scaled16, scaled16),
                              (Tiles.f16(f16, lib), f16, None)):
         want = x.double() @ w.double().t()
-        rounded = tiles.kind in (KIND_Q4_INT8, KIND_Q8_INT8)
+        rounded = tiles.kind in INT8_KINDS
         slack = activation_error(x) @ scaled.double().abs().t() if rounded else 0
         if not ((tiles(x).double() - want).abs() <= slack + 1e-5 * float(want.abs().max())).all():
             return False

@@ -1,20 +1,26 @@
 """A GGUF file's tensors as a model whose linear layers stay quantized (`weights: as-file`; quantized.py).
 
-`read_gguf` maps a llama-architecture file's tensors onto transformers' module names without dequantizing
-what a kernel can run (Q4_0, Q4_1, Q8_0: quantized.py); `assemble` builds the model from a config and those
-tensors. The pair in between (`QuantizedWeights`: each module's kind and the tensors by state-dict name) is
-also what the weights cache stores for this format (loading.py), so a later start skips the file's parsing.
+`read_gguf` maps a file's tensors onto the server's module tree (decoder.py: transformers' module names) of its
+family (families/: the file's `general.architecture` names it, gguf-py's tensor-name map of that architecture gives
+each tensor's place) without dequantizing what a kernel can run (gguf_blocks.py: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+Q6_K, Q8_0); `assemble` builds the model from a config and those tensors. The pair in between (`QuantizedWeights`:
+each module's kind and the tensors by state-dict name) is also what the weights cache stores for this format
+(loading.py), so a later start skips the file's parsing. A file mixing types (Q4_K_M: Q4_K, Q6_K, Q8_0 or F16...)
+keeps each tensor as it is.
 
-Two details of llama.cpp's conversion are undone here as transformers' own GGUF loader undoes them:
+Details of llama.cpp's conversion undone here as transformers' own GGUF loader undoes them:
 
-* q and k projections are stored with their rows permuted per head (llama.cpp's rotary layout): a row
-  permutation, applied to the quantized rows as they are (a row's blocks run along its inputs).
+* for the architectures whose rotary layout differs (`Family.permuted_qk`: llama), q and k are stored with their rows
+  permuted per head: a row permutation, applied to the quantized rows as they are (a row's blocks run along its
+  inputs);
+* fused tensors (Phi-3's attn_qkv, ffn_up holding gate and up) are split into the tree's layers along their rows;
+* Gemma's norm weights were written with its 1 added: the tree's norms then take them with offset 0;
 * GGUF lists shapes innermost first: a [576, 49152] tensor is 49152 rows of 576 inputs.
 
-Tensors of other types (F32, F16, BF16, K-quants) are dequantized to fp32 with gguf's reference code and served
-dense. The embedding table and the LM head become a `BlockTable` / `TableHead` when the file holds them as Q8_0
-(SmolLM2's tied table: its blocks as they are, looked up exactly, multiplied by the float32 block kernel), else
-`Fp16Table` / `TableHead` (fp16 values of the file's weights, fp32 logits: quantized.py says why).
+Tensors of other types (F32, F16, BF16, other quantizations) are dequantized to fp32 with gguf's reference code and
+served dense. The embedding table and the LM head become a `BlockTable` / `TableHead` when the file holds them as
+Q8_0 or Q6_K (their blocks as they are, looked up exactly, multiplied by the block kernels), else `Fp16Table` /
+`TableHead` (fp16 values of the file's weights, fp32 logits: quantized.py says why).
 """
 
 from __future__ import annotations
@@ -22,15 +28,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from server.model import llama
+from server.model import decoder, families
+from server.model.families.base import Family
+from server.model.gguf_blocks import SERVED, Blocks, decode
 from server.model.quantized import (
-    GROUP,
     QUANT_KINDS,
     BlockTable,
     Fp16Table,
@@ -42,35 +50,53 @@ from server.model.quantized import (
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama",)  # whose tensor names and q/k permutation this module knows
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # served as they are; every other type is dequantized
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TABLE_BLOCKS = ("Q8_0", "Q6_K")  # table types kept as blocks (`BlockTable`); other quantized tables: fp16 values
+_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+                "self_attn.k_norm", "self_attn.qkv_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "mlp.gate_up_proj", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+_GLOBAL_PARTS = ("model.embed_tokens", "model.norm", "lm_head")
 
 
 @dataclass
 class QuantizedWeights:
-    """A model's weights as served: `kinds` maps a module path to how it is held ("q4", "q8", "int8",
-    "table"); `tensors` holds every tensor by state-dict name (modules named in `kinds` included)."""
+    """A model's weights as served: `kinds` maps a module path to how it is held ("q4", "q8", "int8", "table",
+    "q8table"); `tensors` holds every tensor by state-dict name (modules named in `kinds` included)."""
 
     kinds: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     types: dict[str, int] = field(default_factory=dict)  # the file's tensor types and counts, for the log
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a tensor this loader does not map)."""
+def family_of_file(reader: Any) -> Family:
+    """The family a GGUF reader's file belongs to; a ValueError naming its architecture if none serves it."""
+    arch = str(reader.fields["general.architecture"].contents())
+    family = families.by_gguf_arch(arch)
+    if family is None:
+        known = ", ".join(f.gguf_arch for f in families.FAMILIES)
+        raise ValueError(f"GGUF architecture {arch!r} is not served (known: {known})")
+    return family
+
+
+def tensor_names(family: Family, layers: int) -> dict[str, str]:
+    """GGUF tensor base names (`blk.3.attn_q`) -> the tree's module paths (`model.layers.3.self_attn.q_proj`), from
+    gguf-py's name map of the family's architecture (the converter's own table)."""
+    import gguf
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == family.gguf_arch)
+    mapping = gguf.get_tensor_name_map(arch, layers)
+    out = {}
+    for hf in [*(f"model.layers.{i}.{part}" for i in range(layers) for part in _LAYER_PARTS), *_GLOBAL_PARTS]:
+        name = mapping.get_name(hf)
+        if name is not None and name not in out:
+            out[name] = hf
+    return out
+
+
+def hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a tensor with no place here)."""
     base, _, suffix = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, index, part = base.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
-        return f"model.layers.{index}.{mapped}.{suffix}" if mapped else None
-    mapped = _GLOBAL_NAMES.get(base)
+    mapped = names.get(base)
     return f"{mapped}.{suffix}" if mapped else None
 
 
@@ -78,30 +104,6 @@ def _rope_rows(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's per-head permutation of q / k (transformers' reverse_permute)."""
     half = rows // heads // 2
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
-
-
-def _blocks(data: np.ndarray, rows: int, size: int) -> np.ndarray:
-    return np.ascontiguousarray(data).reshape(rows, -1, size)
-
-
-def decode_q4(data: np.ndarray, rows: int, with_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Q4_0 (d, 16 bytes) / Q4_1 (d, m, 16 bytes) blocks -> q [rows, in] in [0, 15], d and m [rows, in/32].
-    A block's byte j holds weight j in its low nibble and weight j + 16 in its high one (ggml)."""
-    head = 4 if with_min else 2
-    blocks = _blocks(data, rows, head + GROUP // 2)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if with_min else None
-    qs = torch.from_numpy(blocks[..., head:].copy())
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, -1)
-    return q.to(torch.int32), d, m
-
-
-def decode_q8(data: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks (d, 32 int8) -> q [rows, in] int8 and d [rows, in/32]."""
-    blocks = _blocks(data, rows, 2 + GROUP)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
-    return q, d
 
 
 def _dequantized(tensor: object) -> torch.Tensor:
@@ -113,67 +115,99 @@ def _dequantized(tensor: object) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)
 
 
+def _layer(blocks: Blocks) -> QuantLinear:
+    if blocks.four_bit:
+        return Q4Linear.from_blocks(blocks.q, blocks.scales, blocks.mins)
+    return Q8Linear(blocks.q.to(torch.int8), blocks.scales, mins=blocks.mins)
+
+
+def _splits(family: Family, config: PretrainedConfig, module: str) -> list[tuple[str, int]] | None:
+    """The layers a fused tensor holds, as (module path, rows): `...self_attn.qkv_proj` -> `...self_attn.q_proj`,
+    `...k_proj`, `...v_proj` (None for a tensor that is not fused)."""
+    scope = module.rpartition(".")[0]
+    for suffix, rule in family.fused.items():
+        if module.endswith(suffix):
+            return [(f"{scope}.{part}", n) for part, n in rule(config)]
+    return None
+
+
+def read_config_fields(reader: Any) -> dict[str, Any]:
+    """The file's metadata as plain values (strings, numbers; arrays left out)."""
+    out: dict[str, Any] = {}
+    for name, item in reader.fields.items():
+        if name.startswith("tokenizer.") or len(item.types) != 1:
+            continue
+        try:
+            out[name] = item.contents()
+        except Exception:  # a value gguf-py cannot read plainly: not needed here
+            continue
+    return out
+
+
+def complete_config(path: Path, config: PretrainedConfig) -> PretrainedConfig:
+    """`config` (transformers' reading of the file) with what its GGUF reader leaves out for the file's family
+    (`Family.gguf_config`: Qwen3's head_dim, Gemma's query scale and soft-caps...)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    family = family_of_file(reader)
+    if family.gguf_config is not None:
+        family.gguf_config(read_config_fields(reader), config)
+    return config
+
+
 def read_gguf(path: Path, config: PretrainedConfig) -> QuantizedWeights:
     """The file's tensors as `QuantizedWeights` for `config` (transformers' reading of the same file)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"quantized serving knows the {', '.join(ARCHITECTURES)} architecture, not {arch!r}")
+    family = family_of_file(reader)
+    names = tensor_names(family, config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out = QuantizedWeights()
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, names)
         kind = tensor.tensor_type.name
         out.types[kind] = out.types.get(kind, 0) + 1
         if name is None:
             log.warning("GGUF tensor %s (%s) has no place in the model: ignored", tensor.name, kind)
             continue
-        module = name.removesuffix(".weight")
+        module, _, suffix = name.rpartition(".")
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         order = None
-        if ".q_proj." in name:
+        if family.permuted_qk and module.endswith(".q_proj"):
             order = _rope_rows(rows, heads)
-        elif ".k_proj." in name:
+        elif family.permuted_qk and module.endswith(".k_proj"):
             order = _rope_rows(rows, kv_heads)
         table = module in ("model.embed_tokens", "lm_head")
-        if kind in QUANTIZED_TYPES and not table:
-            if kind == "Q8_0":
-                q, d = decode_q8(tensor.data, rows)
-                layer: QuantLinear = Q8Linear(q, d)
-            else:
-                q, d, m = decode_q4(tensor.data, rows, with_min=kind == "Q4_1")
-                layer = Q4Linear.from_blocks(q, d, m)
+        if suffix == "weight" and kind in SERVED and not table and len(tensor.shape) > 1:
+            blocks = decode(kind, tensor.data, rows)
             if order is not None:
-                layer = _permuted(layer, order)
-            out.kinds[module] = layer.kind
-            out.tensors.update({f"{module}.{k}": v for k, v in layer.state_dict().items()})
+                blocks = blocks.take(order)
+            start = 0
+            for part, n in _splits(family, config, module) or [(module, rows)]:
+                layer = _layer(blocks.take(slice(start, start + n)))
+                start += n
+                out.kinds[part] = layer.kind
+                out.tensors.update({f"{part}.{k}": v for k, v in layer.state_dict().items()})
             continue
-        if table and kind == "Q8_0":  # the file's blocks as they are (quantized.BlockTable)
-            q, d = decode_q8(tensor.data, rows)
-            if order is not None:
-                q, d = q[order], d[order]
+        if table and kind in TABLE_BLOCKS:  # the file's blocks as they are (quantized.BlockTable)
+            blocks = decode(kind, tensor.data, rows)
             out.kinds[module] = "q8table"
-            out.tensors.update({f"{module}.qweight": q, f"{module}.scales": d})
+            out.tensors.update({f"{module}.qweight": blocks.q.to(torch.int8), f"{module}.scales": blocks.scales})
             continue
         values = _dequantized(tensor)
         if order is not None:
             values = values[order]
-        if table and kind in QUANTIZED_TYPES:  # fp16 values of the file's weights (quantized.py)
+        if table and kind not in ("F32", "F16", "BF16"):  # fp16 values of the file's weights (quantized.py)
             out.kinds[module] = "table"
             out.tensors[f"{module}.weight"] = values.to(torch.float16)
-        else:
-            out.tensors[name] = values
+            continue
+        start = 0
+        for part, n in _splits(family, config, module) or [(module, values.shape[0])]:
+            out.tensors[f"{part}.{suffix}"] = values[start:start + n] if values.dim() else values
+            start += n
     return out
-
-
-def _permuted(layer: QuantLinear, order: torch.Tensor) -> QuantLinear:
-    """`layer` with its output rows in `order` (the quantized rows moved as they are)."""
-    if isinstance(layer, Q4Linear):
-        return Q4Linear(layer.qweight[order], layer.scales_zeros[:, order])
-    assert isinstance(layer, Q8Linear)
-    return Q8Linear(layer.qweight[order], layer.scales[order])
 
 
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -183,10 +217,11 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def assemble(config: PretrainedConfig, weights: QuantizedWeights, ours: bool = True) -> nn.Module:
     """The causal LM of `config` holding `weights` (quantized modules where `kinds` says), on CPU, eval mode:
-    llama.py's modules where they serve the architecture (and `ours`), else transformers'."""
-    if ours and llama.supports(config):
-        model: nn.Module = llama.empty(config)
-    else:  # an architecture llama.py does not serve: transformers' modules
+    the server's modules (decoder.py) where they serve the architecture (and `ours`), else transformers'."""
+    family = families.family_of(config)
+    if ours and family is not None:
+        model: nn.Module = decoder.empty(config, norm_offset=family.gguf_norm_offset)
+    else:  # an architecture the server's tree does not serve: transformers' modules
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -202,8 +237,10 @@ def assemble(config: PretrainedConfig, weights: QuantizedWeights, ours: bool = T
                 module = TableHead(module)
         else:
             cls = QUANT_KINDS[kind]
-            extra = "scales_zeros" if cls is Q4Linear else "scales"
-            module = cls(own["qweight"], own[extra], own.get("bias"))
+            if cls is Q8Linear:
+                module = Q8Linear(own["qweight"], own["scales"], own.get("bias"), own.get("mins"))
+            else:
+                module = cls(own["qweight"], own["scales_zeros" if cls is Q4Linear else "scales"], own.get("bias"))
         _set_module(model, path, module)
     tied = "lm_head" not in weights.kinds and "lm_head.weight" not in tensors  # as SmolLM2's file
     if tied and isinstance(model.get_input_embeddings(), Fp16Table | BlockTable):

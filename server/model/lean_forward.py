@@ -48,18 +48,27 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
+from server.model import families
 from server.model.attention import Packing, gqa_sdpa_attention, packs
 from server.model.cpu_decoder import CpuDecoder
-from server.model.llama import Decoder
-from server.model.llama import rms_norm as _rms_norm
-from server.model.llama import rotate as _rotate
-from server.model.llama import signed_sin as _signed
+from server.model.decoder import Decoder, activate, layer_norms, soft_cap, window_mask
+from server.model.decoder import rms_norm as _rms_norm
+from server.model.decoder import rotate as _rotate
+from server.model.decoder import signed_sin as _signed
+from server.model.families.base import Spec
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, TableHead, fused
 
-# Decoder classes (by name, so a model type transformers does not ship here needs no import) whose
-# layers are input norm -> attention (q, k, v, o projections with RoPE) -> residual -> norm -> SiLU MLP.
+# transformers' decoder classes (by name, so a model type transformers does not ship here needs no import) whose
+# modules are the server's tree's (decoder.py) in Llama's shape: the lean forward runs them as their family's `Spec`
+# says (tools that load transformers' modules); every family runs on the server's own tree (`Decoder`).
 _BASES = {"LlamaModel", "MistralModel", "Qwen2Model"}
+
+
+def _spec(base: nn.Module) -> Spec | None:
+    """What a decoder's layers do: the server's tree carries its `Spec`; transformers' Llama-shaped trees are read
+    from their config (None: not a family the lean forward runs)."""
+    return base.spec if isinstance(base, Decoder) else families.spec_of(base.config)
 
 
 @dataclass(frozen=True)
@@ -227,8 +236,10 @@ class LeanForward:
                   for j, p in enumerate(_projections(layer)))
             for layer, both in zip(base.layers, self.fused, strict=True)
         ]
+        self.spec = _spec(base)
+        assert self.spec is not None, "LeanForward.of checks the family"
         # every layer in one C call for steps and verify passes, where the layers allow it (cpu_decoder.py)
-        self.decoder = CpuDecoder.of(base, self.fused, self.linears)
+        self.decoder = CpuDecoder.of(base, self.spec, self.fused, self.linears)
         self.made_for = _made_for(model, base)  # `of` shares this forward while the model still matches it
         # an LM head tied to the input embeddings keeps its dense weight: the embedding lookup reads it
         embeddings = base.get_input_embeddings() if lm_head is not None else None
@@ -248,24 +259,19 @@ class LeanForward:
         base = model if model.get_output_embeddings() is None else getattr(model, "model", None)
         if base is None or not (type(base).__name__ in _BASES or isinstance(base, Decoder)) or not packs(model):
             return None
-        config = base.config
-        if getattr(config, "hidden_act", None) != "silu":
-            return None
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            return None  # a window transformers' mask would apply (the engine's masks do not)
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        if _spec(base) is None:
             return None
         lm_head = model.get_output_embeddings()
         if lm_head is not None and not (_plain_linear(lm_head) or isinstance(lm_head, TableHead)):
             return None
         for layer in base.layers:
             attn = layer.self_attn
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = [n for n in layer_norms(layer) if n is not None]
             if not all(_plain_linear(p) for p in _projections(layer)):
                 return None
             if not all(hasattr(n, "variance_epsilon") for n in norms):
                 return None
-            if any(hasattr(attn, extra) for extra in ("q_norm", "k_norm", "sinks")):
+            if hasattr(attn, "sinks") or (hasattr(attn, "q_norm") and not isinstance(base, Decoder)):
                 return None
         packed = packs_linears(model) if pack is None else pack
         shared: _Shared = model.__dict__.setdefault("_lean_forwards", _Shared())
@@ -319,20 +325,23 @@ class LeanForward:
         output_hidden_states: bool = False,
         use_cache: bool = True,  # the runner always writes the cache: accepted for transformers' keywords
     ) -> LeanOutput:
-        base = self.base
-        x = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, width = x.shape[:2]
-        cos, sin = base.rotary_emb(x, position_ids)  # [batch, W, d] each
-        cos, sin = cos[:, :, None], _signed(sin[:, :, None])  # broadcast over heads
+        base, spec = self.base, self.spec
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        else:
+            x = base.embed(input_ids) if isinstance(base, Decoder) else base.embed_tokens(input_ids)
+        rotations = base.rotations(x, position_ids) if isinstance(base, Decoder) else \
+            [base.rotary_emb(x, position_ids)]  # [batch, W, rotary dim] each
         states = [x] if output_hidden_states else None
         if self.decoder is not None and self.decoder.takes(x):
-            x, after = self.decoder(x, cos, sin, attention_mask, cache, packing, output_hidden_states)
+            x, after = self.decoder(x, rotations, attention_mask, cache, packing, output_hidden_states)
             if states is not None:
                 states += after[:-1]
             if self.decoder.final is None:
                 x = self.final_norm(x)
         else:
-            x = self.final_norm(self._layers(x, cos, sin, attention_mask, cache, packing, states))
+            rotations = [(cos[:, :, None], _signed(sin[:, :, None])) for cos, sin in rotations]  # over heads
+            x = self.final_norm(self._layers(x, rotations, attention_mask, cache, packing, states))
         if states is not None:
             states.append(x)
         logits = None
@@ -340,39 +349,51 @@ class LeanForward:
             logits = self.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, logits_index))[None]
         elif self.lm_head is not None and logits_to_keep is not None:
             logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        if logits is not None and spec.final_softcap:
+            logits = soft_cap(logits, spec.final_softcap)
         return LeanOutput(logits, tuple(states) if states is not None else None, x)
 
     def _layers(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor, cache: Cache,
-        packing: Packing | None, states: list[torch.Tensor] | None,
+        self, x: torch.Tensor, rotations: list[tuple[torch.Tensor, torch.Tensor]], attention_mask: torch.Tensor,
+        cache: Cache, packing: Packing | None, states: list[torch.Tensor] | None,
     ) -> torch.Tensor:
-        """The decoder layers one torch operation at a time; appends each layer's output to `states` (all but the
-        last's)."""
-        base = self.base
+        """The decoder layers one torch operation at a time, as the family's `Spec` describes them; appends each
+        layer's output to `states` (all but the last's). `rotations`: (cos, signed sin) per rotary set."""
+        base, spec = self.base, self.spec
         batch, width = x.shape[:2]
+        masks = {0: attention_mask}  # per window: the mask cut to each query's last W keys
+        for w in set(spec.windows) - {0}:
+            masks[w] = window_mask(attention_mask, w)
         for i, (layer, (q_proj, k_proj, v_proj, o_proj, gate, up, down), both) in enumerate(
             zip(base.layers, self.linears, self.fused, strict=True)
         ):
             attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm)
+            before_attn, after_attn, before_mlp, after_mlp = layer_norms(layer)
+            cos, sin = rotations[spec.rope_sets[i]]
+            h = _rms_norm(x, before_attn)
             shape = (batch, width, -1, attn.head_dim)  # heads as the projection gives them (transformers' view)
-            if both is not None:  # q and k side by side in one output: rotated in one call
+            if both is not None:
                 q_size, k_size, v_size = both.qkv_sizes
-                qk, v = both.qkv(h).split((q_size + k_size, v_size), dim=-1)
-                q, k = _rotate(qk.view(shape), cos, sin).split(q_size // attn.head_dim, dim=2)
+                q, k, v = both.qkv(h).split((q_size, k_size, v_size), dim=-1)
             else:
                 q, k, v = q_proj(h), k_proj(h), v_proj(h)
-                q, k = _rotate(q.view(shape), cos, sin), _rotate(k.view(shape), cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(shape).transpose(1, 2)  # [batch, heads, W, d]
+            q, k = q.reshape(shape), k.reshape(shape)
+            if spec.qk_norm:
+                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.reshape(shape).transpose(1, 2)  # [batch, heads, W, d]
             k, v = cache.update(k, v, i)
-            o, _ = gqa_sdpa_attention(attn, q, k, v, attention_mask, scaling=attn.scaling, packing=packing)
-            x = x + o_proj(o.reshape(batch, width, -1))
-            h = _rms_norm(x, layer.post_attention_layernorm)
+            o, _ = gqa_sdpa_attention(attn, q, k, v, masks[spec.windows[i]], scaling=attn.scaling, packing=packing,
+                                      softcap=spec.attn_softcap)
+            o = o_proj(o.reshape(batch, width, -1))
+            x = x + (_rms_norm(o, after_attn) if after_attn is not None else o)
+            h = _rms_norm(x, before_mlp)
             if both is not None:
                 g, u = both.gate_up(h).chunk(2, dim=-1)
-                x = x + down(F.silu(g) * u)
             else:
-                x = x + down(F.silu(gate(h)) * up(h))
+                g, u = gate(h), up(h)
+            m = down(activate(g, spec.activation) * u)
+            x = x + (_rms_norm(m, after_mlp) if after_mlp is not None else m)
             if states is not None and i < len(base.layers) - 1:
                 states.append(x)
         return x

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from server.model import cpu_kernels, gguf_weights, llama
+from server.model import cpu_kernels, decoder, gguf_weights
 from server.model.memory import drop_file_pages
 from server.model.quantized import QuantLinear, quantize_linears
 from server.model.weights_cache import (
@@ -64,7 +64,7 @@ class LoadedModel:
     """A causal LM ready for inference, with the tokenizer it was trained with."""
 
     name: str  # human-readable id (also the default served model name for a target)
-    model: nn.Module  # llama.py's modules, or transformers' (`load_model`'s `modules`)
+    model: nn.Module  # the server's modules (decoder.py), or transformers' (`load_model`'s `modules`)
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
@@ -159,7 +159,7 @@ def _quantized(gguf: Path, own: bool = True) -> tuple[nn.Module, PreTrainedToken
     from transformers import AutoConfig
 
     log.info("reading the quantized tensors of %s (first load; cached afterwards)", gguf)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = gguf_weights.complete_config(gguf, AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
     model = gguf_weights.assemble(config, gguf_weights.read_gguf(gguf, config), ours=own)
     tokenizer = _auto_tokenizer().from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
@@ -171,15 +171,16 @@ def _save_quantized(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Cal
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.tensors.items()}, str(directory / QUANTIZED_FILE))
         (directory / KINDS_FILE).write_text(json.dumps(weights.kinds, indent=1))
-        model.config.save_pretrained(directory)
+        decoder.write_config(model.config, directory)
         tokenizer.save_pretrained(directory)
 
     return write
 
 
 def _read_quantized(entry: Path, own: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    config = llama.read_config(entry)
-    if not (own and llama.supports(config)):
+    if own:
+        config = decoder.read_config(entry)
+    else:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(entry)
@@ -196,11 +197,11 @@ MODULES = ("own", "transformers")  # `load_model`'s choice of module tree
 
 
 def _from_directory(ref: str, dtype: torch.dtype, modules: str) -> nn.Module:
-    """A checkpoint (local directory or hub id) as llama.py's modules where `modules` is "own" and they serve it
-    (llama.load_directory), else transformers' `AutoModelForCausalLM`."""
+    """A checkpoint (local directory or hub id) as the server's modules where `modules` is "own" and they serve it
+    (decoder.load_directory), else transformers' `AutoModelForCausalLM`."""
     local = Path(ref).expanduser()
     if modules == "own" and local.is_dir():
-        own = llama.load_directory(local, dtype)
+        own = decoder.load_directory(local, dtype)
         if own is not None:
             return own
     from transformers import AutoModelForCausalLM
@@ -219,7 +220,7 @@ def _auto_tokenizer() -> type:
 def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
     """A checkpoint's tokenizer. One saved as a plain `tokenizers` file (`TokenizersBackend`, as the weights cache
     writes it) loads directly: `AutoTokenizer` would first read the model's config class for nothing, importing
-    transformers' modeling stack (llama.py says what that costs)."""
+    transformers' modeling stack (decoder.py says what that costs)."""
     local = Path(ref).expanduser()
     settings = local / "tokenizer_config.json"
     if settings.is_file() and (local / "tokenizer.json").is_file():
@@ -277,9 +278,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM. `source` None means the built-in default (SmolLM2-135M-Instruct). `weights`: how
     its weights are served (`resolve_weights`; None: dense in `dtype`; `fp32` and `bf16` set the dtype, `dtype`
-    is then ignored). `modules`: "own" serves a Llama-architecture model from a GGUF or a local directory of
-    safetensors on llama.py's modules (which run only through the lean forward) and anything else on
-    transformers'; "transformers" always transformers' (for tools that call their forwards: distillation)."""
+    is then ignored). `modules`: "own" serves a model of a served family (families/) from a GGUF or a local
+    directory of safetensors on the server's modules (decoder.py; run only through the lean forward) and anything
+    else on transformers'; "transformers" always transformers' (for tools that call their forwards: distillation)."""
     if modules not in MODULES:
         raise ValueError(f"modules must be one of {MODULES}, not {modules!r}")
     dev = resolve_device(device)
@@ -305,7 +306,7 @@ def load_model(
         if served != "as-file":
             model = model.to(torch_dtype)
         if modules == "own":  # a first load's conversion (transformers' modules) served as later starts serve it
-            model = llama.adopt(model)
+            model = decoder.adopt(model)
     else:
         ref = str(path) if path is not None else str(source)
         model = _from_directory(ref, torch_dtype, modules)

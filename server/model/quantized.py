@@ -222,18 +222,6 @@ def _int4_call(packed: torch.Tensor, scales_zeros: torch.Tensor, out: int, bias:
     return call
 
 
-def _with_bias(call: Kernel, bias: torch.Tensor | None) -> Kernel:
-    if bias is None:
-        return call
-
-    def biased(x: torch.Tensor) -> torch.Tensor:
-        y = call(x)
-        return y + bias.to(y.dtype)
-
-    biased.tensors = (*getattr(call, "tensors", ()), bias)  # type: ignore[attr-defined]
-    return biased
-
-
 class Q4Linear(QuantLinear):
     """Q4_0 / Q4_1 weights: per group of 32 inputs a scale s and a zero z, w = s (q - 8) + z (see the module doc).
 
@@ -277,9 +265,9 @@ class Q4Linear(QuantLinear):
         lib = cpu_kernels.library()
         if lib is not None:  # float32 in and out, w = s q + m with m = z - 8 s (the file's d q + m)
             s, z = self.scales_zeros[..., 0].t(), self.scales_zeros[..., 1].t()
-            tiles = cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib)
+            tiles = cpu_kernels.Tiles.q4(q, s, z - 8 * s, lib).with_bias(self.bias)
             self._int8 = tiles.kind == cpu_kernels.KIND_Q4_INT8
-            return _with_bias(tiles, self.bias)
+            return tiles
         return _int4_call(_int4_pack(q), self.scales_zeros, self.out_features, self.bias)
 
     def block_magnitude(self) -> torch.Tensor:
@@ -304,19 +292,35 @@ class Q4Linear(QuantLinear):
 
 
 class Q8Linear(QuantLinear):
-    """Q8_0 weights: per group of 32 inputs a scale d, w = d q with q int8 (see the module doc for the kernel).
+    """Weights as int8 values with a scale per group of inputs, w = d q (Q8_0, Q5_0 as q - 16), optionally plus a
+    minimum per group of 32, w = d q + m (Q5_1, Q5_K: q in [0, 31]), and with groups of 16 inputs where the file's
+    scales are per 16 (Q6_K: d is the super-block's scale times the sub-block's 8-bit one). See the module doc for
+    the kernels; the groups of 16 and the minimum run on int8 activations only (llama.cpp's K-quants do too).
 
-    Buffers: `qweight` [out, in] int8, `scales` [out, in/32] fp32."""
+    Buffers: `qweight` [out, in] int8, `scales` [out, in/32] or [out, in/16] fp32, `mins` [out, in/32] fp32 or
+    absent."""
 
     kind = "q8"
     blocks = True
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 mins: torch.Tensor | None = None) -> None:
         out_features, in_features = qweight.shape
         super().__init__(in_features, out_features, bias)
-        assert scales.shape == (out_features, in_features // GROUP), scales.shape
+        assert scales.shape in ((out_features, in_features // GROUP), (out_features, in_features // 16)), scales.shape
+        self.group = in_features // scales.shape[1]
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
+        if mins is not None:
+            assert mins.shape == (out_features, in_features // GROUP), mins.shape
+            self.register_buffer("mins", mins.float().contiguous())
+        else:
+            self.mins = None
+
+    @property
+    def plain(self) -> bool:
+        """Q8_0's form (groups of 32, no minimum): the only one torch's int4 kernel can run."""
+        return self.mins is None and self.group == GROUP
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> Q8Linear:
@@ -326,16 +330,26 @@ class Q8Linear(QuantLinear):
         q = (groups / d[..., None]).round().clamp(-127, 127).reshape(w.shape)
         return cls(q.to(torch.int8), d)
 
-    def dequantize(self) -> torch.Tensor:
-        q = self.qweight.float().view(self.out_features, -1, GROUP)
+    def _scaled(self) -> torch.Tensor:
+        """d q per weight [out, in] (fp32)."""
+        q = self.qweight.float().view(self.out_features, -1, self.group)
         return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
+
+    def _mins(self) -> torch.Tensor:
+        return self.mins.repeat_interleave(GROUP, dim=1) if self.mins is not None else torch.zeros(())
+
+    def dequantize(self) -> torch.Tensor:
+        return self._scaled() + self._mins() if self.mins is not None else self._scaled()
+
+    def _supported(self) -> bool:
+        return has_int4_kernel() and self.plain
 
     def _build(self) -> Kernel:
         lib = cpu_kernels.library()
-        if lib is not None:  # float32 in and out, w = d q
-            tiles = cpu_kernels.Tiles.q8(self.qweight, self.scales, lib)
-            self._int8 = tiles.kind == cpu_kernels.KIND_Q8_INT8
-            return _with_bias(tiles, self.bias)
+        if lib is not None:  # float32 in and out, w = d q (+ m)
+            tiles = cpu_kernels.Tiles.q8(self.qweight, self.scales, lib, m=self.mins).with_bias(self.bias)
+            self._int8 = tiles.kind in cpu_kernels.INT8_KINDS
+            return tiles
         u = self.qweight.to(torch.int32) + 128  # [out, in] in [0, 255]
         hi, lo = u >> 4, u & 15
         packed = _int4_pack(torch.cat([hi, lo], dim=1))  # [out, 2 in]: the high halves' groups, then the low
@@ -344,8 +358,12 @@ class Q8Linear(QuantLinear):
         return _int4_call(packed, sz, self.out_features, self.bias, doubled=True)
 
     def block_magnitude(self) -> torch.Tensor:
-        """Per weight |d q| (`Q4Linear.block_magnitude`)."""
-        return self.dequantize().abs()
+        """Per weight |d q| + |m| (`Q4Linear.block_magnitude`)."""
+        return self._scaled().abs() + self._mins().abs()
+
+    def scaled_values(self) -> torch.Tensor:
+        """Per weight |d q|: the terms int8 activations multiply (`output_error_bound`)."""
+        return self._scaled().abs()
 
     def weight_error_bound(self) -> torch.Tensor:
         """Per weight: u |d q| (bf16 d; 16d and 8d are exact multiples of it)."""
@@ -440,18 +458,25 @@ def activations(model: nn.Module) -> str:
 def fused(layers: list[QuantLinear]) -> Kernel | None:
     """One kernel computing several layers that read the same input (q, k and v; gate and up), their outputs
     side by side: one call instead of several (each call costs ~20 us of dispatch on top of its bytes). The
-    same arithmetic per output as each layer's own kernel. None when they cannot share a kernel (kinds or
-    biases differ, another device, no int4 kernel)."""
+    same arithmetic per output as each layer's own kernel. None when they cannot share a kernel (kinds, groups or
+    minimums differ, biases on some only, another device, no kernel)."""
     first = layers[0]
-    if any(type(layer) is not type(first) for layer in layers) or any(layer.bias is not None for layer in layers):
+    if any(type(layer) is not type(first) for layer in layers):
+        return None
+    if len({layer.bias is None for layer in layers}) > 1:
         return None
     if not isinstance(first, Q4Linear | Q8Linear) or not first.runs_kernel():
         return None
+    bias = torch.cat([layer.bias for layer in layers]) if first.bias is not None else None
     if isinstance(first, Q4Linear):
         merged: QuantLinear = Q4Linear(torch.cat([layer.qweight for layer in layers]),
-                                       torch.cat([layer.scales_zeros for layer in layers], dim=1))
+                                       torch.cat([layer.scales_zeros for layer in layers], dim=1), bias)
     else:
-        merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
+        if len({(layer.group, layer.mins is None) for layer in layers}) > 1:
+            return None
+        mins = torch.cat([layer.mins for layer in layers]) if first.mins is not None else None
+        merged = Q8Linear(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]),
+                          bias, mins)
     call = merged.kernel()
     _packed_from(*layers)
     for layer in layers:

@@ -32,7 +32,8 @@ def entry_path(gguf: Path, cache_dir: Path, weights: str = "fp32") -> Path:
     `int8` start from; the name entries had before formats) or the file's own tensors (`as-file`)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    suffix = "-as-file-v2" if weights == "as-file" else ""  # v2: Q8_0 tables kept as blocks (gguf_weights.py)
+    # v2: Q8_0 tables kept as blocks; v3: every family, K-quants, complete configs (gguf_weights.py, decoder.py)
+    suffix = "-as-file-v3" if weights == "as-file" else ""
     return cache_dir / f"{gguf.stem}-{key}{suffix}"
 
 

@@ -55,26 +55,6 @@ static void tile(int kind, const float* x, int64_t M, int64_t K, const uint8_t* 
   }
 }
 
-static inline __m256 vexp8(__m256 x) {
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_blendv_ps(x, _mm256_set1_ps(88.7f), _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
-  x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.3f), under);
-  const __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  __m256i n = _mm256_cvttps_epi32(fx);
-  n = _mm256_add_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(_mm256_cvtepi32_ps(n), fx, _CMP_GT_OQ)));
-  const __m256 nf = _mm256_cvtepi32_ps(n);
-  __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
-  return _mm256_blendv_ps(y, _mm256_setzero_ps(), under);
-}
 
 static float exp_row(float* row, int32_t n16, float top) {
   const __m256 t = _mm256_set1_ps(top);

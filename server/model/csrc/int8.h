@@ -138,17 +138,52 @@ static inline void group_q8i(const uint8_t* q, const int8_t* xp, float dx, const
   acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
 }
 
-/* One tile's 16 outputs for all M rows, kind 9 (xs as for kind 5: `prepare_row`): a row's sums kept in registers
-   over the groups, the same operations per row for any M. */
-static void tile_q8i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* xs, float* y, int64_t ldy) {
+/* The Q8 sums of half a group (inputs 16 h .. 16 h + 15) for a tile's 16 outputs, in 32 bits: the per-16 scales
+   of KIND_Q8G16_INT8 (Q6_K) apply to each half apart. */
+static inline void half_q8i(const uint8_t* q, const int8_t* xp, int h, __m256i* lo, __m256i* hi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  *lo = _mm256_setzero_si256(), *hi = _mm256_setzero_si256();
+  for (int u = 4 * h; u < 4 * h + 4; u++) {
+    const __m256i x = quad(xp + 4 * u);
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
+    *lo = _mm256_add_epi32(*lo, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a)), ones));
+    *hi = _mm256_add_epi32(*hi, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(x, b)), ones));
+  }
+}
+
+/* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), by kind: 9 (w = s q
+   per group of 32), 10 (w = s q + m per group of 32: y += (s dx) t + m xs, as kind 5), 11 (w = s q per group of
+   16: each half's sum scaled by its own s, y += (s_0 dx) t_0 + (s_1 dx) t_1; s [K/16][16]). A row's sums kept in
+   registers over the groups, the same operations per row for any M. */
+static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
+                     const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
   const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
   for (int64_t r = 0; r < M; r++) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t g = 0; g < G; g++) group_q8i(q + g * 512, xq + r * K + g * 32, dx[r * G + g], s + g * 16, acc);
+    for (int64_t g = 0; g < G; g++) {
+      const int8_t* xp = xq + r * K + g * 32;
+      if (kind == 11) {
+        const __m256 d = _mm256_set1_ps(dx[r * G + g]);
+        for (int h = 0; h < 2; h++) {
+          __m256i lo, hi;
+          half_q8i(q + g * 512, xp, h, &lo, &hi);
+          const float* sh = s + g * 32 + h * 16;
+          acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sh), d), _mm256_cvtepi32_ps(lo), acc[0]);
+          acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sh + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
+        }
+        continue;
+      }
+      group_q8i(q + g * 512, xp, dx[r * G + g], s + g * 16, acc);
+      if (kind == 10) {
+        const __m256 sum = _mm256_set1_ps(xs[r * G + g]);
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc[1]);
+      }
+    }
     _mm256_storeu_ps(y + r * ldy, acc[0]);
     _mm256_storeu_ps(y + r * ldy + 8, acc[1]);
   }
 }
-

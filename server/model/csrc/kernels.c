@@ -18,8 +18,9 @@
 
 void specula_abi(int64_t* sizes) {
   sizes[0] = (int64_t)sizeof(struct weights);
-  sizes[1] = (int64_t)sizeof(struct layer);
-  sizes[2] = (int64_t)sizeof(struct dims);
+  sizes[1] = (int64_t)sizeof(struct product);
+  sizes[2] = (int64_t)sizeof(struct layer);
+  sizes[3] = (int64_t)sizeof(struct dims);
 }
 
 /* Each row's sum over each group of 32 inputs, in one fixed order: xs [M, K/32]. */
@@ -36,23 +37,38 @@ static void group_sums(const float* x, int64_t K, float* xs) {
 
 /* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q8 one, F16 two (16 outputs each). */
 static inline int64_t tile_bytes(int64_t kind, int64_t K) {
-  return kind == 4 || kind == 5 ? K / 2 * 16 : kind == 16 ? K * 32 : K * 16;  /* Q8: kinds 8 and 9 */
+  return kind == KIND_Q4 || kind == KIND_Q4_INT8 ? K / 2 * 16 : kind == KIND_F16 ? K * 32 : K * 16;  /* Q8 kinds */
 }
 
-/* What a Q4 product needs of row r of x [M, K] (every row's, before any tile): its group sums xs [M, K/32] and,
-   on int8 activations (kind 5), its scales after them [M, K/32] and its int8 values after those [M, K] bytes. */
-static void prepare_row(int kind, const float* x, int64_t M, int64_t K, float* xs, int64_t r) {
+/* Scale rows of a tile over K inputs: one per group (16 inputs for KIND_Q8G16_INT8, else 32). */
+static inline int64_t scale_rows(int64_t kind, int64_t K) { return kind == KIND_Q8G16_INT8 ? K / 16 : K / 32; }
+
+static inline int needs_sums(int kind) { return kind == KIND_Q4 || kind == KIND_Q4_INT8 || kind == KIND_Q8M_INT8; }
+static inline int needs_int8(int kind) {
+  return kind == KIND_Q4_INT8 || (kind >= KIND_Q8_INT8 && kind <= KIND_Q8G16_INT8);
+}
+
+/* What a product needs of row r of x [M, K] (every row's, before any tile): its group sums xs [M, K/32] (the
+   minimum's term: `sums`) and, on int8 activations (`ints`), its scales after them [M, K/32] and its int8 values
+   after those [M, K] bytes. */
+static void prepare_row(int sums, int ints, const float* x, int64_t M, int64_t K, float* xs, int64_t r) {
   const int64_t G = K / 32;
-  if (kind != 9) group_sums(x + r * K, K, xs + r * G);  /* Q4's minimum term */
-  if (kind == 5 || kind == 9) quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K);
+  if (sums) group_sums(x + r * K, K, xs + r * G);
+  if (ints) quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K);
 }
 
-/* One tile's outputs for all M rows, by kind. */
-static inline void tile_of(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
-                           const float* m, const float* xs, float* y, int64_t ldy) {
-  if (kind == 5) tile_q4i(M, K, q, s, m, xs, y, ldy);
-  else if (kind == 9) tile_q8i(M, K, q, s, xs, y, ldy);
-  else tile(kind, x, M, K, q, s, m, xs, y, ldy);
+/* One tile's outputs for all M rows, by kind, then its bias (if any). */
+static inline void tile_of(const struct weights* w, int64_t t, const float* x, int64_t M, const float* xs, float* y,
+                           int64_t ldy) {
+  const int64_t K = w->K, sb = scale_rows(w->kind, K) * 16;
+  const uint8_t* q = w->q + t * tile_bytes(w->kind, K);
+  const float* s = w->s + t * sb;
+  const float* m = w->m + t * (K / 32) * 16;
+  if (w->kind == KIND_Q4_INT8) tile_q4i(M, K, q, s, m, xs, y, ldy);
+  else if (w->kind >= KIND_Q8_INT8 && w->kind <= KIND_Q8G16_INT8) tile_q8i(w->kind, M, K, q, s, m, xs, y, ldy);
+  else tile(w->kind, x, M, K, q, s, m, xs, y, ldy);
+  if (w->bias)
+    for (int64_t r = 0; r < M; r++) store16(y + r * ldy, load16(y + r * ldy) + load16(w->bias + t * 16));
 }
 
 /* ---- the decoder stack of a Llama model on these weights, in one call (cpu_decoder.py) ---------------- */
@@ -88,27 +104,50 @@ static inline __m256 kv8(const void* cache, int64_t at, int64_t kind) {
   return kind == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* The threads' share of y = x W (called inside a parallel region): tiles split statically. xs: scratch of
-   M * (K/32 * 2 + K/4) floats (`prepare_row`). */
-static void gemm_in(const struct weights* w, const float* x, int64_t M, float* xs, float* y) {
-  const int64_t qb = tile_bytes(w->kind, w->K), sb = w->K / 32 * 16;
-  if (w->kind == 4 || w->kind == 5 || w->kind == 9) {
+/* The threads' share of a product (called inside a parallel region): y [M, ldy] = x [M, K] times each part's
+   tiles, part after part side by side; the input prepared once for all parts, every part's tiles split statically
+   between the threads as one list. xs: scratch of M * (K/32 * 2 + K/4) floats (`prepare_row`). */
+static void gemm_in(const struct product* p, const float* x, int64_t M, float* xs, float* y, int64_t ldy) {
+  int sums = 0, ints = 0;
+  int64_t total = 0;
+  for (int64_t i = 0; i < p->parts; i++) {
+    sums |= needs_sums(p->part[i].kind);
+    ints |= needs_int8(p->part[i].kind);
+    total += p->part[i].tiles;
+  }
+  if (sums || ints) {
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; r++) prepare_row(w->kind, x, M, w->K, xs, r);
+    for (int64_t r = 0; r < M; r++) prepare_row(sums, ints, x, M, p->part[0].K, xs, r);
   }
   #pragma omp for schedule(static)
-  for (int64_t t = 0; t < w->tiles; t++)
-    tile_of(w->kind, x, M, w->K, w->q + t * qb, w->s + t * sb, w->m + t * sb, xs, y + t * 16, w->tiles * 16);
+  for (int64_t t = 0; t < total; t++) {
+    int64_t i = 0, start = 0;
+    while (t - start >= p->part[i].tiles) start += p->part[i++].tiles;
+    tile_of(&p->part[i], t - start, x, M, xs, y + t * 16, ldy);
+  }
 }
 
 /* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
-   float16; the int8-activation kinds in their own order, Tiles.q4 / q8), s and m [tiles][K/32][16] float32 (m
-   unread for Q8, neither for F16). */
+   float16; the int8-activation kinds in their own order, Tiles.q4 / q8), s and m [tiles][K/group][16] float32 (m
+   read only by the kinds with a minimum). */
 void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                 const float* m, float* xs, float* y, int64_t tiles, int threads) {
-  const struct weights w = {q, s, m, tiles, K, kind, 0};
+  const struct product p = {{{q, s, m, NULL, tiles, K, kind, 0}}, 1};
   #pragma omp parallel num_threads(threads)
-  gemm_in(&w, x, M, xs, y);
+  gemm_in(&p, x, M, xs, y, tiles * 16);
+}
+
+/* out[i] = gelu_tanh(g[i]) u[i] for i < n (a multiple of 8): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as
+   transformers' gelu_pytorch_tanh (Gemma's MLP). */
+static void gelu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.7978845608028654f);
+  const __m256 k = _mm256_set1_ps(0.044715f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(g + i);
+    const __m256 z = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, a), _mm256_mul_ps(a, a), a));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, a), _mm256_add_ps(one, tanh8(z)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+  }
 }
 
 /* transformers' RMSNorm in float32: h = (x * rsqrt(mean(x^2) + eps)) * w, the mean summed in one fixed order. */
@@ -119,7 +158,8 @@ static void rms_row(const float* x, const float* w, float* h, int64_t n, float e
   for (int64_t i = 0; i < n; i += 16) store16(h + i, (load16(x + i) * splat(r)) * load16(w + i));
 }
 
-/* RoPE in place: v = v * cos + roll(v, d/2) * signed_sin (llama.py's `rotate`). */
+/* RoPE in place over a head's first d dimensions (all of it, or a partial rotary's share; the rest stays):
+   v = v * cos + roll(v, d/2) * signed_sin (decoder.py's `rotate`). */
 static void rope(float* v, const float* cos, const float* ssin, int64_t d) {
   float t[256];
   memcpy(t, v, d * sizeof(float));
@@ -198,25 +238,50 @@ static void weigh(float* out, int first, const float* p, const float* vb, int32_
 }
 
 static void attend_block(const float* q, int64_t ldq, int64_t B, int64_t G, const void* K, const void* V,
-                         int64_t kind, const int32_t* live, const int32_t* n, const float* const* mrow,
-                         int64_t d, float scale, float* sc, float* kb, float* const* part) {
+                         int64_t kind, const int32_t* live, const int32_t* n, const int32_t* lo,
+                         const float* const* mrow, int64_t d, float scale, float cap, float* sc, float* kb,
+                         float* const* part) {
   const int64_t stride = KCHUNK + 16;
   int32_t nmax = 0;
-  for (int64_t b = 0; b < B; b++) nmax = part[b] && n[b] > nmax ? n[b] : nmax;
+  float* empty[QBLOCK];  /* queries whose window starts past this run: an empty part, nothing attended here */
+  float* used[QBLOCK];
+  for (int64_t b = 0; b < B; b++) {
+    const int none = part[b] && lo[b] >= n[b];
+    empty[b] = none ? part[b] : NULL;
+    used[b] = none ? NULL : part[b];
+    nmax = used[b] && n[b] > nmax ? n[b] : nmax;
+  }
+  for (int64_t b = 0; b < B; b++) {
+    if (!empty[b]) continue;
+    memset(empty[b], 0, G * d * sizeof(float));
+    for (int64_t h = 0; h < G; h++) empty[b][G * d + h] = -INFINITY, empty[b][G * d + G + h] = 0.0f;
+  }
+  part = used;
   __m256 top[QBLOCK * 16];
   for (int64_t v = 0; v < B * G; v++) top[v] = _mm256_set1_ps(-INFINITY);
   const __m256 sv = _mm256_set1_ps(scale), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 capv = _mm256_set1_ps(cap);
   for (int32_t i0 = 0; i0 < nmax; i0 += 8) {
     keys8(K, live, i0, nmax, d, kind, kb);
     for (int64_t b = 0; b < B; b++) {
-      if (!part[b] || i0 >= n[b]) continue;
+      if (!part[b] || i0 >= n[b] || i0 + 8 <= lo[b]) {
+        if (part[b] && i0 < n[b])  /* all 8 keys before the query's window */
+          for (int64_t h = 0; h < G; h++) _mm256_storeu_ps(sc + (b * G + h) * stride + i0, _mm256_set1_ps(-INFINITY));
+        continue;
+      }
       float m[8];
       for (int i = 0; i < 8; i++) m[i] = i0 + i < n[b] ? mrow[b][live[i0 + i]] : 0.0f;
       const __m256 mv = _mm256_loadu_ps(m);
-      const __m256 seen = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)(n[b] - i0)), _CMP_LT_OQ);
+      const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(lanes, _mm256_set1_ps((float)(n[b] - i0)), _CMP_LT_OQ),
+                                        _mm256_cmp_ps(lanes, _mm256_set1_ps((float)(lo[b] - i0)), _CMP_GE_OQ));
       for (int64_t h = 0; h < G; h++) {
-        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                          _mm256_fmadd_ps(dots8(q + b * ldq + h * d, kb, d), sv, mv), seen);
+        __m256 s;
+        if (cap > 0.0f)  /* Gemma 2: cap tanh(score / cap), then the mask */
+          s = _mm256_add_ps(_mm256_mul_ps(capv, tanh8(_mm256_div_ps(_mm256_mul_ps(dots8(q + b * ldq + h * d, kb, d),
+                                                                                 sv), capv))), mv);
+        else
+          s = _mm256_fmadd_ps(dots8(q + b * ldq + h * d, kb, d), sv, mv);
+        s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, seen);
         _mm256_storeu_ps(sc + (b * G + h) * stride + i0, s);
         top[b * G + h] = _mm256_max_ps(top[b * G + h], s);
       }
@@ -277,7 +342,8 @@ static void merge(const float* parts, int64_t count, int64_t G, int64_t d, float
 /* Every decoder layer over N tokens: x [N, hidden] (the residual stream, updated in place). Token t belongs
    to cache row row[t], is written at column col[t], and attends with mask row mask + mrow[t] * Lk (additive;
    -FLT_MAX or -inf: not attended). keys[l] / values[l]: layer l's cache [rows, kv_heads, cap, head_dim], in
-   D->kv_kind.
+   D->kv_kind. cos / ssin: [rope sets][N][rot_dim] (a layer's `rope` picks its set: Gemma 3's local layers rotate
+   with another base).
    states (or NULL): x after each layer [layers, N, hidden]; final_norm (or NULL): the model's last RMSNorm,
    applied to x after the last layer (after its state is copied). work: float scratch (cpu_decoder.py sizes it);
    live: int32 [N, Lk + 1]; first: int64 [2 N + 2], items: int64 [N x kv heads x runs], parts: float [N x kv heads
@@ -288,7 +354,7 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
                      float* states, const float* final_norm, float* work, int32_t* live, int64_t* first,
                      int64_t* items, float* parts, int threads) {
   const int64_t H = D->hidden, d = D->head_dim, nh = D->heads, nkv = D->kv_heads, group = nh / nkv, qd = nh * d;
-  const int64_t wide = D->o_ld > D->down_ld ? D->o_ld : D->down_ld;
+  const int64_t wide = D->o_ld > D->down_ld ? D->o_ld : D->down_ld, rd = D->rot_dim;
   float* h = work;
   float* qkv = h + N * H;
   float* att = qkv + N * D->qkv_ld;
@@ -337,16 +403,22 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
     }
     for (int64_t l = 0; l < n_layers; l++) {
       const struct layer* L = layers + l;
+      const float* lcos = cos + L->rope * N * rd;
+      const float* lsin = ssin + L->rope * N * rd;
       #pragma omp for schedule(static)
-      for (int64_t r = 0; r < N; r++) rms_row(x + r * H, L->norm1, h + r * H, H, D->eps);
-      gemm_in(&L->qkv, h, N, xs, qkv);
+      for (int64_t r = 0; r < N; r++) rms_row(x + r * H, L->attn_in, h + r * H, H, D->eps);
+      gemm_in(&L->qkv, h, N, xs, qkv, D->qkv_ld);
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < N; t++) {
         float* y = qkv + t * D->qkv_ld;
-        for (int64_t i = 0; i < nh; i++) rope(y + i * d, cos + t * d, ssin + t * d, d);
+        for (int64_t i = 0; i < nh; i++) {
+          if (L->q_norm) rms_row(y + i * d, L->q_norm, y + i * d, d, D->eps);
+          rope(y + i * d, lcos + t * rd, lsin + t * rd, rd);
+        }
         for (int64_t g = 0; g < nkv; g++) {
           float* k = y + D->k_off + g * d;
-          rope(k, cos + t * d, ssin + t * d, d);
+          if (L->k_norm) rms_row(k, L->k_norm, k, d, D->eps);
+          rope(k, lcos + t * rd, lsin + t * rd, rd);
           const int64_t at = ((row[t] * nkv + g) * cap + col[t]) * d;
           put_kv(keys[l], at, k, d, D->kv_kind);
           put_kv(values[l], at, y + D->v_off + g * d, d, D->kv_kind);
@@ -357,40 +429,48 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
         const int64_t bg = items[it] >> 20, c = items[it] & ((1 << 20) - 1), g = bg % nkv;
         const int64_t t0 = block[bg / nkv], B = block[bg / nkv + 1] - t0;
         const int64_t base = (row[t0] * nkv + g) * cap * d * (D->kv_kind ? 2 : 4), start = c * KCHUNK;
-        int32_t n[QBLOCK];
+        int32_t n[QBLOCK], lo[QBLOCK];
         const float* mr[QBLOCK];
         float* part[QBLOCK];
         for (int64_t b = 0; b < B; b++) {
           const int64_t t = t0 + b, runs = first[t + 1] - first[t];
           const int64_t left = count[t] - start;
           n[b] = left <= 0 ? 0 : left < KCHUNK ? (int32_t)left : KCHUNK;
+          /* a window: the query's last `window` live keys (itself the last), from this run's first on */
+          const int64_t from = L->window ? count[t] - L->window - start : 0;
+          lo[b] = from <= 0 ? 0 : from > KCHUNK ? KCHUNK : (int32_t)from;
           mr[b] = mask + mrow[t] * Lk;
           part[b] = c < runs ? parts + (first[t] * nkv + g * runs + c) * group * (d + 2) : NULL;
         }
         attend_block(qkv + t0 * D->qkv_ld + g * group * d, D->qkv_ld, B, group, (const char*)keys[l] + base,
-                     (const char*)values[l] + base, D->kv_kind, live + (t0 + B - 1) * Lk + start, n, mr, d, D->scale,
-                     sc, kb, part);
+                     (const char*)values[l] + base, D->kv_kind, live + (t0 + B - 1) * Lk + start, n, lo, mr, d,
+                     D->scale, D->softcap, sc, kb, part);
       }
       #pragma omp for schedule(static)
       for (int64_t tg = 0; tg < N * nkv; tg++) {
         const int64_t t = tg / nkv, g = tg % nkv, runs = first[t + 1] - first[t];
         merge(parts + (first[t] * nkv + g * runs) * group * (d + 2), runs, group, d, att + t * qd + g * group * d);
       }
-      gemm_in(&L->o, att, N, xs, o);
+      gemm_in(&L->o, att, N, xs, o, D->o_ld);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++) {
-        for (int64_t i = 0; i < H; i += 16) store16(x + r * H + i, load16(x + r * H + i) + load16(o + r * D->o_ld + i));
-        rms_row(x + r * H, L->norm2, h + r * H, H, D->eps);
+        float* y = o + r * D->o_ld;
+        if (L->attn_out) rms_row(y, L->attn_out, y, H, D->eps);
+        for (int64_t i = 0; i < H; i += 16) store16(x + r * H + i, load16(x + r * H + i) + load16(y + i));
+        rms_row(x + r * H, L->ffn_in, h + r * H, H, D->eps);
       }
-      gemm_in(&L->gate_up, h, N, xs, gu);
-      #pragma omp for schedule(static)
-      for (int64_t r = 0; r < N; r++)
-        silu_mul(gu + r * D->gu_ld, gu + r * D->gu_ld + D->u_off, act + r * D->inter, D->inter);
-      gemm_in(&L->down, act, N, xs, o);
+      gemm_in(&L->gate_up, h, N, xs, gu, D->gu_ld);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < N; r++) {
-        for (int64_t i = 0; i < H; i += 16)
-          store16(x + r * H + i, load16(x + r * H + i) + load16(o + r * D->down_ld + i));
+        if (D->act) gelu_mul(gu + r * D->gu_ld, gu + r * D->gu_ld + D->u_off, act + r * D->inter, D->inter);
+        else silu_mul(gu + r * D->gu_ld, gu + r * D->gu_ld + D->u_off, act + r * D->inter, D->inter);
+      }
+      gemm_in(&L->down, act, N, xs, o, D->down_ld);
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; r++) {
+        float* y = o + r * D->down_ld;
+        if (L->ffn_out) rms_row(y, L->ffn_out, y, H, D->eps);
+        for (int64_t i = 0; i < H; i += 16) store16(x + r * H + i, load16(x + r * H + i) + load16(y + i));
         if (states) memcpy(states + (l * N + r) * H, x + r * H, H * sizeof(float));
         if (final_norm && l == n_layers - 1) rms_row(x + r * H, final_norm, x + r * H, H, D->eps);
       }
