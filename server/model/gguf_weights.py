@@ -52,9 +52,8 @@ log = logging.getLogger(__name__)
 
 TABLE_BLOCKS = ("Q8_0", "Q6_K")  # table types kept as blocks (`BlockTable`); other quantized tables: fp16 values
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-                "self_attn.k_norm", "self_attn.qkv_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                "mlp.gate_up_proj", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                "post_feedforward_layernorm")
+                "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _GLOBAL_PARTS = ("model.embed_tokens", "model.norm", "lm_head")
 
 
@@ -86,7 +85,8 @@ def tensor_names(family: Family, layers: int) -> dict[str, str]:
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == family.gguf_arch)
     mapping = gguf.get_tensor_name_map(arch, layers)
     out = {}
-    for hf in [*(f"model.layers.{i}.{part}" for i in range(layers) for part in _LAYER_PARTS), *_GLOBAL_PARTS]:
+    parts = (*family.fused, *_LAYER_PARTS)  # a family's fused tensors first: they own the names they share
+    for hf in [*(f"model.layers.{i}.{part}" for i in range(layers) for part in parts), *_GLOBAL_PARTS]:
         name = mapping.get_name(hf)
         if name is not None and name not in out:
             out[name] = hf

@@ -517,10 +517,11 @@ class Fp16Table(nn.Module):
 
 
 class BlockTable(nn.Module):
-    """An embedding table held as the file's Q8_0 blocks (`qweight` [vocab, hidden] int8, `scales` [vocab,
-    hidden/32] fp32, buffers): looked up exactly (d q in fp32, the file's values) and, tied, multiplied as its LM
-    head (`TableHead`) through the float32 block kernel. Half the bytes of an fp16 copy, which would round d q to
-    11 bits. It has no dense `weight`: `rows(ids)` gives rows of it, `dequantize()` the whole (a copy)."""
+    """An embedding table held as the file's Q8_0 or Q6_K blocks (`qweight` [vocab, hidden] int8, `scales` [vocab,
+    hidden/32] fp32, or [vocab, hidden/16] for Q6_K, buffers): looked up exactly (d q in fp32, the file's values)
+    and, tied, multiplied as its LM head (`TableHead`) through the block kernels. Fewer bytes than an fp16 copy,
+    which would round d q to 11 bits. It has no dense `weight`: `rows(ids)` gives rows of it, `dequantize()` the
+    whole (a copy)."""
 
     kind = "q8 table"  # the start-up log's name (loading.describe_weights)
 
@@ -529,6 +530,7 @@ class BlockTable(nn.Module):
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.num_embeddings, self.embedding_dim = qweight.shape
+        self.group = self.embedding_dim // scales.shape[1]  # inputs a scale covers: 32 (Q8_0) or 16 (Q6_K)
         self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -538,7 +540,7 @@ class BlockTable(nn.Module):
             q, d = q.view(*ids.shape, -1), d.view(*ids.shape, -1)
         else:
             q, d = self.qweight[ids].float(), self.scales[ids]
-        return (q.view(*q.shape[:-1], -1, GROUP) * d[..., None]).view(q.shape)
+        return (q.view(*q.shape[:-1], -1, self.group) * d[..., None]).view(q.shape)
 
     def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
@@ -552,7 +554,7 @@ class BlockTable(nn.Module):
             return []
         dropped = [self.qweight, self.scales]
         self.qweight = torch.empty(0, self.embedding_dim, dtype=torch.int8, device=self.qweight.device)
-        self.scales = torch.empty(0, self.embedding_dim // GROUP, device=self.scales.device)
+        self.scales = torch.empty(0, self.embedding_dim // self.group, device=self.scales.device)
         return dropped
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
