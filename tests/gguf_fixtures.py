@@ -63,8 +63,53 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p)) if "gemma" not in model_type else p.normal_(0, 0.1)
             else:
-                p.normal_(0, 0.5 / p.shape[-1] ** 0.5 * 4)
+                p.normal_(0, p.shape[-1] ** -0.5)
     return model
+
+
+def _chooser(types: str | Callable[[str], str]) -> Callable[[str], str]:
+    if not isinstance(types, str):
+        return types
+    return MIXES.get(types) or (lambda _name: types)
+
+
+def gguf_names(model: torch.nn.Module, family: str) -> dict[str, str]:
+    """The model's state-dict names -> the GGUF tensor names llama.cpp's converter gives them."""
+    import gguf
+
+    arch_name = FAMILIES[family][1]
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    out = {}
+    for hf in model.state_dict():
+        base, _, suffix = hf.rpartition(".")
+        name = names.get_name(base)
+        if name is not None:
+            out[hf] = f"{name}.{suffix}"
+    return out
+
+
+def as_file(model: torch.nn.Module, family: str, types: str | Callable[[str], str]) -> torch.nn.Module:
+    """A copy of `model` holding the weights a file of `types` holds (each quantized tensor dequantized as gguf-py
+    reads it): the dense reference the served file is compared with."""
+    import copy
+
+    import gguf
+    from gguf.quants import dequantize
+
+    choose, names = _chooser(types), gguf_names(model, family)
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for hf, tensor in out.state_dict().items():
+            name = names.get(hf)
+            if name is None or tensor.dim() == 1 or (hf == "lm_head.weight" and out.config.tie_word_embeddings):
+                continue
+            kind = choose(name)
+            if kind != "F32":
+                raw = kquants.quantize(tensor.float().numpy(), kind)
+                values = dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(tensor.shape)
+                tensor.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    return out
 
 
 def write_gguf(path: Path, model: torch.nn.Module, family: str, types: str | Callable[[str], str] = "F32") -> Path:
@@ -73,9 +118,7 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, types: str | Cal
 
     model_type, arch_name, _ = FAMILIES[family]
     config = model.config
-    choose = MIXES.get(types) if isinstance(types, str) else types
-    if choose is None:
-        choose = (lambda _name, kind=types: kind)  # type: ignore[misc]
+    choose = _chooser(types)
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch_name)
