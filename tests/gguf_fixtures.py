@@ -31,8 +31,9 @@ FAMILIES = {
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 256, 2, 4, 2, 512
 
 # every linear layer in one type, or a mix as llama-quantize's Q4_K_M makes it (its v and down in Q6_K, the table Q6_K)
+_Q6_IN_Q4_K_M = ("attn_v", "ffn_down", "token_embd", "output.")
 MIXES: dict[str, Callable[[str], str]] = {
-    "Q4_K_M": lambda name: "Q6_K" if any(p in name for p in ("attn_v", "ffn_down", "token_embd", "output.")) else "Q4_K",
+    "Q4_K_M": lambda name: "Q6_K" if any(p in name for p in _Q6_IN_Q4_K_M) else "Q4_K",
 }
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from server.config import Settings
-from server.model import cpu_kernels, gguf_weights
+from server.model import cpu_kernels
 from server.model.attention import WIDE, use_gqa_attention
 from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import BLOCK, PrefixCache
