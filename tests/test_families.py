@@ -49,6 +49,19 @@ def test_the_servers_tree_computes_transformers_logits(family):
 
 
 @pytest.mark.parametrize("family", NAMES)
+def test_a_checkpoint_directory_loads_on_the_servers_modules(family, tmp_path, tokenizer):
+    """A Hugging Face directory of each family (what a GPU user serves): the server's tree, every tensor in place
+    (Phi-3's fused ones split), transformers' logits."""
+    reference = hf_model(family)
+    reference.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert isinstance(loaded.model, decoder.CausalLM) and loaded.model.spec.family == family
+    want = _logits(_reference(reference), IDS)
+    torch.testing.assert_close(_logits(loaded.model, IDS), want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", NAMES)
 def test_the_lean_forward_in_chunks_and_steps_computes_transformers_logits(family):
     """What the engine runs (cache, masks, windows past their width), dense float32."""
     reference = hf_model(family)
