@@ -51,6 +51,8 @@ class FakeEngine:
         self.weights = "fp32"
         self.kv_cache_dtype = "float32"
         self.activations = "float32"
+        self.architecture = "llama"
+        self.architectures = ["llama"]
         self.max_context = max_context
         self.limits = ServingLimits(max_context=max_context, vocab_size=len(tokenizer), methods=("none", "auto"))
         self.draft_name = None

@@ -37,6 +37,8 @@ class ScriptedEngine:
         self.weights = "fp32"  # the weights format the model card names (a scripted engine has none)
         self.kv_cache_dtype = "float32"
         self.activations = "float32"
+        self.architecture = "llama"
+        self.architectures = ["llama"]
         self.limits = ServingLimits(max_context=100_000, vocab_size=len(tokenizer), methods=("none", "auto"))
         self.draft_name = None
         self.running: dict[str, _Running] = {}

@@ -137,6 +137,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "weights": info.weights,  # extension: how the weights are served (the `weights` setting, resolved)
         "kv_cache_dtype": info.kv_cache_dtype,  # extension: the precision of the cached keys and values (resolved)
         "activations": info.activations,  # extension: what the linear layers take their inputs in
+        "architecture": info.architecture,  # extension: the family the model runs as (server/model/families)
+        "architectures": list(info.architectures),  # extension: the families the server's own modules serve
         "speculation": {  # extension: what `speculation.method` accepts, and the server's defaults
             "methods": info.methods,
             "default_method": info.default_method,

@@ -34,6 +34,8 @@ class ModelInfo:
     weights: str = "fp32"  # the weights format the model is served in (server/model/loading.py)
     kv_cache_dtype: str = "float32"  # the precision of the target's cached keys and values (kv_shape.py)
     activations: str = "float32"  # what the target's linear layers take their inputs in (quantized.py)
+    architecture: str = "llama"  # the family the target runs as (server/model/families), or transformers:<type>
+    architectures: tuple[str, ...] = ()  # every family the server's own modules serve
 
     @property
     def methods(self) -> list[str]:

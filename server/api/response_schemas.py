@@ -256,6 +256,10 @@ class Model(_Doc):
     activations: str = Field(description="what the linear layers take their inputs in: int8 (a GGUF's Q4 and Q8_0 "
                                          "blocks on CPU hosts without AVX-512: per row and group of 32, as llama.cpp's "
                                          "Q8_1), bfloat16, float32")
+    architecture: str = Field(description="the family the server's own modules run the model as (llama, mistral, "
+                                          "qwen2, qwen3, gemma2, gemma3, phi3), or `transformers:<model_type>` for "
+                                          "a model served on transformers' modules")
+    architectures: list[str] = Field(description="the families the server's own modules (and the C decoder) serve")
     speculation: ModelSpeculation
 
 

@@ -121,6 +121,8 @@ class ServerState:
             weights=engine.weights,
             kv_cache_dtype=engine.kv_cache_dtype,
             activations=engine.activations,
+            architecture=engine.architecture,
+            architectures=tuple(engine.architectures),
         )
         self.recorder = TrafficRecorder(s.record_traffic) if s.record_traffic is not None else None
         self.serving = OpenAIServing(info, self.scheduler, self.offload, self.recorder)

@@ -30,7 +30,7 @@ from server.engine.threads import DECODE, PROMPT, ThreadGovernor, governed
 from server.engine.verify import Verified, Verifier
 from server.failsafe import OptionalParts
 from server.grammar import Grammars
-from server.model import cpu_kernels, prefix_cache
+from server.model import cpu_kernels, families, prefix_cache
 from server.model.attention import use_gqa_attention
 from server.model.kv_shape import kv_name, kv_precision
 from server.model.loading import LoadedModel, load_draft_like, load_model
@@ -72,6 +72,10 @@ class Engine:
         self.kv_cache_dtype = kv_name(self.kv_dtype, target.model.dtype)
         # what the linear layers take their inputs in (quantized.py): /v1/models, cache keys
         self.activations = activations(target.model)
+        spec = getattr(target.model, "spec", None)  # the server's own tree (decoder.py) carries its family's
+        self.architecture = spec.family if spec is not None else \
+            f"transformers:{getattr(target.model.config, 'model_type', 'unknown')}"
+        self.architectures = [f.name for f in families.FAMILIES]
         self.vocab_size = int(target.model.config.vocab_size)  # logits width (may exceed the tokenizer's)
         self.draft_name = draft.name if draft is not None else None
         for loaded in (target, draft):
