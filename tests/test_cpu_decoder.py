@@ -19,7 +19,7 @@ from server.model import cpu_kernels
 from server.model.attention import use_gqa_attention
 from server.model.cpu_decoder import KEY_RUN, CpuDecoder
 from server.model.lean_forward import LeanForward
-from server.model.quantized import quantize_linears
+from server.model.quantize import quantize_linears
 from server.model.runner import ModelRunner
 from tests.models import tiny_llama
 

@@ -96,7 +96,7 @@ def test_the_avx2_variants_decoder_agrees_with_the_torch_path_and_keeps_a_positi
     or within a pass."""
     from server.model.attention import use_gqa_attention
     from server.model.lean_forward import LeanForward
-    from server.model.quantized import quantize_linears
+    from server.model.quantize import quantize_linears
     from server.model.runner import ModelRunner
     from tests.models import tiny_llama
 

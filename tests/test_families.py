@@ -13,12 +13,14 @@ import copy
 import pytest
 import torch
 
-from server.model import cpu_kernels, decoder, families
+from server.model import checkpoints, cpu_kernels, decoder, families
 from server.model.attention import use_gqa_attention
 from server.model.lean_forward import LeanForward
 from server.model.loading import load_model
-from server.model.quantized import BlockTable, Q4Linear, Q8Linear, quantize_linears
+from server.model.quantize import quantize_linears
+from server.model.quantized import Q4Linear, Q8Linear
 from server.model.runner import ModelRunner
+from server.model.tables import BlockTable
 from tests.gguf_fixtures import FAMILIES, as_file, hf_model, write_gguf
 
 pytestmark = pytest.mark.slow  # seconds a model: `make test` runs them, `make test-fast` does not
@@ -42,7 +44,7 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family", NAMES)
 def test_the_servers_tree_computes_transformers_logits(family):
     reference = hf_model(family)
-    own = decoder.adopt(reference)
+    own = checkpoints.adopt(reference)
     assert isinstance(own, decoder.CausalLM) and own.spec.family == family
     want = _logits(_reference(reference), IDS)
     torch.testing.assert_close(_logits(own, IDS), want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
@@ -65,7 +67,7 @@ def test_a_checkpoint_directory_loads_on_the_servers_modules(family, tmp_path, t
 def test_the_lean_forward_in_chunks_and_steps_computes_transformers_logits(family):
     """What the engine runs (cache, masks, windows past their width), dense float32."""
     reference = hf_model(family)
-    own = decoder.adopt(reference)
+    own = checkpoints.adopt(reference)
     use_gqa_attention(own)
     runner = ModelRunner(own)
     assert isinstance(runner.call, LeanForward)
@@ -81,7 +83,7 @@ def test_the_c_decoder_is_the_torch_path_and_a_positions_bits_do_not_depend_on_i
     """On float32 activations the C decoder and the lean forward's torch layers differ only in the order of float
     sums; on int8 activations (the default where the host lacks AVX-512) a position's logits are the same bits fed
     alone or within a verify pass."""
-    own = decoder.adopt(hf_model(family))
+    own = checkpoints.adopt(hf_model(family))
     quantize_linears(own, "q4")
     use_gqa_attention(own)
     prompt, tail = IDS[:9], IDS[9:14]
@@ -119,7 +121,7 @@ def test_a_gguf_file_is_served_as_its_blocks_with_the_files_weights_and_logits(f
     read_as = families.by_gguf_arch(FAMILIES[family][1]).name  # Mistral's files are llama.cpp's `llama`
     assert isinstance(served, decoder.CausalLM) and served.spec.family == read_as
     reference = as_file(model, family, types)
-    weights = decoder.split_fused(served.config, reference.state_dict())
+    weights = checkpoints.split_fused(served.config, reference.state_dict())
     linears = {n: m for n, m in served.named_modules() if isinstance(m, Q4Linear | Q8Linear)}
     assert len(linears) == 7 * model.config.num_hidden_layers
     assert not [n for n, m in served.named_modules() if type(m) is torch.nn.Linear]

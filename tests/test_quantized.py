@@ -19,20 +19,10 @@ from server.model import cpu_kernels
 from server.model.attention import WIDE, use_gqa_attention
 from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import BLOCK, PrefixCache
-from server.model.quantized import (
-    GROUP,
-    BlockTable,
-    Fp16Table,
-    Int8Linear,
-    Q4Linear,
-    Q8Linear,
-    TableHead,
-    fused,
-    has_int4_kernel,
-    output_error_bound,
-    quantize_linears,
-)
+from server.model.quantize import quantize_linears
+from server.model.quantized import GROUP, Int8Linear, Q4Linear, Q8Linear, fused, has_int4_kernel, output_error_bound
 from server.model.runner import ModelRunner
+from server.model.tables import BlockTable, Fp16Table, TableHead
 from server.model.weights_cache import entry_path
 from tests.engine_helpers import request, run, run_with_stats
 from tests.models import as_loaded, perturbed, tiny_llama, write_tiny_gguf

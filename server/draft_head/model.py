@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from server.model import decoder
-from server.model.quantized import BlockTable, Fp16Table, table_dtype
+from server.model import checkpoints, decoder
+from server.model.tables import BlockTable, Fp16Table, table_dtype
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -82,7 +82,7 @@ def _decoder(values: dict[str, Any], target: nn.Module) -> nn.Module:
     (which runs only through the lean forward), transformers' `LlamaModel` for one whose forwards a tool calls
     (distillation trains the head through transformers' forward)."""
     if isinstance(target, decoder.CausalLM):
-        return decoder.Decoder(decoder.config_from_dict({**values, decoder.COMPLETE: True}))  # every value given
+        return decoder.Decoder(checkpoints.config_from_dict({**values, checkpoints.COMPLETE: True}))  # all given
     from transformers import LlamaConfig, LlamaModel
 
     from server.model.attention import register_with_transformers

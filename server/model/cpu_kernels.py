@@ -1,41 +1,23 @@
-"""Float32 CPU kernels for GGUF block weights, compiled on the host at first use (quantized.py calls them).
+"""CPU kernels for GGUF block weights, compiled on the host at first use (quantized.py and tables.py call them).
 
-torch's int4 kernel (the other way quantized.py multiplies) rounds activations and outputs to bfloat16, so a
-model on it must attend in float64 to keep greedy text independent of a pass's width (attention.py), and it
-dequantizes the weights again for every block of 4 rows. The kernel here takes and gives float32: with w = s q + m
-(Q4_0 / Q4_1: q in [0, 15], Q8_0: q in [-128, 127], m = 0), each output sums, per group of 32 inputs, s times
-the group's sum of x q (four interleaved chains, k mod 4, combined as (c0 + c1) + (c2 + c3)) plus m times the
-group's sum of x (computed once per row and call), in float32, group after group: the scale and minimum are
-applied once per group instead of once per weight. The same operations in the same order whatever rows share
-the call and however many threads split the outputs, so a row's result is the same bits alone or in any batch
-(tests check it). The quantized values are decoded once per tile of 16 outputs and applied to 4 rows at a time
-(then 2, 1).
+torch's int4 kernel (the other way quantized.py multiplies) rounds activations and outputs to bfloat16, so a model
+on it must attend in float64 to keep greedy text independent of a pass's width (attention.py). The kernels here give
+float32: with w = s q + m per group of inputs, each output sums s times the group's sum of x q plus m times the
+group's sum of x, group after group: the scale and minimum applied once per group, not once per weight. The same
+operations in the same order whatever rows share the call and however many threads split the outputs, so a row's
+result is the same bits alone or in any batch (tests check it). Kinds (csrc/specula.h): Q4 (4-bit values: Q4_0,
+Q4_1, Q4_K), Q8 (int8 values: Q8_0, Q5_0), Q8 with a minimum (Q5_1, Q5_K), Q8 with scales per 16 inputs (Q6_K),
+float16 weights (`Tiles.f16`, an fp16 table as the LM head).
 
-Measured on the 2-core development machine (AMD EPYC, AVX-512, 2 threads; docs/bench-journal.md): 3072 x 576 at
-8 / 32 / 128 / 512 rows 0.15 / 0.56 / 2.2 / 9.0 ms, 94-103 GMAC/s, as fast as MKL's float32 GEMM on dense
-weights from 128 rows on (88-90 GMAC/s) and 2x it at 8 rows; torch's int4 kernel was 1.5-2x slower at every
-row count. An AVX2 host (AMD EPYC without AVX-512, 2 cores) has its own loops (the 512-bit vectors of the
-AVX-512 ones would live on the stack there: 5 GMAC/s): per group of 32 inputs a tile's values are decoded once
-into L1 and every row runs over them, 3072 x 576 at 1 / 4 / 17 / 128 rows 18 / 40 / 43 / 54 GMAC/s, the Q8_0
-head 23 / 46 / 52 / 55 (a one-token step of SmolLM2-135M 12.4 -> 8.0 ms, a 17-token verify pass at 300 tokens
-of context 128 -> 58 ms). Float16 weights (`Tiles.f16`, an fp16 embedding table as the LM head) run the same
-loops, unscaled.
+Where the host lacks AVX-512 a product is bound by float arithmetic, not bytes, and Q4 and Q8 blocks take int8
+activations (`int8_activations`; `SPECULA_INT8_ACTIVATIONS=0` / `1` decides; the minimum and per-16 kinds always
+do, as llama.cpp's K-quants): each row's inputs rounded per group of 32 to int8 with the scale max|x| / 127
+(llama.cpp's Q8_0 / Q8_1), multiplied by the weights' values in integers (exact, `maddubs`), each group's sum scaled
+once, the minimum's term on the float sum of the inputs. Per row, so a row's result is still the same bits in any
+batch; each input is off by at most half its group's step (`activation_error`). The figures per kind and host are
+in docs/bench-journal.md.
 
-On such a host a product is bound by float arithmetic, not bytes: decoding the 4-bit values to floats costs more
-than the multiply-add. There Q4 and Q8 blocks take int8 activations (`KIND_Q4_INT8`, `KIND_Q8_INT8`,
-`int8_activations`; `SPECULA_INT8_ACTIVATIONS=0` / `1` decides): each row's inputs rounded per group of 32 to int8
-with the scale max|x| / 127 (llama.cpp's Q8_1 and Q8_0 for its Q4_1 and Q8_0 products), multiplied by the
-weights' values in integers (exact), each group's sum scaled once, Q4's minimum term on the float sum of the
-inputs. Per row, so a row's result is still the same bits in any batch; each input is off by at most half its
-group's step (`activation_error`). In-process on the AVX2 host, float32 against int8 activations: 3072 x 576 Q4
-at 1 / 4 / 17 / 128 rows 18-20 / 40 / 38-51 / 50 against 37 / 77-79 / 80-98 / 104-107 GMAC/s (since the Q4 tile
-takes 4 inputs an instruction, unpacked once per 3 rows: 4 / 17 / 128 rows on one thread 57 / 68-71 / 68-69
-against the earlier 46 / 52 / 55, on two 70-101 / 85-131 / 134); the 49152 x 576
-Q8_0 head at 1 / 5 / 17 rows 21 / 48 / 54 against 31 / 65 / 85; a one-token step of SmolLM2-135M at 300 tokens
-of context 8.6-9.9 against 6.0-6.2 ms, a 17-token verify pass 55-62 against 34-35 ms. AVX-512 hosts keep float32
-activations (their float loops reached 94-103 GMAC/s there and keep the inputs exact; int8 is not measured there).
-
-`decoder_forward` runs a whole Llama decoder stack on these kernels in one call (cpu_decoder.py says how).
+`decoder_forward` runs a whole decoder stack on these kernels in one call (cpu_decoder.py says how).
 
 The C lives in `csrc/` beside this module: `specula.h` (the block kinds, the structs cpu_decoder.py fills, the entry
 points: their only copy; this module reads the kinds from it), `kernels.c` (one translation unit: the products, the

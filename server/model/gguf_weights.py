@@ -38,15 +38,8 @@ from transformers import PretrainedConfig
 from server.model import decoder, families
 from server.model.families.base import Family
 from server.model.gguf_blocks import SERVED, Blocks, decode
-from server.model.quantized import (
-    QUANT_KINDS,
-    BlockTable,
-    Fp16Table,
-    Q4Linear,
-    Q8Linear,
-    QuantLinear,
-    TableHead,
-)
+from server.model.quantized import QUANT_KINDS, Q4Linear, Q8Linear, QuantLinear
+from server.model.tables import BlockTable, Fp16Table, TableHead
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,8 @@ from server.model.decoder import rotate as _rotate
 from server.model.decoder import signed_sin as _signed
 from server.model.families.base import Spec
 from server.model.memory import drop_file_pages
-from server.model.quantized import QuantLinear, TableHead, fused
+from server.model.quantized import QuantLinear, fused
+from server.model.tables import TableHead
 
 # transformers' decoder classes (by name, so a model type transformers does not ship here needs no import) whose
 # modules are the server's tree's (decoder.py) in Llama's shape: the lean forward runs them as their family's `Spec`

@@ -33,9 +33,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from server.model import cpu_kernels, decoder, gguf_weights
+from server.model import checkpoints, cpu_kernels, gguf_weights
 from server.model.memory import drop_file_pages
-from server.model.quantized import QuantLinear, quantize_linears
+from server.model.quantize import quantize_linears
+from server.model.quantized import QuantLinear
 from server.model.weights_cache import (
     KINDS_FILE,
     QUANTIZED_FILE,
@@ -171,7 +172,7 @@ def _save_quantized(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Cal
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.tensors.items()}, str(directory / QUANTIZED_FILE))
         (directory / KINDS_FILE).write_text(json.dumps(weights.kinds, indent=1))
-        decoder.write_config(model.config, directory)
+        checkpoints.write_config(model.config, directory)
         tokenizer.save_pretrained(directory)
 
     return write
@@ -179,7 +180,7 @@ def _save_quantized(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Cal
 
 def _read_quantized(entry: Path, own: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     if own:
-        config = decoder.read_config(entry)
+        config = checkpoints.read_config(entry)
     else:
         from transformers import AutoConfig
 
@@ -198,10 +199,10 @@ MODULES = ("own", "transformers")  # `load_model`'s choice of module tree
 
 def _from_directory(ref: str, dtype: torch.dtype, modules: str) -> nn.Module:
     """A checkpoint (local directory or hub id) as the server's modules where `modules` is "own" and they serve it
-    (decoder.load_directory), else transformers' `AutoModelForCausalLM`."""
+    (checkpoints.load_directory), else transformers' `AutoModelForCausalLM`."""
     local = Path(ref).expanduser()
     if modules == "own" and local.is_dir():
-        own = decoder.load_directory(local, dtype)
+        own = checkpoints.load_directory(local, dtype)
         if own is not None:
             return own
     from transformers import AutoModelForCausalLM
@@ -306,7 +307,7 @@ def load_model(
         if served != "as-file":
             model = model.to(torch_dtype)
         if modules == "own":  # a first load's conversion (transformers' modules) served as later starts serve it
-            model = decoder.adopt(model)
+            model = checkpoints.adopt(model)
     else:
         ref = str(path) if path is not None else str(source)
         model = _from_directory(ref, torch_dtype, modules)

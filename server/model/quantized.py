@@ -1,56 +1,29 @@
-"""Weight-only quantized linear layers: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors served as they are.
+"""Weight-only quantized linear layers: a GGUF file's blocks served as they are (gguf_blocks.py reads them).
 
-On an x86 CPU with a C compiler the blocks multiply through the float32 block kernels (cpu_kernels.py):
-float32 activations and outputs, the file's w = s q + m summed as s (sum x q) + m (sum x) per group of 32, a row's
-result the same bits in any batch, faster than torch's int4 kernel at every row count measured; on hosts without
-AVX-512 Q4 and Q8_0 blocks take int8 activations, rounded per row and group of 32 (`QuantLinear.int8_activations`,
-cpu_kernels.py), still a row's own arithmetic. Elsewhere, and with
-`SPECULA_CPU_KERNELS=0`, they run through torch's int4 kernel as described below (`rounds_inputs`).
+On an x86 CPU with a C compiler the blocks multiply through the CPU block kernels (cpu_kernels.py): float32 outputs,
+the file's w = s q + m summed as s (sum x q) + m (sum x) per group, a row's result the same bits in any batch. On
+hosts without AVX-512 (and always for the K-quants' per-16 scales and minimums: `Q8Linear`) the activations are
+rounded to int8 per row and group of 32 (`QuantLinear.int8_activations`), still a row's own arithmetic: no scale is
+ever computed over the rows of a call (dynamic int8 quantization does that, and a row's logits would depend on its
+neighbours, so greedy text would change with the proposer).
 
-A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes: SmolLM2-135M
-dequantized to fp32 is 540 MB a step, its Q4_1 file about 80 MB. These modules keep the file's quantized
-blocks and multiply through torch's weight-only kernels, never through an fp32 copy of the weights.
+A one-token step of a small model reads every weight once, so on a CPU its cost is mostly bytes (SmolLM2-135M: 540 MB
+a step in fp32, 80 MB as its Q4_1 file): these modules keep the file's blocks, never an fp32 copy of the weights.
 
-Formats (ggml's blocks of 32 weights along a row's input dimension):
+* `Q4Linear`: 4-bit values q in [0, 15] with a scale and a zero per 32 inputs (Q4_0: w = d (q - 8); Q4_1: d q + m;
+  Q4_K: its super-block scale times each sub-block's, minus dmin times its minimum).
+* `Q8Linear`: int8 values with a scale per group (Q8_0, Q5_0 as q - 16; Q6_K per 16 inputs), optionally a minimum
+  per 32 (Q5_1, Q5_K: q in [0, 31]).
+* `Int8Linear`: per-output-channel int8 (the `int8` setting, any checkpoint): torch's `_weight_int8pack_mm`.
 
-* Q4_0: a scale d (fp16) and 32 4-bit q in [0, 15]: w = d * (q - 8).
-* Q4_1: a scale d and a minimum m (fp16 each) and 32 4-bit q: w = d * q + m.
-* Q8_0: a scale d (fp16) and 32 int8 q: w = d * q.
+Without the block kernels (no compiler, `SPECULA_CPU_KERNELS=0`) Q4 and Q8_0 run through torch's int4 kernel
+`_weight_int4pack_mm_for_cpu` (w = s (q - 8) + z per group of 32 from bf16 s and z; Q8_0 as two 4-bit halves,
+q + 128 = 16 hi + lo, along a doubled input): its vectorised path takes bf16 activations and gives bf16 outputs,
+three bf16 roundings of unit roundoff 2^-8 (s and z, activations, outputs) that `weight_error_bound` and
+`output_error_bound` state and the tests hold it to; a model with such a layer attends in float64 (attention.py).
+The other block types, and any device but a CPU, multiply by the dequantized weights (`QuantLinear.dense`).
 
-`torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)` dequantizes each group of 32 as
-w = s * (q - 8) + z (in fp32 registers, from bf16 s and z) and sums x * w over the input dimension in fp32, one
-output at a time, in input order. That is Q4_1 exactly with s = d, z = m + 8d, and Q4_0 with s = d, z = 0.
-Its only vectorised (AVX512/AVX2) path takes bf16 activations, scales and zeros (fp32 and fp16 run a scalar
-loop, 5-35x slower, measured), so the differences from the file's fp32 arithmetic are three bf16 roundings
-(unit roundoff u = 2^-8): of s and z (|dw| <= u (|s| |q - 8| + |z|)), of the activations (|dx| <= u |x|) and
-of each output (|dy| <= u |y|). `weight_error_bound` and `output_error_bound` state them; the tests hold
-the kernels to those bounds against the dequantized weights in float64. Q8_0 runs through the same kernel:
-q + 128 = 16 hi + lo with hi, lo in [0, 15], so w = d q = 16d (hi - 8) + d (lo - 8) + 8d, two groups of 4-bit
-values side by side along a doubled input dimension (x fed twice), s = 16d, z = 0 for the high halves and
-s = d, z = 8d for the low ones: one byte a weight, w = bf16(d) * q exactly.
-
-Each output element is one sequential fp32 sum over its own row of activations: the kernel blocks rows four at
-a time but never mixes them, so a row's result is the same bits whatever rows share the call (tests check
-it). That keeps the target's arithmetic row-independent, which greedy exactness across proposers and batch
-compositions needs: no activation scale is ever computed over the rows of a call (dynamic int8 quantization
-does that, and a row's logits would depend on its neighbours); the block kernels' int8 activations take their
-scales from each row's own group of 32 inputs.
-
-An embedding table held as fp16 values (`Fp16Table`: a file's F16 table, or a checkpoint's head under `int8`)
-is multiplied as the LM head in fp32 (activations in, logits out: bf16 logits, the int4 kernel's output type,
-would round a logit of 20 to steps of 0.125 and make near-ties exact ties) through the float32 block kernels'
-fp16 tiles (cpu_kernels.py: a row's logits the same bits in any batch), or, where those do not build, fbgemm's
-fp16 GEMM called on a fixed number of rows at a time (`FBGEMM_ROWS`): on an AVX2 host fbgemm's fp16 kernels sum a
-row in an order that depends on how many rows the call holds (the same row gave other last bits alone, in 2 or in
-7 rows), while in calls of one size every row gets the same bits. Measured on the 2-core development machine
-(576 x 49152, one thread, CPU time, ms for 1 / 4 / 9 rows): fp16 fbgemm 2.1 / 3.2 / 5.7, Q8_0 through the int4 kernel
-3.2 / 5.7 / 14.3, per-channel int8 3.5 / 5.6 / 14.3, bf16 oneDNN 3.7 / 2.8 / 3.8 (docs/bench.md).
-
-`int8` weights (the `weights` setting, for Hugging Face checkpoints) are per-output-channel symmetric int8
-through `torch.ops.aten._weight_int8pack_mm` (bf16 activations, the same row-independent pattern).
-
-These kernels exist on CPU only: on any other device the modules multiply by their dequantized weights in
-the activations' dtype (`QuantLinear.dense`), so a model loaded this way still runs anywhere.
+The embedding table and the LM head over it: tables.py. Quantizing a dense model's layers: quantize.py.
 """
 
 from __future__ import annotations
@@ -66,24 +39,14 @@ from server.model.memory import drop_file_pages
 
 GROUP = 32  # weights per ggml block (Q4_0, Q4_1, Q8_0)
 BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
-HEAD_SLICE_ROWS = 16384  # rows of an fp16 LM head packed per fbgemm matrix (`TableHead`)
-FBGEMM_ROWS = 8  # activation rows of every fbgemm fp16 call (the last call padded): the module doc says why
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 def has_int4_kernel() -> bool:
     """Whether this torch has the CPU int4 weight-only kernel the Q4/Q8 modules multiply through."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
-        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
-    )
-
-
-def has_fp16_gemm() -> bool:
-    """Whether fbgemm's fp16-weight GEMM (fp32 in and out) is built into this torch."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-        torch.ops.quantized, "linear_prepack_fp16"
-    )
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -484,200 +447,4 @@ def fused(layers: list[QuantLinear]) -> Kernel | None:
     return call
 
 
-class Fp16Table(nn.Module):
-    """An embedding table held as fp16 values of the file's weights (`weight` [vocab, hidden], a buffer): looked
-    up as the model's input embeddings (fp32 rows out) and, tied, multiplied as its LM head (`TableHead`)."""
-
-    kind = "fp16 table"  # the start-up log's name (loading.describe_weights)
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight.to(torch.float16).contiguous())
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(ids)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once they alone hold them)."""
-        if self.tiles is None or self.weight.numel():
-            return F.embedding(ids, self.weight).float()
-        rows = self.tiles.values(ids.reshape(-1))  # the same values
-        return rows.float().view(*ids.shape, self.embedding_dim)
-
-    def release(self) -> list[torch.Tensor]:
-        """Drop the table's own values once the head kernel's tiles hold them (lookups read those): a tied table
-        is then held once. Returns what was dropped."""
-        if self.tiles is None or not self.weight.numel():
-            return []
-        dropped = [self.weight]
-        self.weight = torch.empty(0, self.embedding_dim, dtype=torch.float16, device=self.weight.device)
-        return dropped
-
-
-class BlockTable(nn.Module):
-    """An embedding table held as the file's Q8_0 or Q6_K blocks (`qweight` [vocab, hidden] int8, `scales` [vocab,
-    hidden/32] fp32, or [vocab, hidden/16] for Q6_K, buffers): looked up exactly (d q in fp32, the file's values)
-    and, tied, multiplied as its LM head (`TableHead`) through the block kernels. Fewer bytes than an fp16 copy,
-    which would round d q to 11 bits. It has no dense `weight`: `rows(ids)` gives rows of it, `dequantize()` the
-    whole (a copy)."""
-
-    kind = "q8 table"  # the start-up log's name (loading.describe_weights)
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.num_embeddings, self.embedding_dim = qweight.shape
-        self.group = self.embedding_dim // scales.shape[1]  # inputs a scale covers: 32 (Q8_0) or 16 (Q6_K)
-        self.tiles: cpu_kernels.Tiles | None = None  # the tied head's kernel layout, once built (`TableHead`)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The table's rows `ids` in fp32: [..., hidden] (from the head kernel's tiles once it holds them)."""
-        if self.tiles is not None:
-            q, d = self._from_tiles(ids.reshape(-1))
-            q, d = q.view(*ids.shape, -1), d.view(*ids.shape, -1)
-        else:
-            q, d = self.qweight[ids].float(), self.scales[ids]
-        return (q.view(*q.shape[:-1], -1, self.group) * d[..., None]).view(q.shape)
-
-    def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
-        tiles = self.tiles
-        return tiles.values(ids).float(), cpu_kernels.tile_rows(tiles.s, ids)
-
-    def release(self) -> list[torch.Tensor]:
-        """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):
-        a server's tied table is then held once. Returns what was dropped."""
-        if self.tiles is None or not self.qweight.numel():
-            return []
-        dropped = [self.qweight, self.scales]
-        self.qweight = torch.empty(0, self.embedding_dim, dtype=torch.int8, device=self.qweight.device)
-        self.scales = torch.empty(0, self.embedding_dim // self.group, device=self.scales.device)
-        return dropped
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(ids)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
-
-
-def _fbgemm_fp16(x: torch.Tensor, slices: list[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] times packed fp16 slices of a head, side by side, in calls of `FBGEMM_ROWS` rows each (the last
-    padded with zeros): a row's logits the same bits in any batch (the module doc)."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    rows = flat.shape[0]
-    padded = -rows % FBGEMM_ROWS
-    if padded:
-        flat = torch.cat([flat, flat.new_zeros(padded, flat.shape[1])])
-    gemm = torch.ops.quantized.linear_dynamic_fp16
-    out = torch.cat([torch.cat([gemm(part.contiguous(), s) for s in slices], dim=-1)
-                     for part in flat.split(FBGEMM_ROWS)])
-    return out[:rows].view(*x.shape[:-1], -1)
-
-
-def table_dtype(module: nn.Module) -> tuple[torch.dtype, torch.device]:
-    """The dtype and device an embedding table or LM head holds its values in (a quantized table's: fp16, what
-    a draft head reading it plans for), without building a dense copy."""
-    table = getattr(module, "table", module)
-    if isinstance(table, BlockTable):
-        return torch.float16, table.qweight.device
-    return module.weight.dtype, module.weight.device
-
-
-class TableHead(nn.Module):
-    """The LM head over an `Fp16Table` or a `BlockTable` (tied: the input embeddings'; or a matrix of its own):
-    fp32 activations in, fp32 logits out. A `BlockTable` multiplies through the float32 block kernel
-    (cpu_kernels.py); fp16 values through fbgemm's fp16 GEMM on CPU (see the module doc); elsewhere `F.linear`
-    by the fp32 values."""
-
-    def __init__(self, table: Fp16Table | BlockTable) -> None:
-        super().__init__()
-        self.table = table  # shared with the input embeddings when tied
-        self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
-        self._kernel: Kernel | None = None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        if isinstance(self.table, BlockTable):
-            raise AttributeError("a Q8_0 table head holds no dense weight (BlockTable.rows / dequantize)")
-        return self.table.weight
-
-    def kernel(self) -> Kernel:
-        if self._kernel is None:
-            self._kernel = self._build()
-        return self._kernel
-
-    def _build(self) -> Kernel:
-        table = self.table
-        if isinstance(table, BlockTable):
-            lib = cpu_kernels.library() if table.qweight.device.type == "cpu" else None
-            if lib is not None:
-                table.tiles = cpu_kernels.Tiles.q8(table.qweight, table.scales, lib)
-                return table.tiles
-            weight = table.dequantize().half()  # fbgemm's fp16 GEMM below, or F.linear
-        else:
-            weight = table.weight
-            lib = cpu_kernels.library() if weight.device.type == "cpu" else None
-            if lib is not None and table.embedding_dim % GROUP == 0:
-                table.tiles = cpu_kernels.Tiles.f16(weight, lib)
-                _packed_from(table)  # the values' file pages: the tiles are a copy
-                return table.tiles
-        if weight.device.type == "cpu" and has_fp16_gemm():
-            try:
-                # packed a slice of rows at a time: the fp32 copy fbgemm packs from is a slice's, not the
-                # table's (113 MB for SmolLM2); the logits are the slices' side by side, the same sums
-                slices = [torch.ops.quantized.linear_prepack_fp16(part.float(), None)
-                          for part in weight.split(HEAD_SLICE_ROWS)]
-                if not isinstance(table, BlockTable):
-                    _packed_from(table)  # the embeddings read it a row per token from here on
-                return lambda x: _fbgemm_fp16(x, slices)
-            except RuntimeError:
-                pass
-        return lambda x: F.linear(x, weight.to(x.dtype))
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TableHead:  # type: ignore[override]
-        self._kernel = None
-        return super()._apply(fn, recurse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        return self.kernel()(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
-
-
 QUANT_KINDS: dict[str, type[QuantLinear]] = {"q4": Q4Linear, "q8": Q8Linear, "int8": Int8Linear}
-
-
-def quantize_linears(model: nn.Module, kind: str = "int8") -> int:
-    """Replace every plain `nn.Linear` of `model` (the LM head included) by a quantized layer of `kind`
-    ("int8": per-channel, the `int8` setting; "q4" / "q8": Q4_1 / Q8_0 blocks, for tests); the layers
-    replaced. Layers whose input size is not a multiple of 32 stay dense for the block kinds."""
-    count = 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is not nn.Linear or child is head:
-                continue
-            if kind != "int8" and child.in_features % GROUP:
-                continue
-            w = child.weight.detach()
-            layer = Int8Linear.quantize(w, child.bias) if kind == "int8" else QUANT_KINDS[kind].quantize(w)
-            if kind != "int8" and child.bias is not None:
-                layer.bias = nn.Parameter(child.bias.detach().float(), requires_grad=False)
-            setattr(module, child_name, layer)
-            count += 1
-    if type(head) is nn.Linear and head.bias is None:
-        model_head_as_table(model)
-    return count
-
-
-def model_head_as_table(model: nn.Module) -> None:
-    """A causal LM's LM head as a `TableHead` over fp16 values of its weights (fp32 logits; quantized
-    layers' bf16 outputs would round them), sharing one `Fp16Table` with the input embeddings when tied."""
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    table = Fp16Table(head.weight.detach())
-    if embed is not None and embed.weight is head.weight:
-        model.set_input_embeddings(table)
-    model.set_output_embeddings(TableHead(table))

@@ -1,4 +1,4 @@
-"""The server's own Llama module tree (server/model/llama.py): the same model as transformers' Llama, loaded
+"""The server's own module tree (server/model/decoder.py) on a Llama: the same model as transformers' Llama, loaded
 without transformers' modeling stack, and a server process that never imports it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from server.config import Settings
 from server.draft_head.model import EagleHead
-from server.model import decoder as llama
+from server.model import checkpoints, decoder
 from server.model.loading import LoadedModel, load_model
 from server.model.runner import ModelRunner
 from tests.engine_helpers import request, run
@@ -36,7 +36,7 @@ def test_a_llama_checkpoint_loads_on_the_servers_modules_and_computes_transforme
     path, reference = checkpoint
     loaded = load_model(str(path), device="cpu")
     model = loaded.model
-    assert isinstance(model, llama.CausalLM)
+    assert isinstance(model, decoder.CausalLM)
     assert type(load_model(str(path), device="cpu", modules="transformers").model).__name__ == "LlamaForCausalLM"
     assert model.generation_config.eos_token_id == reference.generation_config.eos_token_id
     for name, tensor in reference.state_dict().items():
@@ -52,8 +52,8 @@ def test_the_lean_forward_gives_the_same_bits_on_either_module_tree(checkpoint):
     from server.model.attention import use_gqa_attention
 
     _, reference = checkpoint
-    own = llama.adopt(reference)
-    assert isinstance(own, llama.CausalLM) and own.lm_head.weight.data_ptr() == reference.lm_head.weight.data_ptr()
+    own = checkpoints.adopt(reference)
+    assert isinstance(own, decoder.CausalLM) and own.lm_head.weight.data_ptr() == reference.lm_head.weight.data_ptr()
     for model in (reference, own):  # the engine's attention on both (adopt leaves the reference's as it was)
         use_gqa_attention(model)
     outs = []
@@ -77,7 +77,7 @@ def test_rope_is_transformers_to_the_bit(rope):
               "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 10, "max_position_embeddings": 1024,
               "rope_parameters": rope}
     theirs = LlamaRotaryEmbedding(LlamaConfig(**values))
-    ours = llama.Rotary(llama.config_from_dict(values))
+    ours = decoder.Rotary(checkpoints.config_from_dict(values))
     assert torch.equal(ours.inv_freq, theirs.inv_freq) and ours.attention_scaling == theirs.attention_scaling
     x, positions = torch.zeros(1, 5, 64), torch.tensor([[0, 1, 2, 700, 1023]])
     for a, b in zip(ours(x, positions), theirs(x, positions), strict=True):
@@ -92,34 +92,34 @@ def test_older_configs_and_other_architectures(tmp_path):
         "model_type": "llama", "hidden_act": "silu", "rope_theta": 500000.0,
         "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}, "num_attention_heads": 4}))
-    config = llama.read_config(tmp_path)
+    config = checkpoints.read_config(tmp_path)
     assert {k: v for k, v in config.rope_parameters.items() if k != "type"} == {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
-    assert config.num_key_value_heads == 4 and config.tie_word_embeddings is False and llama.supports(config)
+    assert config.num_key_value_heads == 4 and config.tie_word_embeddings is False and decoder.supports(config)
     base = {"model_type": "llama", "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}}
-    assert llama.supports(llama.config_from_dict(base))
+    assert decoder.supports(checkpoints.config_from_dict(base))
     for other in ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0, "factor": 2.0}},
                   {"model_type": "olmo"}, {"hidden_act": "gelu"}):
-        assert not llama.supports(llama.config_from_dict({**base, **other})), other
+        assert not decoder.supports(checkpoints.config_from_dict({**base, **other})), other
 
 
 def test_the_engine_serves_the_same_tokens_on_either_tree(tiny_target, tokenizer, prompt_ids, tmp_path):
     """Greedy output for plain decoding, n-gram drafts and an EAGLE head (loaded from a file saved from the
-    transformers target: its decoder becomes llama.py's for the server's tree)."""
+    transformers target: its decoder becomes decoder.py's for the server's tree)."""
     from server.engine.engine import Engine
 
     head = EagleHead.create(tiny_target.model, list(range(0, tiny_target.model.config.vocab_size, 2)), "tiny", seed=1)
     head.save_pretrained(tmp_path, dtype=torch.float32)
     settings = Settings.load(draft_head=str(tmp_path))
-    own = LoadedModel(name="tiny", model=llama.adopt(tiny_llama(len(tokenizer), seed=0)), tokenizer=tokenizer,
+    own = LoadedModel(name="tiny", model=checkpoints.adopt(tiny_llama(len(tokenizer), seed=0)), tokenizer=tokenizer,
                       device=torch.device("cpu"), dtype=torch.float32)
     theirs = as_loaded(tiny_llama(len(tokenizer), seed=0), tokenizer, "tiny")
     for method in ("none", "ngram", "eagle"):
         engines = [Engine(model, None, settings) for model in (theirs, own)]
         if method == "eagle":
-            decoder = engines[1].planner.proposers["eagle"].head.decoder  # type: ignore[attr-defined]
-            assert isinstance(decoder, llama.Decoder)
+            head_decoder = engines[1].planner.proposers["eagle"].head.decoder  # type: ignore[attr-defined]
+            assert isinstance(head_decoder, decoder.Decoder)
         outs = [run(e, [request(f"r{i}", p, method, 3) for i, p in enumerate(prompt_ids)]) for e in engines]
         assert outs[0] == outs[1], method
 
@@ -167,7 +167,7 @@ def test_a_sharded_checkpoint_with_tied_embeddings_loads_on_the_servers_modules(
     tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
     model = load_model(str(tmp_path), device="cpu").model
-    assert isinstance(model, llama.CausalLM) and model.dtype == torch.float32
+    assert isinstance(model, decoder.CausalLM) and model.dtype == torch.float32
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor, as the file has it
     theirs = load_model(str(tmp_path), device="cpu", modules="transformers").model  # transformers' reading
     ids = torch.tensor([[5, 17, 40, 99, 120, 3]])
