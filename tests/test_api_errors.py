@@ -126,12 +126,11 @@ CASES = [
     (COMP, comp_body(prompt={"text": "a"}), 400, "prompt", None, "string"),
     (COMP, comp_body(prompt=[10**9]), 400, "prompt[0]", None, "vocabulary"),
     (COMP, comp_body(prompt=[[1, 2], [-1]]), 400, "prompt[1]", None, "vocabulary"),
-    (COMP, comp_body(echo=True), 400, "echo", "unsupported_field", "echo"),
     (COMP, comp_body(best_of=3), 400, "best_of", "unsupported_field", "best_of"),
     (COMP, comp_body(suffix="end"), 400, "suffix", "unsupported_field", "suffix"),
     (
         COMP,
-        comp_body(logprobs=True, top_logprobs=2),
+        comp_body(logprobs=1, top_logprobs=2),
         400,
         "top_logprobs",
         "unsupported_field",

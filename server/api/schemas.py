@@ -55,7 +55,10 @@ def _document_policy(schema: dict[str, Any], cls: type[BaseModel]) -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_policy)
+    # strict: numbers, booleans and strings as OpenAI's schema types them (`"10"`, `true` or `10.5` for an
+    # integer, `true` or `"1"` for a number, `"yes"` or `1` for a boolean are 400s naming the field, as OpenAI
+    # and vLLM answer); an integer is a number.
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_document_policy)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {}  # field -> values (besides null) that change nothing
     _inert: ClassVar[frozenset[str]] = frozenset()  # fields accepted with any value: they cannot change output
