@@ -352,7 +352,8 @@ class OpenAIServing:
                         if ended:
                             self._keep_tokens(choices[index], prompt, parser.end or 0)
                             choices[index].finish_reason = R.called(named)
-                        elif parser is not None and parser.calls and out.finish_reason == "stop":
+                        elif parser is not None and parser.calls and (
+                                out.finish_reason == "stop" or parser.cut_after_calls):
                             choices[index].finish_reason = R.called(named)
                         reason = choices[index].finish_reason
                         yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
