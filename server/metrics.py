@@ -234,7 +234,7 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        self.vllm = _VllmSeries(r, model, max_model_len)
+        self.vllm = _VllmSeries(r, model, max_model_len, k)
         Info("specula_speculation", "Server speculation configuration.", registry=r).info(
             {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
         )
@@ -371,7 +371,8 @@ class _VllmSeries:
     `vllm:request_max_num_generation_tokens` once per API request, over its sequences.
     """
 
-    def __init__(self, r: CollectorRegistry, model: str, max_model_len: int) -> None:
+    def __init__(self, r: CollectorRegistry, model: str, max_model_len: int, k: int) -> None:
+        """`k`: the server's draft tokens per step; positions 0..k-1 are exported from the start (as vLLM does)."""
         values = (model, "0")
         self.values = values
 
@@ -397,6 +398,8 @@ class _VllmSeries:
             [*VLLM_LABELS, "position"],
             registry=r,
         )
+        for pos in range(k):
+            self.accepted_per_pos.labels(*values, str(pos))
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (per step, as emitted).")
         self.prefix_cache_queries = counter(
