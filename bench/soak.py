@@ -86,6 +86,10 @@ BAD_FIELDS: list[dict[str, Any]] = [
     {"messages": []},
     {"messages": [{"role": "user", "content": "half an emoji \ud83d here"}]},
     {"stop": ["x"] * 100},
+    {"max_tokens": "10"},  # loose types: strict fields refuse them
+    {"temperature": True},
+    {"stream": "yes"},
+    {"use_beam_search": True},  # a vLLM field not served: refused, naming it
 ]
 
 

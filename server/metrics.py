@@ -8,7 +8,7 @@ Who calls what (all methods are thread-safe; the worker thread and the event loo
 * `observe_step(result)`        once per engine step, with its `StepResult` (worker thread).
 * `observe_first_token(ttft_s)` when a request's first token reaches its output queue.
 * `observe_tokens(n, gap_s)`    when n more tokens of a request arrive gap_s after its previous ones.
-* `observe_request(...)`        once when a request finishes (any finish reason).
+* `observe_request(done)`       once when a sequence finishes (any finish reason): a `FinishedSequence`.
 * `observe_error(status)`       once per HTTP error response (4xx/5xx).
 * `set_load(...)`               whenever queue lengths or KV usage change (e.g. after each step).
 * `watch_memory(source, peak)`  once: `source()` gives the memory parts in bytes, read at every scrape;
@@ -22,11 +22,12 @@ Contract: the speculation counters grow by exactly the sums of the per-sequence 
 add up to each request's `RequestStats` (`usage.speculation`): draft_tokens, accepted_tokens and
 decode_steps (one step per verify pass a sequence took part in).
 
-Under vLLM's names too (docs/metrics.md "Under vLLM's names"): the three gauges an inference gateway's
-endpoint picker reads (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`)
-and the speculation counters vLLM's dashboards and AIPerf read (`vllm:spec_decode_num_drafts`,
-`..._num_draft_tokens`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), labelled as vLLM labels
-them (`model_name`, `engine`), fed from the same calls as the `specula_` series, so each pair agrees.
+Under vLLM's names too (docs/metrics.md "Under vLLM's names"): every series vLLM's Grafana dashboard queries
+(the three gauges an inference gateway's endpoint picker reads, token counters, the latency and length
+histograms, `vllm:request_success_total{finished_reason}`) and the speculation counters vLLM's dashboards and
+AIPerf read (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+`..._num_accepted_tokens_per_pos`), with vLLM's types, bucket bounds and labels (`model_name`, `engine`), fed
+from the same calls (the same timestamps and counts) as the `specula_` series, so each pair agrees.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.types import FinishReason, RequestStats, StepResult
+from server.types import FinishedSequence, FinishReason, StepResult
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
@@ -65,6 +66,29 @@ PREFILL_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # vLLM's labels on its series: the served model and the engine's index (one engine per server here: "0").
 VLLM_LABELS = ("model_name", "engine")
+# vLLM's bucket bounds (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same here.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's bounds for token counts of a request).
+
+    >>> buckets_1_2_5(100)
+    (1, 2, 5, 10, 20, 50, 100)
+    """
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
@@ -87,7 +111,9 @@ class Metrics:
         k: int,
         methods: tuple[str, ...],
         replica: str | None = None,
+        max_model_len: int = 8192,
     ) -> None:
+        """`max_model_len`: the context length (the top bucket of vLLM's token-count histograms)."""
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -208,7 +234,7 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        self.vllm = _VllmSeries(r, model)
+        self.vllm = _VllmSeries(r, model, max_model_len, k)
         Info("specula_speculation", "Server speculation configuration.", registry=r).info(
             {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
         )
@@ -246,6 +272,7 @@ class Metrics:
         if result.prefill_tokens or result.cached_tokens:
             self.prefix_cache_queries.labels(self.model).inc(result.prefill_tokens + result.cached_tokens)
             self.prefix_cache_hits.labels(self.model).inc(result.cached_tokens)
+            self.vllm.observe_prefix_cache(result.prefill_tokens + result.cached_tokens, result.cached_tokens)
         self.step_prefill.labels(self.model).observe(result.prefill_tokens)
         self.prompt_waiting.labels(self.model).set(result.prompt_tokens_waiting)
         for part in result.degraded:
@@ -253,37 +280,39 @@ class Metrics:
         generated = sum(len(o.token_ids) for o in result.outputs)
         if generated:
             self.generation_tokens.labels(self.model).inc(generated)
+            self.vllm.generation_tokens.inc(generated)
 
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first token arrived `ttft_s` seconds after the request did."""
         self.ttft.labels(self.model).observe(ttft_s)
+        self.vllm.ttft.observe(ttft_s)
 
     def observe_tokens(self, n_tokens: int, gap_s: float) -> None:
         """`n_tokens` more tokens of one request arrived `gap_s` seconds after its previous tokens.
 
         Inter-token latency is per token, not per step: this records `n_tokens` observations of
         `gap_s / n_tokens`. Don't call it for a request's first output: that is TTFT, and any other
-        tokens arriving together with the first one count toward TTFT only.
+        tokens arriving together with the first one count toward TTFT only. vLLM's inter-token latency is
+        one observation of `gap_s` per output, whatever it holds (its dashboard's reading under speculation).
         """
         if n_tokens <= 0:
             return
+        self.vllm.inter_token.observe(gap_s)
+        self.vllm.time_per_output_token.observe(gap_s)
         child = self.itl.labels(self.model)
         per_token = gap_s / n_tokens
         for _ in range(n_tokens):
             child.observe(per_token)
 
-    def observe_request(
-        self, stats: RequestStats, finish_reason: str, queue_time_s: float, e2e_s: float
-    ) -> None:
-        """One request finished: its prompt tokens, finish reason, queue time and end-to-end latency.
-
-        `queue_time_s` is arrival to first scheduled; `e2e_s` arrival to finish. Speculation counters
-        are not touched here: they were counted step by step in `observe_step`.
-        """
-        self.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
-        self.requests.labels(self.model, finish_reason).inc()
-        self.queue_time.labels(self.model).observe(queue_time_s)
-        self.e2e.labels(self.model).observe(e2e_s)
+    def observe_request(self, done: FinishedSequence) -> None:
+        """One sequence finished: its prompt tokens, finish reason, queue time (arrival to first scheduled) and
+        end-to-end latency (arrival to finish); vLLM's series also its phases, lengths and max_tokens.
+        Speculation counters are not touched here: they were counted step by step in `observe_step`."""
+        self.prompt_tokens.labels(self.model).inc(done.stats.prompt_tokens)
+        self.requests.labels(self.model, done.finish_reason).inc()
+        self.queue_time.labels(self.model).observe(done.queue_s)
+        self.e2e.labels(self.model).observe(done.e2e_s)
+        self.vllm.observe_request(done)
 
     def observe_error(self, status: int) -> None:
         """One HTTP error response with this status code."""
@@ -333,40 +362,93 @@ def merge_expositions(bodies: Iterable[bytes | str]) -> tuple[bytes, str]:
 
 
 class _VllmSeries:
-    """The figures gateways and vLLM's tooling read, under vLLM's names and labels (see the module doc).
+    """The series vLLM exports, under vLLM's names, types, labels and bounds (see the module doc).
 
     `vllm:spec_decode_num_drafts` counts verify passes that checked at least one draft token (vLLM's
     `observe_draft`: one per request per step that drafted), so mean accepted length = 1 + accepted / drafts
     and the acceptance at position j = accepted_per_pos{position=j} / drafts, as vLLM's dashboards compute them.
+    Per-request figures are per sequence (a choice), as vLLM counts each of a request's n sequences;
+    `vllm:request_max_num_generation_tokens` once per API request, over its sequences.
     """
 
-    def __init__(self, r: CollectorRegistry, model: str) -> None:
+    def __init__(self, r: CollectorRegistry, model: str, max_model_len: int, k: int) -> None:
+        """`k`: the server's draft tokens per step; positions 0..k-1 are exported from the start (as vLLM does)."""
         values = (model, "0")
-        self.running = Gauge(
-            "vllm:num_requests_running", "Sequences in the running batch.", VLLM_LABELS, registry=r
-        ).labels(*values)
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Sequences waiting for admission.", VLLM_LABELS, registry=r
-        ).labels(*values)
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", VLLM_LABELS, registry=r
-        ).labels(*values)
-        self.drafts = Counter(
-            "vllm:spec_decode_num_drafts", "Verify passes that checked draft tokens.", VLLM_LABELS, registry=r
-        ).labels(*values)
-        self.draft_tokens = Counter(
-            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", VLLM_LABELS, registry=r
-        ).labels(*values)
-        self.accepted_tokens = Counter(
-            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", VLLM_LABELS, registry=r
-        ).labels(*values)
+        self.values = values
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, VLLM_LABELS, registry=r).labels(*values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, VLLM_LABELS, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(*values)
+
+        lengths = buckets_1_2_5(max_model_len)
+        self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting for admission.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Verify passes that checked draft tokens.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
             [*VLLM_LABELS, "position"],
             registry=r,
         )
-        self.values = values
+        for pos in range(k):
+            self.accepted_per_pos.labels(*values, str(pos))
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (per step, as emitted).")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache.")
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:
+            self.request_success.labels(*values, reason)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", VLLM_TTFT_BUCKETS)
+        self.inter_token = histogram(
+            "vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.", VLLM_ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(  # vLLM's older name for the same observations
+            "vllm:time_per_output_token_seconds",
+            "Time between consecutive outputs of a request (vllm:inter_token_latency_seconds).",
+            VLLM_ITL_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: (e2e latency - time to first token) / (generated tokens - 1).",
+            VLLM_ITL_BUCKETS,
+        )
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", VLLM_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", VLLM_LATENCY_BUCKETS)
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "First scheduled to last token.", VLLM_LATENCY_BUCKETS
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", VLLM_LATENCY_BUCKETS
+        )
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.", VLLM_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", lengths)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", lengths
+        )
+        self.request_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Per API request: the most tokens one of its sequences generated.",
+            lengths,
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens of each request.", lengths
+        )
 
     def observe_draft(self, draft_tokens: int, accepted_tokens: int) -> None:
         if draft_tokens <= 0:
@@ -376,6 +458,25 @@ class _VllmSeries:
         self.accepted_tokens.inc(accepted_tokens)
         for pos in range(accepted_tokens):
             self.accepted_per_pos.labels(*self.values, str(pos)).inc()
+
+    def observe_prefix_cache(self, queries: int, hits: int) -> None:
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+
+    def observe_request(self, done: FinishedSequence) -> None:
+        self.prompt_tokens.inc(done.stats.prompt_tokens)
+        self.request_success.labels(*self.values, done.finish_reason).inc()
+        self.e2e.observe(done.e2e_s)
+        self.queue.observe(done.queue_s)
+        self.inference.observe(done.inference_s)
+        self.prefill.observe(done.prefill_s)
+        self.decode.observe(done.decode_s)
+        self.request_time_per_output_token.observe(done.time_per_output_token_s)
+        self.request_prompt_tokens.observe(done.stats.prompt_tokens)
+        self.request_generation_tokens.observe(done.stats.completion_tokens)
+        self.request_max_tokens.observe(done.max_tokens)
+        if done.request_max_generated is not None:
+            self.request_max_generation.observe(done.request_max_generated)
 
     def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running.set(running)

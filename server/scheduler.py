@@ -4,7 +4,9 @@ The event loop calls `submit`/`abort`/`shutdown`; one dedicated worker thread ow
 runs `admit -> step -> deliver` forever:
 
 * **admit** (at a step boundary): apply pending aborts, then move waiting sequences into the engine
-  while fewer than `max_batch_size` are running and the engine `fits` them (its KV budget).
+  while fewer than `max_batch_size` are running and the engine `fits` them (its KV budget). The waiting
+  queue is ordered by each request's `priority` (lower first, as vLLM's), first come first served within
+  one priority; a running sequence is never preempted for a waiting one.
   Sequences join and leave while others are mid-generation.
 * **step**: one `engine.step()` for everything running.
 * **deliver**: each `RequestOutput` goes to its request's `RequestStream` through
@@ -27,10 +29,11 @@ request gets `EngineError`, new ones `ShuttingDown`, and `on_fatal` tells the se
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +46,14 @@ from server.request_stream import (
     RequestStream,
     ShuttingDown,
 )
-from server.types import GenerationRequest, RequestOutput, RequestStats, ServingLimits, StepResult
+from server.types import (
+    FinishedSequence,
+    GenerationRequest,
+    RequestOutput,
+    RequestStats,
+    ServingLimits,
+    StepResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +83,16 @@ class SchedulerMetrics(Protocol):
     def observe_step(self, result: StepResult) -> None: ...
     def observe_first_token(self, ttft_s: float) -> None: ...
     def observe_tokens(self, n_tokens: int, gap_s: float) -> None: ...
-    def observe_request(self, stats: RequestStats, finish_reason: str, queue_time_s: float, e2e_s: float) -> None: ...
+    def observe_request(self, done: FinishedSequence) -> None: ...
     def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None: ...
+
+
+@dataclass
+class _Group:
+    """The sequences of one API request, for the figures metrics read per request (not per sequence)."""
+
+    remaining: int  # sequences not finished yet
+    most_generated: int = 0  # the most tokens one of its finished sequences generated
 
 
 @dataclass
@@ -85,10 +103,17 @@ class _Seq:
     stream: RequestStream
     index: int  # choice index within its API request
     arrival: float
+    order: int  # submission order: first come, first served within one priority
+    group: _Group
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     stats: RequestStats | None = None  # from its latest output
+
+
+def _queue_key(seq: _Seq) -> tuple[int, int]:
+    """Where a waiting sequence stands: by priority (lower first), then by submission."""
+    return seq.request.priority, seq.order
 
 
 class Scheduler:
@@ -123,7 +148,8 @@ class Scheduler:
         self.fatal: BaseException | None = None  # what killed the worker, once it has died
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: list[_Seq] = []  # ascending (priority, order): the head is admitted first
+        self._order = itertools.count()
         self._running: dict[str, _Seq] = {}
         self._aborts: list[str] = []
         self._accepting = True
@@ -185,7 +211,10 @@ class Scheduler:
                     f"server busy: {len(self._running)} running and {len(self._waiting)} waiting "
                     f"(max_waiting={self._max_waiting}); retry later"
                 )
-            self._waiting.extend(_Seq(r, stream, i, now) for i, r in enumerate(requests))
+            group = _Group(remaining=len(requests))
+            for i, r in enumerate(requests):
+                seq = _Seq(r, stream, i, now, next(self._order), group)
+                bisect.insort(self._waiting, seq, key=_queue_key)
         self._wake.set()
         return stream
 
@@ -209,7 +238,7 @@ class Scheduler:
         the next step boundary), counted as finished with `finish_reason`."""
         with self._lock:
             dropped = [s for s in self._waiting if s.request.request_id in ids]
-            self._waiting = deque(s for s in self._waiting if s.request.request_id not in ids)
+            self._waiting = [s for s in self._waiting if s.request.request_id not in ids]
             for rid in ids:
                 seq = self._running.pop(rid, None)
                 if seq is not None:
@@ -278,7 +307,7 @@ class Scheduler:
                 while self._waiting and len(self._running) < self._max_batch_size:
                     if not self._engine.fits([s.request for s in admitted] + [self._waiting[0].request]):
                         break  # the KV budget is full: it waits (first come, first served)
-                    seq = self._waiting.popleft()
+                    seq = self._waiting.pop(0)
                     self._running[seq.request.request_id] = seq
                     admitted.append(seq)
                 stop = self._stop
@@ -380,9 +409,17 @@ class Scheduler:
             self._observe_finish(seq, out.stats, out.finish_reason or "abort", now)
 
     def _observe_finish(self, seq: _Seq, stats: RequestStats, finish_reason: str, now: float) -> None:
-        if self._metrics is not None:
-            queue_s = (seq.scheduled or now) - seq.arrival
-            self._metrics.observe_request(stats, finish_reason, queue_s, now - seq.arrival)
+        if self._metrics is None:
+            return
+        with self._lock:  # the worker and the event loop (aborts) both finish sequences
+            group = seq.group
+            group.remaining -= 1
+            group.most_generated = max(group.most_generated, stats.completion_tokens)
+            most = group.most_generated if group.remaining == 0 else None
+        self._metrics.observe_request(FinishedSequence(
+            stats, finish_reason, seq.request.sampling.max_tokens, seq.arrival, seq.scheduled, seq.first_token,
+            seq.last_token, now, most,
+        ))
 
     def _publish_load(self) -> None:
         if self._metrics is not None:

@@ -125,6 +125,9 @@ class GenerationRequest:
     # Cross-request state (suffix's global index of earlier outputs) is shared only between requests with
     # the same salt (vLLM's `cache_salt`); None: the shared default.
     cache_salt: str | None = None
+    # The scheduler admits waiting requests in ascending priority, first come first served within one
+    # (vLLM's `priority`: lower is earlier); running requests are never preempted for it.
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,57 @@ def total_stats(stats: list[RequestStats], method: str, prompt_tokens: int, comp
             mine.draft_tokens += tally.draft_tokens
             mine.accepted_tokens += tally.accepted_tokens
     return total
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """One sequence that left the scheduler (any finish reason), as the metrics read it: its figures and
+    when (monotonic seconds) it passed each stage. `scheduled`, `first_token`, `last_token` are None when it
+    never got there (aborted while waiting, or before its first token)."""
+
+    stats: RequestStats
+    finish_reason: str
+    max_tokens: int  # the request's max_tokens (resolved)
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finished: float
+    # Set on the last sequence of its API request to leave: the most tokens any of its sequences generated
+    # (vLLM's "max generation tokens" of a request); None on the others.
+    request_max_generated: int | None = None
+
+    @property
+    def queue_s(self) -> float:
+        """Arrival to first scheduled (to the end, for a sequence that never was)."""
+        return (self.finished if self.scheduled is None else self.scheduled) - self.arrival
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished - self.arrival
+
+    @property
+    def prefill_s(self) -> float:
+        """Scheduled to first token (vLLM's prefill phase); 0 without a first token."""
+        return 0.0 if self.first_token is None or self.scheduled is None else self.first_token - self.scheduled
+
+    @property
+    def decode_s(self) -> float:
+        """First token to last token (vLLM's decode phase)."""
+        return 0.0 if self.first_token is None or self.last_token is None else self.last_token - self.first_token
+
+    @property
+    def inference_s(self) -> float:
+        """Scheduled to last token (vLLM's running phase)."""
+        return 0.0 if self.scheduled is None or self.last_token is None else self.last_token - self.scheduled
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """(e2e - time to first token) / (tokens - 1), vLLM's per-request TPOT; 0 for one token or none."""
+        n = self.stats.completion_tokens
+        if n <= 1 or self.first_token is None:
+            return 0.0
+        return (self.finished - self.first_token) / (n - 1)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "specula.json"
+DASHBOARDS = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards"
+DASHBOARD = DASHBOARDS / "specula.json"
+VLLM_DASHBOARD = DASHBOARDS / "vllm.json"  # vLLM's dashboard, provisioned beside ours
 
 # PromQL words that are not metric names: functions, aggregations, operators and modifiers.
 PROMQL_WORDS = {
@@ -20,8 +22,8 @@ PROMQL_WORDS = {
 }  # fmt: skip
 
 
-def load_dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
+def load_dashboard(path: Path = DASHBOARD) -> dict:
+    return json.loads(path.read_text())
 
 
 def all_panels(dashboard: dict) -> list[dict]:
@@ -49,8 +51,9 @@ def metric_names(expr: str) -> set[str]:
     s = re.sub(r"\{[^}]*\}", "", s)
     s = re.sub(r"\[[^\]]*\]", "", s)
     s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
-    # label_values(metric, label): the second argument is a label name.
+    # label_values(metric, label): the second argument is a label name; label_values(label) names no metric.
     s = re.sub(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*\w+\s*\)", r"\1", s)
+    s = re.sub(r"label_values\(\s*\w+\s*\)", " ", s)
     words = re.findall(r"(?<![\w$.])[a-zA-Z_:][\w:]*", s)
     return {w for w in words if w.lower() not in PROMQL_WORDS}
 

@@ -7,7 +7,7 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import Metrics
-from server.types import RequestOutput, RequestStats, SeqStepStats, StepResult
+from server.types import FinishedSequence, RequestOutput, RequestStats, SeqStepStats, StepResult
 
 # Every family name the issue requires (counters without their `_total` suffix, as the parser reports).
 REQUIRED_FAMILIES = (
@@ -29,6 +29,15 @@ REQUIRED_FAMILIES = (
     "specula_kv_cache_usage_ratio",
     "specula_speculation_info",
 )
+
+
+def finished(stats: RequestStats, reason: str, queue_s: float, e2e_s: float, ttft_s: float | None = None,
+             max_tokens: int = 16, request_max_generated: int | None = None) -> FinishedSequence:
+    """A `FinishedSequence` that arrived at 100.0, was scheduled `queue_s` later, wrote its first token `ttft_s`
+    after arrival (default: halfway between scheduled and finished) and its last one at the end, `e2e_s`."""
+    first = 100.0 + (ttft_s if ttft_s is not None else (queue_s + e2e_s) / 2)
+    return FinishedSequence(stats, reason, max_tokens, 100.0, 100.0 + queue_s, first, 100.0 + e2e_s, 100.0 + e2e_s,
+                            request_max_generated)
 
 
 def new_metrics() -> Metrics:

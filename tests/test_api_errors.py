@@ -126,12 +126,11 @@ CASES = [
     (COMP, comp_body(prompt={"text": "a"}), 400, "prompt", None, "string"),
     (COMP, comp_body(prompt=[10**9]), 400, "prompt[0]", None, "vocabulary"),
     (COMP, comp_body(prompt=[[1, 2], [-1]]), 400, "prompt[1]", None, "vocabulary"),
-    (COMP, comp_body(echo=True), 400, "echo", "unsupported_field", "echo"),
     (COMP, comp_body(best_of=3), 400, "best_of", "unsupported_field", "best_of"),
     (COMP, comp_body(suffix="end"), 400, "suffix", "unsupported_field", "suffix"),
     (
         COMP,
-        comp_body(logprobs=True, top_logprobs=2),
+        comp_body(logprobs=1, top_logprobs=2),
         400,
         "top_logprobs",
         "unsupported_field",
@@ -189,6 +188,60 @@ async def test_bad_requests_are_4xx_in_openai_shape(client):
             check_error(r, status, param, code, word)
     # the worker survived all of it
     assert (await client.post(COMP, json=comp_body())).status_code == 200
+
+
+FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SCHEMA = {"name": "s", "schema": {"type": "object"}}
+RESP = "/v1/responses"
+# Loose types OpenAI and vLLM refuse: a number or boolean sent as a string, a boolean as a number, a decimal as an
+# integer. (path, body, the field named)
+STRICT_CASES = [
+    (CHAT, chat_body(max_tokens="10"), "max_tokens"),
+    (CHAT, chat_body(max_tokens=True), "max_tokens"),
+    (CHAT, chat_body(max_tokens=10.5), "max_tokens"),
+    (CHAT, chat_body(max_completion_tokens="10"), "max_completion_tokens"),
+    (CHAT, chat_body(temperature=True), "temperature"),
+    (CHAT, chat_body(temperature="0.5"), "temperature"),
+    (CHAT, chat_body(top_p=False), "top_p"),
+    (CHAT, chat_body(n="2"), "n"),
+    (CHAT, chat_body(stream="yes"), "stream"),
+    (CHAT, chat_body(stream=1), "stream"),
+    (CHAT, chat_body(logprobs="true"), "logprobs"),
+    (CHAT, chat_body(seed=True), "seed"),
+    (CHAT, chat_body(presence_penalty="1"), "presence_penalty"),
+    (CHAT, chat_body(ignore_eos="false"), "ignore_eos"),
+    (CHAT, chat_body(priority="1"), "priority"),
+    (CHAT, chat_body(logit_bias={"5": "10"}), "logit_bias.5"),
+    (CHAT, chat_body(tools=[{**FN, "function": {**FN["function"], "strict": "yes"}}]), "tools[0].function.strict"),
+    (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": "yes"}}),
+     "response_format.json_schema.strict"),
+    (CHAT, chat_body(parallel_tool_calls="false", tools=[FN]), "parallel_tool_calls"),
+    (CHAT, chat_body(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (COMP, comp_body(max_tokens="10"), "max_tokens"),
+    (COMP, comp_body(n="2"), "n"),
+    (COMP, comp_body(stream="yes"), "stream"),
+    (COMP, comp_body(logprobs=True), "logprobs"),
+    (COMP, comp_body(echo="yes"), "echo"),
+    (RESP, {"model": MODEL, "input": "x", "max_output_tokens": "10"}, "max_output_tokens"),
+    (RESP, {"model": MODEL, "input": "x", "temperature": True}, "temperature"),
+    (RESP, {"model": MODEL, "input": "x", "stream": "yes"}, "stream"),
+    (RESP, {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]},
+     "tools[0].strict"),
+    (RESP, {"model": MODEL, "input": "x", "store": "no"}, "store"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+]
+
+
+async def test_loose_types_are_400s_naming_the_field(client):
+    """`max_tokens: "10"`, `temperature: true`, `n: "2"`, `stream: "yes"`, `strict: "yes"`, ...: a 400 naming the
+    field, as OpenAI's and vLLM's servers answer, never a 200 that read them some way."""
+    for path, body, param in STRICT_CASES:
+        r = await client.post(path, json=body)
+        check_error(r, 400, param)
+    # the right types pass
+    ok = chat_body(max_tokens=3, temperature=0.5, top_p=1, n=1, stream=False, seed=1, logprobs=False)
+    assert (await client.post(CHAT, json=ok)).status_code == 200
+    assert (await client.post(CHAT, json=chat_body(temperature=1))).status_code == 200  # an integer is a number
 
 
 def raw_body(base: dict, **members: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.dashboard_queries import all_panels, dashboard_queries, load_dashboard, metric_names
-from tests.metrics_helpers import new_metrics, samples, synthetic_steps
+from tests.metrics_helpers import finished, new_metrics, samples, synthetic_steps
 
 
 def exported_sample_names() -> set[str]:
@@ -12,7 +12,7 @@ def exported_sample_names() -> set[str]:
     for s in steps:
         m.observe_step(s)
     for st in stats.values():
-        m.observe_request(st, "stop", 0.01, 0.5)
+        m.observe_request(finished(st, "stop", 0.01, 0.5))
     m.observe_first_token(0.1)
     m.observe_tokens(2, 0.1)
     m.observe_error(400)

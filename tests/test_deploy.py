@@ -70,6 +70,14 @@ def test_compose_paths_exist_and_wire_the_stack() -> None:
     datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     json.loads((ROOT / "deploy/grafana/dashboards/specula.json").read_text())
+    # vLLM's dashboard beside ours (the provider loads every JSON in the folder), on the provisioned Prometheus:
+    # its datasource variable picks a prometheus source, its model variable reads the model_name label.
+    vllm = json.loads((ROOT / "deploy/grafana/dashboards/vllm.json").read_text())
+    variables = {v["name"]: v for v in vllm["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    assert datasource["datasources"][0]["type"] == "prometheus"
+    assert variables["model_name"]["query"]["query"] == "label_values(model_name)"
+    assert vllm["uid"] != json.loads((ROOT / "deploy/grafana/dashboards/specula.json").read_text())["uid"]
 
 
 def test_gpu_override_builds_cuda_image() -> None:

@@ -322,6 +322,7 @@ ROUTES = {
     "/v1/models/{model_id}": {"GET"},
     "/v1/responses": {"POST"},
     "/v1/responses/{response_id}": {"GET", "DELETE"},
+    "/v1/responses/{response_id}/input_items": {"GET"},
     "/tokenize": {"POST"},
     "/detokenize": {"POST"},
     "/version": {"GET"},

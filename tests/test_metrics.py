@@ -12,6 +12,7 @@ from server.types import RequestStats, SeqStepStats, StepResult
 from tests.metrics_helpers import (
     REQUIRED_FAMILIES,
     family_names,
+    finished,
     new_metrics,
     samples,
     sum_samples,
@@ -32,7 +33,7 @@ def test_counter_deltas_equal_sum_of_request_usage() -> None:
     for s in steps:
         m.observe_step(s)
     for st in stats.values():
-        m.observe_request(st, "length", queue_time_s=0.01, e2e_s=1.0)
+        m.observe_request(finished(st, "length", queue_s=0.01, e2e_s=1.0))
     after = m.render()[0]
 
     for method in ("ngram", "draft", "none"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from server.metrics import Metrics
-from tests.dashboard_queries import dashboard_queries, for_prometheus, load_dashboard
+from tests.dashboard_queries import DASHBOARD, VLLM_DASHBOARD, dashboard_queries, for_prometheus, load_dashboard
 from tests.metrics_helpers import new_metrics, synthetic_steps
 from tests.prometheus_server import PROMETHEUS, Prometheus, run_prometheus
 
@@ -84,10 +84,11 @@ def test_promql_acceptance_rate_equals_fed_data(scraped: tuple[Metrics, Promethe
     )
 
 
-def test_every_dashboard_query_evaluates(scraped: tuple[Metrics, Prometheus]) -> None:
+@pytest.mark.parametrize("dashboard", [DASHBOARD, VLLM_DASHBOARD], ids=["specula", "vllm"])
+def test_every_dashboard_query_evaluates(scraped: tuple[Metrics, Prometheus], dashboard: Path) -> None:
     _, prom = scraped
     prom.wait_for("any sample", lambda: prom.scalar("count(specula_requests_running)") == 1.0)
-    for expr in dashboard_queries(load_dashboard()):
+    for expr in dashboard_queries(load_dashboard(dashboard)):
         if expr.startswith("label_values("):
             continue  # Grafana's own function, not PromQL
         prom.query(for_prometheus(expr))  # raises on a PromQL error

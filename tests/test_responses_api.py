@@ -224,8 +224,49 @@ def test_bad_input_is_a_4xx_naming_the_field(tiny, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] in ("invalid_request_error", "not_found_error")
+    for chat_word in ("max_tokens", "max_completion_tokens", "messages", "response_format"):  # Responses wording
+        assert chat_word not in error["message"], error
     streamed = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "stream": True, **body}, timeout=60)
     assert streamed.status_code == status  # refused before the stream starts
+
+
+def test_input_items_lists_the_inputs_in_openais_shape_and_pages(greeting):
+    """`GET /v1/responses/{id}/input_items` (the SDK's `responses.input_items.list`): the request's `input` items
+    with ids (an item's own id kept), newest first by default, paged with `limit`, `after` and `before`."""
+    client, _, url = greeting
+    inputs = [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}], "id": "msg_mine"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is 18 C."}]},
+        {"role": "user", "content": "Thanks"},
+    ]
+    resp = client.responses.create(model=SCRIPTED, input=inputs, max_output_tokens=8)
+    listed = client.responses.input_items.list(resp.id, order="asc")
+    assert [item.type for item in listed.data] == ["message", "message", "function_call", "function_call_output",
+                                                   "message", "message"]
+    assert listed.data[1].id == "msg_mine" and listed.data[1].content[0].text == "Weather?"
+    assert listed.data[2].name == "get_weather" and listed.data[3].output == "18 C"
+    assert listed.data[4].content[0].type == "output_text" and listed.data[0].role == "system"
+    assert len({item.id for item in listed.data}) == 6 and not listed.has_more
+    newest = httpx.get(f"{url}/v1/responses/{resp.id}/input_items", params={"limit": 2}).json()
+    assert [i["id"] for i in newest["data"]] == [listed.data[5].id, listed.data[4].id] and newest["has_more"]
+    assert newest["first_id"] == listed.data[5].id and newest["last_id"] == listed.data[4].id
+    rest = httpx.get(f"{url}/v1/responses/{resp.id}/input_items", params={"after": newest["last_id"]}).json()
+    assert [i["id"] for i in rest["data"]] == [i.id for i in listed.data[3::-1]] and not rest["has_more"]
+    before = httpx.get(f"{url}/v1/responses/{resp.id}/input_items",
+                       params={"order": "asc", "before": "msg_mine"}).json()
+    assert [i["id"] for i in before["data"]] == [listed.data[0].id]
+    text = client.responses.create(model=SCRIPTED, input="Hi", max_output_tokens=4)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hi"
+    for params, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "nope"}, "after")):
+        r = httpx.get(f"{url}/v1/responses/{resp.id}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    missing = httpx.get(f"{url}/v1/responses/resp_missing/input_items")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
 
 
 @pytest.mark.slow

@@ -181,8 +181,8 @@ async def test_aborted_requests_are_counted_as_abort(make_scheduler):
     finished: list[str] = []
 
     class Finishes(RecordingMetrics):
-        def observe_request(self, stats, finish_reason, queue_time_s, e2e_s) -> None:
-            finished.append(finish_reason)
+        def observe_request(self, done) -> None:
+            finished.append(done.finish_reason)
 
     sched, _ = make_scheduler(max_batch_size=1, metrics=Finishes(), step_s=0.005)
     running = sched.submit([req("run", 10_000)])
@@ -202,8 +202,8 @@ async def test_a_choice_the_api_ends_leaves_the_batch_and_its_siblings_go_on(mak
     finished: list[str] = []
 
     class Finishes(RecordingMetrics):
-        def observe_request(self, stats, finish_reason, queue_time_s, e2e_s) -> None:
-            finished.append(finish_reason)
+        def observe_request(self, done) -> None:
+            finished.append(done.finish_reason)
 
     sched, engine = make_scheduler(metrics=Finishes(), step_s=0.005)
     stream = sched.submit([req("x-0", 10_000), req("x-1", 30, last=11)])
@@ -234,3 +234,24 @@ async def test_memory_is_released_once_the_worker_has_been_idle_not_between_requ
     assert engine.releases[:1] == [0]  # released with no row running
     await asyncio.sleep(0.1)
     assert len(engine.releases) <= 2  # the start-up release and the one after "a": not once per wait
+
+
+async def test_waiting_requests_are_admitted_by_priority_then_first_come(make_scheduler):
+    """vLLM's `priority`: a lower value is admitted first; equal priorities keep their arrival order; the running
+    request is not preempted."""
+    sched, engine = make_scheduler(max_batch_size=1, step_s=0.002)
+
+    def prio(rid: str, priority: int, last: int) -> GenerationRequest:
+        return GenerationRequest(rid, (5, last), SamplingParams(max_tokens=2), SpeculationParams("none"),
+                                 priority=priority)
+
+    running = sched.submit([prio("first", 9, 1)])
+    await anext(running.events())  # it runs before the others arrive
+    order = [("low", 5), ("mid", 0), ("high", -3), ("mid2", 0)]
+    streams = [sched.submit([prio(rid, p, i + 2)]) for i, (rid, p) in enumerate(order)]
+    for s in [running, *streams]:
+        await collect(s)
+    firsts = []
+    for batch in engine.batches:
+        firsts += [rid for rid in batch if rid not in firsts]
+    assert firsts == ["first", "high", "mid", "mid2", "low"]

@@ -113,6 +113,48 @@ async def test_required_tool_choice_returns_calls_that_validate_streamed_and_not
         assert "".join(d["function"].get("arguments", "") for d in deltas) == calls[0]["function"]["arguments"]
 
 
+FLAG = {
+    "type": "function",
+    "function": {"name": "set_flag", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                                     "required": ["on"], "additionalProperties": False}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [None, False])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_tool_calls_end_with_tool_calls_at_a_short_max_tokens(tiny_engine_factory, parallel, stream):
+    """`tool_choice: required` at max_tokens 48 (what clients send): the grammar ends the reply after one call
+    with `parallel_tool_calls: false`; allowed parallel calls end when the model stops, or where max_tokens cuts a
+    later call (dropped): either way the reply is whole calls and finishes `tool_calls`, never `length`."""
+    colour = {"type": "function", "function": {"name": "set_color", "parameters": SMALL}}
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    body = chat_body(max_tokens=48, temperature=1.0, seed=11, n=4, tools=[colour, FLAG], tool_choice="required",
+                     stream=stream, **extra)
+    async with running_app(tiny_engine_factory) as (_, client):
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        finish: dict[int, str] = {}
+        calls: dict[int, dict[int, dict]] = {}
+        for chunk in sse_json(r.text):
+            for choice in chunk["choices"]:
+                for d in choice["delta"].get("tool_calls") or []:
+                    calls.setdefault(choice["index"], {})[d["index"]] = d["function"]
+                finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
+        per_choice = {i: list(calls.get(i, {}).values()) for i in range(4)}
+    else:
+        finish = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
+        per_choice = {c["index"]: [t["function"] for t in c["message"]["tool_calls"] or []]
+                      for c in r.json()["choices"]}
+    assert finish == dict.fromkeys(range(4), "tool_calls"), finish
+    schemas = {"set_color": SMALL, "set_flag": FLAG["function"]["parameters"]}
+    for functions in per_choice.values():
+        assert functions and (parallel is None or len(functions) == 1), functions
+        for f in functions:
+            jsonschema.validate(json.loads(f["arguments"]), schemas[f["name"]])
+
+
 # ---- the real default model: what SDK users do ---------------------------------------------------
 class City(BaseModel):
     """(Free-form numbers are left out: greedy SmolLM2-135M repeats digits until max_tokens.)"""
@@ -188,6 +230,29 @@ def test_forced_tool_calls_validate_and_match_plain_decoding(real_client, choice
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
     assert [json.loads(a) for a in arguments.values()] == [json.loads(c.function.arguments) for c in calls]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_at_max_tokens_48_ends_with_its_calls(real_client, parallel):
+    """What the issue saw: greedy SmolLM2-135M writes one good call, then starts it again; at max_tokens 48 the
+    repeat is cut. The answer is the whole call, `tool_calls` (parse() and agents go on), streamed or not."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    kwargs = dict(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48, messages=messages,
+                  tools=[WEATHER, TIME], tool_choice="required", **extra)
+    resp = real_client.chat.completions.create(**kwargs)
+    assert resp.choices[0].finish_reason == "tool_calls", resp.choices[0]
+    calls = resp.choices[0].message.tool_calls
+    assert calls and (parallel is None or len(calls) == 1)
+    for call in calls:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    chunks = list(real_client.chat.completions.create(stream=True, **kwargs))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    streamed = [d.function.arguments for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert streamed == [c.function.arguments for c in calls]
 
 
 @pytest.mark.slow

@@ -378,9 +378,16 @@ def test_a_reply_that_repeats_its_call_ends_after_the_first(looping, tokenizer, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_cut_by_max_tokens_is_dropped_and_the_choice_says_length(looping, stream):
+@pytest.mark.parametrize("where", ["second call", "first call", "second tag"])
+def test_a_call_cut_by_max_tokens_is_dropped(looping, tokenizer, stream, where):
+    """max_tokens inside a later call: the cut call is dropped and the reply is the whole calls before it,
+    finishing `tool_calls` (the calls closed the answer, as vLLM's call array closes); inside the only call:
+    nothing, `length` (the SDK's parse() raises LengthFinishReasonError, as with OpenAI)."""
     client, _ = looping
-    resp = ask(client, tools=[WEATHER], tool_choice="required", max_tokens=30, stream=stream)
+    first = len(tokenizer.encode("Checking." + CALL, add_special_tokens=False))
+    tag = len(tokenizer.encode("Checking." + CALL + "\n<tool", add_special_tokens=False))
+    max_tokens = {"second call": first + 6, "first call": first - 12, "second tag": tag}[where]
+    resp = ask(client, tools=[WEATHER], tool_choice="required", max_tokens=max_tokens, stream=stream)
     if stream:
         chunks = list(resp)
         calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
@@ -389,5 +396,9 @@ def test_a_call_cut_by_max_tokens_is_dropped_and_the_choice_says_length(looping,
     else:
         calls = resp.choices[0].message.tool_calls or []
         content, finish = resp.choices[0].message.content, [resp.choices[0].finish_reason]
-    assert finish == ["length"] and content == "Checking."
-    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]  # the whole one only
+    assert content == "Checking."
+    if where == "first call":
+        assert finish == ["length"] and not calls
+    else:
+        assert finish == ["tool_calls"]
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]  # the whole one only

@@ -4,7 +4,8 @@ Routes (all errors in OpenAI's shape, see `errors.py`):
 
 * `POST /v1/chat/completions`, `POST /v1/completions`: JSON or SSE (`stream: true`).
 * `GET /v1/models`, `GET /v1/models/{id}`: the served model, with vLLM's fields (`max_model_len`, `root`, ...).
-* `POST /v1/responses` (OpenAI's Responses API, `responses_serving.py`), `GET`/`DELETE /v1/responses/{id}`.
+* `POST /v1/responses` (OpenAI's Responses API, `responses_serving.py`), `GET`/`DELETE /v1/responses/{id}`,
+  `GET /v1/responses/{id}/input_items`.
 * vLLM's `POST /tokenize`, `POST /detokenize` (`tokenize.py`; behind the key like `/v1`) and `GET /version`.
 * `GET /health`: 503 while the model loads (or after SIGTERM), 200 when ready.
 * `GET /metrics`: Prometheus exposition.
@@ -105,6 +106,11 @@ async def responses(request: Request) -> Any:
 async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
     responses = get_state(request).require_responses()
     return responses.get(response_id) if request.method == "GET" else responses.delete(response_id)
+
+
+@v1.get("/responses/{response_id}/input_items", summary="A stored response's input items")
+async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+    return get_state(request).require_responses().input_items(response_id, request.query_params)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.api.schemas import REFUSED
 from server.request_log import capped
 from server.request_stream import EngineError, QueueFull, RequestRejected, ShuttingDown
 
@@ -127,9 +128,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
     if kind == "extra_forbidden":
-        return bad_request(
-            f"unsupported field {param!r}: this server does not implement it", param, "unsupported_field"
-        )
+        top = param.removeprefix("structured_outputs.") if param else None
+        why = REFUSED.get(top or "", "this server does not implement it")
+        return bad_request(f"unsupported field {param!r}: {why}", param, "unsupported_field")
     if kind == "missing" and param is None:
         return bad_request("request body is required (a JSON object)")
     msg = err.get("msg", "invalid value")

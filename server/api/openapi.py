@@ -130,6 +130,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {"application/json": _ref(RS.ResponseDeleted)}, (404, 503), "api", ok_description="Deleted.",
         summary="Delete a stored response",
     ),
+    ("/v1/responses/{response_id}/input_items", "get"): Operation(
+        {"application/json": _ref(RS.InputItemList)}, (400, 404, 503), "api",
+        ok_description="A page of the response's input items (`limit`, `order`, `after`, `before`).",
+        summary="A stored response's input items",
+    ),
     ("/v1/models", "get"): Operation({"application/json": _ref(S.ModelList)}, (503,), "api"),
     ("/v1/models/{model_id}", "get"): Operation({"application/json": _ref(S.Model)}, (404, 503), "api"),
     ("/health", "get"): Operation(

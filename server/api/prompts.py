@@ -9,7 +9,8 @@ vocabulary, methods) are the engine's `ServingLimits`, the same ones the schedul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.chat_template import render_messages
@@ -54,9 +55,30 @@ def check_model(info: ModelInfo, model: str) -> None:
 
 
 def chat_prompt_ids(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """Render `messages` (and `tools`, see chat_template.py) with the tokenizer's chat template, plus
-    the assistant prefix, and tokenize."""
-    return render_chat(info, body.messages, body.active_tools, body.parallel_tool_calls is not False)
+    """Render `messages` (and `tools`, see chat_template.py) with the tokenizer's chat template as the request
+    asks (the assistant prefix, or the final message continued; `chat_template_kwargs`, `documents`),
+    tokenize (with the tokenizer's special tokens if `add_special_tokens`) and keep the last
+    `truncate_prompt_tokens`."""
+    template = ChatTemplateCall(
+        add_generation_prompt=body.generation_prompt,
+        continue_final_message=bool(body.continue_final_message),
+        kwargs=dict(body.chat_template_kwargs or {}),
+        documents=body.documents,
+        add_special_tokens=bool(body.add_special_tokens),
+    )
+    return render_chat(info, body.messages, body.active_tools, body.parallel_tool_calls is not False, template,
+                       keep_last=keep_last(info, body.truncate_prompt_tokens))
+
+
+@dataclass(frozen=True)
+class ChatTemplateCall:
+    """How the chat template renders a conversation (vLLM's chat fields)."""
+
+    add_generation_prompt: bool = True  # end with the assistant prefix a reply starts from
+    continue_final_message: bool = False  # end inside the final message, which the reply continues
+    kwargs: dict[str, Any] = field(default_factory=dict)  # variables the template reads (`enable_thinking`)
+    documents: list[dict[str, str]] | None = None  # for templates with RAG
+    add_special_tokens: bool = False  # the tokenizer's own special tokens on top of the template's
 
 
 def render_chat(
@@ -64,22 +86,39 @@ def render_chat(
     messages: list[ChatMessage],
     tools: list[ToolDefinition],
     parallel_tool_calls: bool = True,
-    add_generation_prompt: bool = True,
+    template: ChatTemplateCall | None = None,
+    keep_last: int | None = None,
 ) -> list[int]:
-    """The token ids of `messages` (and `tools`) through the chat template (`add_generation_prompt`: with the
-    assistant prefix a reply starts from). A 400 naming `messages` when the model has no template or the
-    template refuses them."""
+    """The token ids of `messages` (and `tools`) through the chat template as `template` asks (default: with
+    the assistant prefix); `keep_last`: only the last that many. A 400 naming `messages` when the model has no
+    template or the template refuses them."""
+    call = template or ChatTemplateCall()
     tok = info.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     rendered, specs = render_messages(tok, messages, tools, parallel_tool_calls)
     try:
         text = tok.apply_chat_template(
-            rendered, tools=specs, add_generation_prompt=add_generation_prompt, tokenize=False
+            rendered, tools=specs, documents=call.documents, add_generation_prompt=call.add_generation_prompt,
+            continue_final_message=call.continue_final_message, tokenize=False, **call.kwargs,
         )
     except Exception as exc:  # templates raise on orders they don't support (jinja TemplateError)
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from exc
-    return encode(info, text, "messages", add_special_tokens=False)
+    return encode(info, text, "messages", keep_last=keep_last, add_special_tokens=call.add_special_tokens)
+
+
+def keep_last(info: ModelInfo, truncate_prompt_tokens: int | None) -> int | None:
+    """How many prompt tokens `truncate_prompt_tokens` keeps (-1: the context length), or None to keep all; a
+    400 naming it when it exceeds the context length (vLLM's rule)."""
+    if truncate_prompt_tokens is None:
+        return None
+    limit = info.limits.max_context
+    if truncate_prompt_tokens > limit:
+        raise bad_request(
+            f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than this model's maximum context "
+            f"length ({limit})", "truncate_prompt_tokens",
+        )
+    return limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
@@ -88,17 +127,20 @@ def tool_stops(body: ChatCompletionRequest) -> tuple[str, ...]:
 
 
 def completion_prompt_ids(info: ModelInfo, body: CompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt; token id prompts are checked against the vocabulary."""
+    """Token ids of each prompt (a string with the tokenizer's special tokens unless `add_special_tokens` is
+    false), the last `truncate_prompt_tokens` of each; token id prompts are checked against the vocabulary."""
     vocab = info.limits.vocab_size
+    last = keep_last(info, body.truncate_prompt_tokens)
+    special = body.add_special_tokens is not False
     out: list[list[int]] = []
     for i, prompt in enumerate(body.prompt):
         if isinstance(prompt, str):
-            out.append(encode(info, prompt, "prompt"))
+            out.append(encode(info, prompt, "prompt", keep_last=last, add_special_tokens=special))
             continue
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", f"prompt[{i}]")
-        out.append(list(prompt))
+        out.append(list(prompt) if last is None else list(prompt[-last:]))
     return out
 
 
@@ -110,11 +152,14 @@ HEAD_CHARS_PER_TOKEN = 8
 CUT_SLACK_TOKENS = 64  # cutting a text changes its tokens only around the cut: far fewer than this
 
 
-def encode(info: ModelInfo, text: str, param: str, **kwargs: Any) -> list[int]:
-    """`text`'s token ids (`kwargs` for the tokenizer call). A text of more than `HEAD_CHARS_PER_TOKEN` x the
-    context in characters whose first that many characters alone hold more tokens than the context (by
-    `CUT_SLACK_TOKENS`) is a 400 (`context_length_exceeded`) without tokenizing the rest; other texts are
-    tokenized whole, as before."""
+def encode(info: ModelInfo, text: str, param: str, keep_last: int | None = None, **kwargs: Any) -> list[int]:
+    """`text`'s token ids (`kwargs` for the tokenizer call); `keep_last`: only its last that many. A text of more
+    than `HEAD_CHARS_PER_TOKEN` x the context in characters whose first that many characters alone hold more
+    tokens than the context (by `CUT_SLACK_TOKENS`) is a 400 (`context_length_exceeded`) without tokenizing
+    the rest; other texts are tokenized whole, as before. With `keep_last`, a text that long is tokenized from
+    its tail alone (cutting changes tokens only near the cut, far from the tokens kept)."""
+    if keep_last is not None:
+        return _encode_tail(info, text, keep_last, kwargs)
     limit = info.limits.max_context
     head = HEAD_CHARS_PER_TOKEN * (limit + 1)
     if len(text) > head:
@@ -128,6 +173,16 @@ def encode(info: ModelInfo, text: str, param: str, **kwargs: Any) -> list[int]:
                 "context_length_exceeded",
             )
     return list(info.tokenizer(text, **kwargs)["input_ids"])
+
+
+def _encode_tail(info: ModelInfo, text: str, n: int, kwargs: dict[str, Any]) -> list[int]:
+    """The last `n` token ids of `text`, tokenizing only a tail of it when that tail holds enough tokens."""
+    tail = HEAD_CHARS_PER_TOKEN * (n + CUT_SLACK_TOKENS)
+    if len(text) > tail:
+        ids = info.tokenizer(text[-tail:], **{**kwargs, "add_special_tokens": False})["input_ids"]
+        if len(ids) >= n + CUT_SLACK_TOKENS:
+            return list(ids[-n:])
+    return list(info.tokenizer(text, **kwargs)["input_ids"])[-n:]
 
 
 def resolve_max_tokens(info: ModelInfo, requested: int | None, prompt_len: int, param: str) -> int:
@@ -254,7 +309,18 @@ def generation_requests(
         for j in range(n):
             seed = None if body.seed is None or body.seed < 0 else body.seed + j  # < 0: unseeded (UIs send -1)
             sampling = sampling_params(body, limit, logprobs, seed, extra_stop)
-            out.append(
-                GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec, grammar, body.cache_salt)
-            )
+            out.append(GenerationRequest(f"{request_id}-{len(out)}", tuple(ids), sampling, spec, grammar,
+                                         body.cache_salt, body.priority or 0))
     return out
+
+
+def response_ids(prefix: str, request_id: str | None) -> tuple[str, str]:
+    """(the response's id, the base of its sequences' engine ids) for a request with vLLM's `request_id` or
+    none: `<prefix>-<request_id>` names the response (as vLLM names it), and its sequences get a unique suffix
+    too, since two requests may send the same id."""
+    unique = uuid.uuid4().hex
+    if request_id is None:
+        name = f"{prefix}-{unique}"
+        return name, name
+    name = f"{prefix}-{request_id}"
+    return name, f"{name}-{unique[:12]}"

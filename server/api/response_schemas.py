@@ -129,6 +129,8 @@ class ChatChoice(_Doc):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     speculation: ChoiceSpeculation | None = None
+    token_ids: list[int] | None = Field(default=None, description="vLLM's `return_token_ids`: this choice's (chunk's) "
+                                          "token ids")
 
 
 class ChatCompletion(_Doc):
@@ -142,6 +144,7 @@ class ChatCompletion(_Doc):
     choices: list[ChatChoice]
     usage: Usage
     metrics: ResponseMetrics | None = Field(default=None, description="vLLM's shape; requests of one choice")
+    prompt_token_ids: list[int] | None = Field(default=None, description="vLLM's `return_token_ids`: the prompt's")
 
 
 class FunctionCallDelta(_Doc):
@@ -168,6 +171,8 @@ class ChatChunkChoice(_Doc):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
     speculation: ChoiceSpeculation | None = None
+    token_ids: list[int] | None = Field(default=None, description="vLLM's `return_token_ids`: this choice's (chunk's) "
+                                          "token ids")
 
 
 class ChatCompletionChunk(_Doc):
@@ -183,6 +188,9 @@ class ChatCompletionChunk(_Doc):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     metrics: ResponseMetrics | None = Field(default=None, description="on the final usage chunk (one choice)")
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="vLLM's `return_token_ids`: the prompt's, on the stream's first chunk"
+    )
 
 
 class CompletionLogprobs(_Doc):
@@ -198,6 +206,11 @@ class CompletionChoice(_Doc):
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None = Field(description="null in the stream's chunks until the choice ends")
     speculation: ChoiceSpeculation | None = None
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="vLLM's `return_token_ids`: this choice's prompt (a stream: its first chunk)"
+    )
+    token_ids: list[int] | None = Field(default=None, description="vLLM's `return_token_ids`: this choice's (chunk's) "
+                                          "token ids")
 
 
 class Completion(_Doc):

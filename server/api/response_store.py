@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -22,6 +22,7 @@ class StoredResponse:
     response: dict[str, Any]  # the Response object, as answered
     messages: list[dict[str, Any]]  # its conversation as chat messages (without its instructions)
     size: int  # bytes it is counted as
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its `input` as item objects (input_items)
 
 
 class ResponseStore:

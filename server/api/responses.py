@@ -42,12 +42,13 @@ class Choice:
 
     def take_tool_calls(self, names: set[str], named: bool = False) -> Reply:
         """Move the tool calls in `text` (of functions in `names`) to `tool_calls` (server/api/tool_calls.py).
-        A choice that stopped by itself after calling, or whose reply ended at a repeated call, finishes
-        with "tool_calls", or "stop" when the request named the function (`named`: OpenAI's rule, which
-        vLLM follows); a call cut short by max_tokens is dropped and the choice stays "length"."""
+        A choice that stopped by itself after calling, whose reply ended at a repeated call, or that max_tokens
+        cut inside a call after whole ones (the cut call dropped), finishes with "tool_calls", or "stop" when the
+        request named the function (`named`: OpenAI's rule, which vLLM follows); a choice whose only call was cut
+        stays "length"."""
         reply = parse_whole(self.text, names, self.finish_reason)
         self.text, self.tool_calls = reply.content or "", reply.calls
-        if reply.end is not None:
+        if reply.end is not None or reply.cut_after_calls:
             self.finish_reason = "stop"
         if self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = called(named)

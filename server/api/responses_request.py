@@ -16,6 +16,7 @@ clients add inside input items and content parts are ignored, as inside chat mes
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -67,7 +68,7 @@ class InputItem(_Body):
     message sent back included), a `function_call` the model made earlier, or a `function_call_output`
     (a call's result). One model for the three, so a bad item's error names its own field."""
 
-    _ignore_unknown: ClassVar[bool] = True  # id, status, phase, ...
+    _ignore_unknown: ClassVar[bool] = True  # status, phase, ...
     _needs: ClassVar[dict[str, tuple[str, ...]]] = {
         "message": ("role", "content"),
         "function_call": ("call_id", "name", "arguments"),
@@ -77,6 +78,7 @@ class InputItem(_Body):
     type: Literal["message", "function_call", "function_call_output"] = Field(
         default="message", description="reasoning, image and hosted-tool items are not supported"
     )
+    id: str | None = Field(default=None, description="the item's id (GET .../input_items lists it so)")
     role: Literal["user", "assistant", "system", "developer"] | None = Field(default=None, description="message")
     content: list[ContentPart] | None = Field(
         default=None, description="message: a string, or text parts", json_schema_extra=_or_string
@@ -224,6 +226,33 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _joined(item.output or [])})
     return messages
+
+
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_item_objects(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`input` as OpenAI's input item objects (what `GET /v1/responses/{id}/input_items` lists), in order: each
+    with its own id, or a new one (`msg_...`, `fc_...`, `fco_...`)."""
+    out: list[dict[str, Any]] = []
+    for item in body.input:
+        entry: dict[str, Any] = {"id": item.id or f"{_ITEM_PREFIX[item.type]}_{uuid.uuid4().hex}", "type": item.type}
+        if item.type == "message":
+            entry.update(role=item.role, status="completed", content=[_part_object(p) for p in item.content or []])
+        elif item.type == "function_call":
+            entry.update(status="completed", call_id=item.call_id, name=item.name, arguments=item.arguments)
+        else:
+            entry.update(status="completed", call_id=item.call_id, output=_joined(item.output or []))
+        out.append(entry)
+    return out
+
+
+def _part_object(part: ContentPart) -> dict[str, Any]:
+    if part.type == "refusal":
+        return {"type": "refusal", "refusal": part.value}
+    if part.type == "output_text":
+        return {"type": "output_text", "text": part.value, "annotations": []}
+    return {"type": "input_text", "text": part.value}
 
 
 def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:

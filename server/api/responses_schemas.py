@@ -182,4 +182,50 @@ class ResponseDeleted(_Doc):
     deleted: Literal[True]
 
 
-DOCUMENTED = (ResponseObject, ResponseStreamEvent, ResponseDeleted)
+class InputTextPart(_Doc):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = Field(default=None, description="output_text: always empty")
+
+
+class InputRefusalPart(_Doc):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputMessageItem(_Doc):
+    id: str = Field(description="the id the item was sent with, else one given when it was stored")
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system", "developer"]
+    status: Literal["completed"]
+    content: list[InputTextPart | InputRefusalPart]
+
+
+class InputFunctionCallItem(_Doc):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["completed"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class InputFunctionCallOutputItem(_Doc):
+    id: str
+    type: Literal["function_call_output"]
+    status: Literal["completed"]
+    call_id: str
+    output: str
+
+
+class InputItemList(_Doc):
+    """`GET /v1/responses/{id}/input_items`: a page of the response's `input` items."""
+
+    object: Literal["list"]
+    data: list[InputMessageItem | InputFunctionCallItem | InputFunctionCallOutputItem]
+    first_id: str | None = Field(description="the page's first item (null when empty)")
+    last_id: str | None = Field(description="the page's last item: `after` for the next page")
+    has_more: bool
+
+
+DOCUMENTED = (ResponseObject, ResponseStreamEvent, ResponseDeleted, InputItemList)

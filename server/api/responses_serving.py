@@ -5,15 +5,17 @@ template, grammar path (`text.format`, forced tool calls), sampling, speculation
 same scheduler as `/v1/chat/completions` (`OpenAIServing`). Its one choice's text goes through the
 tool-call parser when there are tools, and becomes `output` items (`responses_output.py`); a stream sends
 the Responses API's events (`event:` and `data:` lines, no `[DONE]`). A finished response is kept in the
-`ResponseStore` unless `store: false`, for `previous_response_id` and `GET`. Errors name the Responses
-fields (`input`, `max_output_tokens`, `text.format`), not the chat fields they became.
+`ResponseStore` unless `store: false`, for `previous_response_id`, `GET` and `GET .../input_items` (its
+`input` items, paginated as OpenAI's). Errors name the Responses fields (`input`, `max_output_tokens`,
+`text.format`), not the chat fields they became, in `param` and in their wording.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
@@ -32,7 +34,7 @@ from server.api.responses_output import (
     response_object,
     response_usage,
 )
-from server.api.responses_request import ResponsesRequest, chat_request, echo, input_messages
+from server.api.responses_request import ResponsesRequest, chat_request, echo, input_item_objects, input_messages
 from server.api.serving import OpenAIServing
 from server.api.structured import request_grammar
 from server.api.tool_calls import Delta, ToolCallParser
@@ -43,9 +45,16 @@ T = TypeVar("T")
 _PARAMS = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
 }
+# The same words inside an error's message: a chat field's name (not part of a longer name) -> the Responses one.
+_WORDS = re.compile(r"(?<![\w.])(messages|max_completion_tokens|max_tokens|response_format\.json_schema\.schema|"
+                    r"response_format\.json_schema|response_format)(?![\w])")
+_WORD_FOR = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+             "response_format.json_schema.schema": "text.format.schema", "response_format.json_schema": "text.format",
+             "response_format": "text.format"}
 
 
 def _responses_param(param: str | None) -> str | None:
@@ -58,21 +67,40 @@ def _responses_param(param: str | None) -> str | None:
     return param
 
 
+def responses_wording(message: str) -> str:
+    """An error message written for the chat request, in the Responses request's words (`max_tokens` ->
+    `max_output_tokens`, `messages` -> `input`, `response_format` -> `text.format`).
+
+    >>> responses_wording("min_tokens (9) must not exceed max_tokens (4); the messages hold 12 tokens")
+    'min_tokens (9) must not exceed max_output_tokens (4); the input hold 12 tokens'
+    """
+    return _WORDS.sub(lambda m: _WORD_FOR[m.group(1)], message)
+
+
 def _renamed(fn: Callable[..., T]) -> Callable[..., T]:
-    """`fn`, its 400s naming the Responses request's fields."""
+    """`fn`, its 400s naming the Responses request's fields, in its words."""
 
     def call(*args: Any) -> T:
         try:
             return fn(*args)
         except APIError as exc:
             exc.param = _responses_param(exc.param)
+            exc.message = responses_wording(exc.message)
             raise
         except ValidationError as exc:  # the chat request built from a valid Responses request: never, but
             error = validation_error(RequestValidationError(exc.errors(include_url=False)))
             error.param = _responses_param(error.param)
+            error.message = responses_wording(error.message)
             raise error from exc
 
     return call
+
+
+def _page_size(query: Mapping[str, str]) -> int:
+    text = query.get("limit", "20")
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {text[:40]!r}", param="limit")
+    return int(text)
 
 
 class ResponsesServing:
@@ -85,6 +113,33 @@ class ResponsesServing:
     # ---- GET / DELETE ----------------------------------------------------------------------
     def get(self, response_id: str) -> dict[str, Any]:
         return self._stored(response_id, "response_id").response
+
+    def input_items(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """OpenAI's `GET /v1/responses/{id}/input_items`: a page of the response's `input` items (`order` desc,
+        the default: the last first; `after`/`before`: item ids the page starts after or ends before; `limit`
+        1..100, default 20), as `{"object": "list", "data", "first_id", "last_id", "has_more"}`."""
+        entry = self._stored(response_id, "response_id")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order[:40]!r}", param="order")
+        limit = _page_size(query)
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        ids = [item["id"] for item in items]
+        start, end = 0, len(items)
+        for param in ("after", "before"):
+            mark = query.get(param)
+            if mark is None:
+                continue
+            if mark not in ids:
+                raise APIError(400, f"{param}: no input item {mark[:80]!r} in response {response_id!r}",
+                               param=param)
+            if param == "after":
+                start = ids.index(mark) + 1
+            else:
+                end = ids.index(mark)
+        page = items[start:end][:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
 
     def delete(self, response_id: str) -> dict[str, Any]:
         self._stored(response_id, "response_id")
@@ -124,6 +179,7 @@ class ResponsesServing:
         created = int(time.time())
         settings = echo(body)
         conversation = history + input_messages(body)
+        items = input_item_objects(body)
 
         def log(ttft: float | None, finish_reason: str | None = None) -> None:
             serving._log(response_id, body.user, [choice], method, len(prompt), started, ttft, finish_reason)
@@ -145,8 +201,8 @@ class ResponsesServing:
                         for c in output.calls
                     ]
                 messages = [*conversation, answer]
-                size = len(json.dumps(response)) + len(json.dumps(messages))
-                self.store.put(StoredResponse(response, messages, size))
+                size = len(json.dumps(response)) + len(json.dumps(messages)) + len(json.dumps(items))
+                self.store.put(StoredResponse(response, messages, size, items))
             return response
 
         def end_at_repeat(parser: ToolCallParser) -> None:
@@ -166,6 +222,8 @@ class ResponsesServing:
                     output.add(parser.feed(choice.text) + parser.finish(choice.finish_reason))
                     if parser.repeated:
                         end_at_repeat(parser)
+                    elif parser.cut_after_calls:  # the answer is its whole calls (tool_calls.py)
+                        choice.finish_reason = "stop"
                 else:
                     output.add([Delta(content=choice.text)])
                 output.finish("incomplete" if choice.finish_reason == "length" else "completed")
@@ -198,6 +256,8 @@ class ResponsesServing:
                         if not out.finished:
                             serving.scheduler.finish(stream, 0)
                         end_at_repeat(parser)
+                    elif parser is not None and parser.cut_after_calls:  # the answer is its whole calls
+                        choice.finish_reason = "stop"
                 status: Status = "incomplete" if choice.finish_reason == "length" else "completed"
                 for event in output.finish(status):
                     yield sequence.event(event)

@@ -8,13 +8,18 @@ Field policy (docs/api.md lists every field):
 * `_inert` fields cannot change this server's output (`store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, ...): accepted with any value and dropped;
 * `_neutral` fields would change the output but are not implemented (`audio`, `prediction`,
-  `modalities` other than text, ...): accepted only with their neutral value (null or the
-  listed ones), otherwise refused with a 400 that names them, as is any unknown field (`extra="forbid"`).
+  `modalities` other than text, vLLM's `prompt_logprobs`, `bad_words`, ...): accepted only with their neutral
+  value (null or the listed ones), otherwise refused with a 400 that names them and says why (`REFUSED`), as is
+  any unknown field (`extra="forbid"`).
+Every field of vLLM's `ChatCompletionRequest` and `CompletionRequest` is one of these (docs/api.md's table).
+Types are strict: `"10"` or `true` is not an integer, `"yes"` or `1` not a boolean.
 Nullable fields: a JSON `null` means "use the default".
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -48,6 +53,38 @@ def lone_surrogate_in_json(value: Any) -> str | None:
     return f"the JSON in it holds a lone UTF-16 surrogate (half of a character) at {where or 'its top level'}: not text"
 
 
+_NO_BEAM = "beam search is not implemented (speculative sampling decodes one sequence per choice)"
+# Why each field accepted only with its neutral value is refused otherwise (the 400's message names it).
+REFUSED: Mapping[str, str] = MappingProxyType({
+    "audio": "the model has no audio output",
+    "modalities": "the model writes text only",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "the model has no reasoning mode to set",
+    "verbosity": "the model has no verbosity setting",
+    "web_search_options": "no web search here",
+    "functions": "the legacy `functions` are not implemented; send `tools`",
+    "function_call": "the legacy `function_call` is not implemented; send `tool_choice`",
+    "best_of": "best_of > 1 is not implemented (vLLM's V1 engine refuses it too)",
+    "use_beam_search": _NO_BEAM,
+    "prompt_logprobs": "prompt logprobs are not computed (a prefill scores no positions)",
+    "allowed_token_ids": "allowed_token_ids is not implemented",
+    "bad_words": "bad_words is not implemented",
+    "logits_processors": "logits processors are server code, never loaded per request",
+    "structural_tag": "structural tags are not implemented",
+    "guided_whitespace_pattern": "JSON is generated compactly (no whitespace between tokens); the pattern cannot "
+    "be set",
+    "chat_template": "a chat template sent with the request is refused, as vLLM refuses one without "
+    "--trust-request-chat-template; the model's own template renders every chat",
+    "mm_processor_kwargs": "the model takes text only",
+    "kv_transfer_params": "no disaggregated prefill here",
+    "vllm_xargs": "no custom extensions are installed to read them",
+    "prompt_embeds": "prompts are text or token ids, not embeddings",
+    "suffix": "suffix (fill-in-the-middle) is not implemented",
+    "whitespace_pattern": "JSON is generated compactly (no whitespace between tokens); the pattern cannot be set",
+    "disable_additional_properties": "schemas are followed as given",
+})
+
+
 def _document_policy(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     """The JSON schema says what `_ignore_unknown` does: other keys are allowed (and dropped)."""
     if getattr(cls, "_ignore_unknown", False):
@@ -55,7 +92,10 @@ def _document_policy(schema: dict[str, Any], cls: type[BaseModel]) -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_policy)
+    # strict: numbers, booleans and strings as OpenAI's schema types them (`"10"`, `true` or `10.5` for an
+    # integer, `true` or `"1"` for a number, `"yes"` or `1` for a boolean are 400s naming the field, as OpenAI
+    # and vLLM answer); an integer is a number.
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_document_policy)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {}  # field -> values (besides null) that change nothing
     _inert: ClassVar[frozenset[str]] = frozenset()  # fields accepted with any value: they cannot change output
@@ -138,6 +178,13 @@ class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structural_tag(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") == "structural_tag":
+            raise ValueError("type structural_tag (vLLM's) is not implemented: send json_schema, json_object or text")
+        return data
+
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
@@ -147,8 +194,54 @@ class ResponseFormat(_Body):
         return self
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields): at most one constraint."""
+
+    _inert: ClassVar[frozenset[str]] = frozenset({"disable_fallback", "disable_any_whitespace", "backend"})
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "whitespace_pattern": (),
+        "disable_additional_properties": (False,),
+        "structural_tag": (),
+    }
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: str | None = Field(default=None, min_length=1, description="a regular expression")
+    choice: list[str] | None = Field(default=None, min_length=1, description="the reply is one of these")
+    grammar: str | None = Field(default=None, min_length=1, description="a grammar (GBNF or Lark)")
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        named = (("json", self.json_), ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+        given = [name for name, value in named if value is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both shape the output; send one")
+        return self
+
+
 class _GenerationBody(_Body):
     """Fields common to chat and text completions."""
+
+    _inert: ClassVar[frozenset[str]] = frozenset({
+        "length_penalty",  # shapes beam search only, which is not served (vLLM ignores it without beam search)
+        "guided_decoding_backend",  # one backend here (llguidance); the constraint means the same in any
+    })
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (False,),
+        "prompt_logprobs": (),
+        "allowed_token_ids": (),
+        "bad_words": ([],),
+        "logits_processors": ([],),
+        "structural_tag": (),
+        "guided_whitespace_pattern": (),
+        "kv_transfer_params": (),
+        "vllm_xargs": ({},),
+        "best_of": (1,),
+    }
 
     model: str = Field(description="the served model id (see GET /v1/models)")
     max_tokens: int | None = Field(default=None, ge=1, description="most tokens to generate per choice")
@@ -195,6 +288,35 @@ class _GenerationBody(_Body):
     guided_choice: list[str] | None = Field(
         default=None, min_length=1, description="extension (vLLM): the reply is one of these strings"
     )
+    guided_grammar: str | None = Field(
+        default=None, min_length=1, description="extension (vLLM): a context-free grammar (GBNF or Lark)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="extension (vLLM): json, regex, choice, grammar or json_object (one)"
+    )
+    # vLLM's request fields beyond sampling.
+    priority: int | None = Field(
+        default=None, ge=-(2**63), le=2**63 - 1,
+        description="extension (vLLM): waiting requests are admitted lowest first (default 0); a running request "
+        "is never preempted",
+    )
+    request_id: str | None = Field(
+        default=None, min_length=1, max_length=256, pattern=r"^[!-~]+$",
+        description="extension (vLLM): names the request: the response id (`chatcmpl-<id>`, `cmpl-<id>`) and its "
+        "log line; printable ASCII without spaces",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1,
+        description="extension (vLLM): keep only the prompt's last N tokens (-1: the context length)",
+    )
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="extension (vLLM): add the tokenizer's special tokens (BOS) when tokenizing the prompt; default "
+        "false on chat (the template writes its own), true on completions",
+    )
+    return_token_ids: bool | None = Field(
+        default=None, description="extension (vLLM): the prompt's and each choice's token ids in the answer"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -217,9 +339,17 @@ class _GenerationBody(_Body):
                 raise ValueError(f"bias of token {capped(key, 40)} must be in [-100, 100], got {bias}")
         return v
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _no_empty_prompt(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("0 would leave no prompt: send N >= 1, or -1 for the context length")
+        return v
+
     @model_validator(mode="after")
     def _one_output_format(self) -> _GenerationBody:
-        given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
+        fields = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+        given = [f for f in fields if getattr(self, f) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
@@ -324,13 +454,26 @@ class NamedToolChoice(_Body):
     function: dict[str, Any]
 
 
+# Parameters of `apply_chat_template` itself: the server sets them (or the request's field of that name does),
+# so `chat_template_kwargs` may not (vLLM drops or refuses them as well).
+TEMPLATE_CALL_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
 class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions."""
 
-    _inert: ClassVar[frozenset[str]] = frozenset(
-        {"store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
-    )
+    _inert: ClassVar[frozenset[str]] = _GenerationBody._inert | {
+        "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+        "include_reasoning",  # no reasoning parser: there is no reasoning_content to include or leave out
+    }
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_GenerationBody._neutral,
+        "chat_template": (),
+        "mm_processor_kwargs": ({},),
         "functions": ([],),
         "function_call": ("none", "auto"),
         "modalities": (["text"],),
@@ -352,6 +495,52 @@ class ChatCompletionRequest(_GenerationBody):
         "required and named calls are enforced by constrained decoding",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per reply")
+    # vLLM's chat extensions: how the chat template renders the prompt, and echo.
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="extension (vLLM): keyword arguments the chat template reads (`{\"enable_thinking\": false}` "
+        "for Qwen3's); keys the template does not use change nothing",
+    )
+    add_generation_prompt: bool | None = Field(
+        default=None, description="extension (vLLM): end the prompt with the assistant prefix (default true)"
+    )
+    continue_final_message: bool | None = Field(
+        default=None,
+        description="extension (vLLM): the reply continues the final message (a prefill of the answer) instead of "
+        "starting a new one; then add_generation_prompt defaults to false",
+    )
+    documents: list[dict[str, str]] | None = Field(
+        default=None, description="extension (vLLM): documents passed to the chat template (templates with RAG)"
+    )
+    echo: bool | None = Field(
+        default=None,
+        description="extension (vLLM): the reply's content starts with the final message's when that is an "
+        "assistant message (with continue_final_message: the whole answer)",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in v or {}:
+            if key in TEMPLATE_CALL_PARAMETERS:
+                raise ValueError(
+                    f"{capped(key, 40)!r} is a parameter of the template call itself, set by the server"
+                    + (" or the request's own field of that name" if key in cls.model_fields else "")
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _generation_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the prompt ends with the assistant prefix: the field, else true unless continuing."""
+        if self.add_generation_prompt is not None:
+            return self.add_generation_prompt
+        return not self.continue_final_message
 
     @field_validator("tool_choice")
     @classmethod
@@ -392,13 +581,21 @@ def _list(items: dict[str, Any]) -> dict[str, Any]:
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions. Each prompt (string or token ids) gets `n` choices."""
 
-    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = {**_GenerationBody._neutral, "suffix": ("",),
+                                                      "prompt_embeds": ()}
 
     prompt: Any = Field(
         description="a string, a list of strings, token ids, or a list of token id lists",
         json_schema_extra={"anyOf": [_NONEMPTY_STR, _list(_NONEMPTY_STR), _list(_INT), _list(_list(_INT))]},
     )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="logprobs of the top N alternatives")
+    echo: bool | None = Field(default=None, description="each choice's text starts with its prompt")
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        return self
 
     @field_validator("prompt")
     @classmethod

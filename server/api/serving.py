@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,6 +32,7 @@ from server.api.prompts import (
     check_model,
     completion_prompt_ids,
     generation_requests,
+    response_ids,
     tool_stops,
 )
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -247,13 +247,15 @@ class OpenAIServing:
         self._check_fits(body.n or 1, "n")
         started = time.monotonic()
         prompt = await self._offload(chat_prompt_ids, self.info, body)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id, engine_id = response_ids("chatcmpl", body.request_id)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         grammar = await self._offload(request_grammar, body, tool_call_format(self.info.tokenizer))  # compiles schemas
         requests = generation_requests(
-            self.info, body, response_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body), grammar
+            self.info, body, engine_id, [prompt], max_tokens, logprobs, "messages", tool_stops(body), grammar
         )
+        echoed = _echoed(body)  # vLLM's `echo`: the final assistant message the reply starts with
+        token_ids = bool(body.return_token_ids)
         method = requests[0].speculation.method
         choices = [R.Choice(i) for i in range(len(requests))]
         trackers = origin_trackers(self.info.tokenizer, body, [r.prompt_token_ids for r in requests])
@@ -278,10 +280,14 @@ class OpenAIServing:
                     reply = c.take_tool_calls(tool_names, named)
                     if reply.end is not None:
                         self._keep_tokens(c, prompt, reply.end)
+                for c in choices if echoed else ():
+                    c.text = echoed + c.text
                 response = R.chat_completion(
                     response_id, created, self.info.name, choices, fmt, R.usage(len(prompt), choices, method)
                 )
                 attach(response["choices"], trackers, [len(c.token_ids) for c in choices])
+                if token_ids:
+                    _with_token_ids(response, prompt, choices)
                 return response
 
             response = await self._offload(build)
@@ -293,7 +299,8 @@ class OpenAIServing:
         parsers = [ToolCallParser(tool_names) if tool_names else None for _ in choices]
 
         def chunk(
-            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False
+            choice_list: list[dict[str, Any]], usage_: dict[str, Any] | None = None, final: bool = False,
+            first: bool = False,
         ) -> dict[str, str]:
             if continuous and usage_ is None:
                 usage_ = R.usage(len(prompt), choices, method)
@@ -301,6 +308,8 @@ class OpenAIServing:
             obj = R.chat_chunk(
                 response_id, created, self.info.name, choice_list, include_usage or continuous, usage_, metrics
             )
+            if token_ids and first:
+                obj["prompt_token_ids"] = prompt
             return {"data": json.dumps(obj)}
 
         def deltas(index: int, out: RequestOutput) -> list[dict[str, Any]]:
@@ -318,14 +327,21 @@ class OpenAIServing:
             try:
                 for c in choices:
                     delta = {"role": "assistant", "content": ""}
-                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                                first=c.index == 0)
+                    if echoed:
+                        echo = {"index": c.index, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
+                        yield chunk([echo])
                 async for index, out in events:
                     choices[index].add(out)
                     spec = trackers[index].feed(out) if trackers else None
                     lp = fmt.chat(out.logprobs) if fmt and out.logprobs else None
-                    parts = deltas(index, out) or ([{"content": ""}] if lp or (spec and spec["tokens"]) else [])
+                    ids = out.token_ids if token_ids else None
+                    parts = deltas(index, out) or ([{"content": ""}] if lp or (spec and spec["tokens"]) or ids else [])
                     for part in parts:
                         choice = {"index": index, "delta": part, "logprobs": lp, "finish_reason": None}
+                        if ids is not None:
+                            choice["token_ids"], ids = ids, []
                         yield chunk([choice if spec is None else {**choice, "speculation": spec}])
                         lp, spec = None, None
                     parser = parsers[index]
@@ -336,7 +352,8 @@ class OpenAIServing:
                         if ended:
                             self._keep_tokens(choices[index], prompt, parser.end or 0)
                             choices[index].finish_reason = R.called(named)
-                        elif parser is not None and parser.calls and out.finish_reason == "stop":
+                        elif parser is not None and parser.calls and (
+                                out.finish_reason == "stop" or parser.cut_after_calls):
                             choices[index].finish_reason = R.called(named)
                         reason = choices[index].finish_reason
                         yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
@@ -358,11 +375,14 @@ class OpenAIServing:
         self._check_fits(len(body.prompt) * n, "n" if n > 1 else "prompt")
         started = time.monotonic()
         prompts = await self._offload(completion_prompt_ids, self.info, body)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id, engine_id = response_ids("cmpl", body.request_id)
         grammar = await self._offload(request_grammar, body)  # compiles schemas
         requests = generation_requests(
-            self.info, body, response_id, prompts, body.max_tokens, body.logprobs, "prompt", (), grammar
+            self.info, body, engine_id, prompts, body.max_tokens, body.logprobs, "prompt", (), grammar
         )
+        n_choices = body.n or 1
+        echoes = await self._offload(_echoed_prompts, self.info, body, prompts) if body.echo else None
+        token_ids = bool(body.return_token_ids)
         method = requests[0].speculation.method
         prompt_tokens = sum(len(p) for p in prompts)
         choices = [R.Choice(i) for i in range(len(requests))]
@@ -390,9 +410,11 @@ class OpenAIServing:
                     [
                         {
                             "index": c.index,
-                            "text": c.text,
+                            "text": (echoes[c.index // n_choices] if echoes else "") + c.text,
                             "logprobs": fmt.completion(c.logprobs) if fmt else None,
                             "finish_reason": c.finish_reason,
+                            **({"prompt_token_ids": prompts[c.index // n_choices], "token_ids": c.token_ids}
+                               if token_ids else {}),
                         }
                         for c in choices
                     ],
@@ -422,14 +444,23 @@ class OpenAIServing:
             offsets = [0] * len(choices)
             logged = False
             try:
+                for c in choices if echoes or token_ids else ():  # the prompt first, as vLLM streams it
+                    first: dict[str, Any] = {"index": c.index, "text": echoes[c.index // n_choices] if echoes else "",
+                                             "logprobs": None, "finish_reason": None}
+                    if token_ids:
+                        first.update(prompt_token_ids=prompts[c.index // n_choices], token_ids=[])
+                    yield chunk([first])
                 async for index, out in events:
                     choices[index].add(out)
                     spec = trackers[index].feed(out) if trackers else None
-                    if out.text or out.logprobs or out.finished or (spec and spec["tokens"]):
+                    if out.text or out.logprobs or out.finished or (spec and spec["tokens"]) or (
+                            token_ids and out.token_ids):
                         lp = fmt.completion(out.logprobs or [], offsets[index]) if fmt else None
                         offsets[index] += sum(len(t) for t in lp["tokens"]) if lp else 0
                         reason = out.finish_reason if out.finished else None
                         choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                        if token_ids:
+                            choice["token_ids"] = out.token_ids
                         yield chunk([choice if spec is None else {**choice, "speculation": spec}])
                 log(ttft)
                 logged = True
@@ -440,3 +471,27 @@ class OpenAIServing:
                     log(ttft, "abort")
 
         return self._sse(stream, gen())
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the final message's content when it is the assistant's (the role of the reply),
+    which the reply's content then starts with; "" otherwise."""
+    last = body.messages[-1]
+    return (last.content or "") if body.echo and last.role == "assistant" else ""
+
+
+def _echoed_prompts(info: ModelInfo, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """vLLM's completions `echo`: each prompt's text as the engine received it (a string prompt as sent, unless
+    `truncate_prompt_tokens` cut it; token ids decoded)."""
+    out = []
+    for given, ids in zip(body.prompt, prompts, strict=True):
+        cut = body.truncate_prompt_tokens is not None
+        out.append(given if isinstance(given, str) and not cut else info.tokenizer.decode(ids))
+    return out
+
+
+def _with_token_ids(response: dict[str, Any], prompt: list[int], choices: list[R.Choice]) -> None:
+    """vLLM's `return_token_ids` on a chat completion: the prompt's ids at the root, each choice's own."""
+    response["prompt_token_ids"] = prompt
+    for entry, c in zip(response["choices"], choices, strict=True):
+        entry["token_ids"] = c.token_ids

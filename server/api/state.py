@@ -98,6 +98,7 @@ class ServerState:
             k=s.num_speculative_tokens,
             methods=engine.limits.methods,
             replica=s.replica_name,
+            max_model_len=engine.limits.max_context,
         )
         if hasattr(engine, "memory"):  # specula_memory_bytes{part} (server/engine/memory.py)
             self.metrics.watch_memory(engine.memory.usage, engine.memory.peak)

@@ -3,7 +3,9 @@
 Sources, per request body:
 * `response_format`: `json_object` (any JSON object) or `json_schema` (the schema; enforced whether
   or not `strict` is set), on chat and, as vLLM does, on text completions;
-* vLLM's `guided_json`, `guided_regex`, `guided_choice`;
+* vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (GBNF, as vLLM's xgrammar reads
+  it, or Lark, as its llguidance backend does) and their newer spelling `structured_outputs` (`json`, `regex`,
+  `choice`, `grammar`, `json_object`);
 * tools (chat): `tool_choice` `required` or a named function makes the reply one or more tool calls
   (one with `parallel_tool_calls: false` or a named function) whose arguments match the function's
   schema; with `tool_choice` `auto`, functions marked `strict` or a `response_format` make the grammar
@@ -27,6 +29,7 @@ import json
 from typing import Any, Literal
 
 import llguidance
+import llguidance.gbnf_to_lark
 
 from server.api import client_json
 from server.api.errors import bad_request
@@ -47,8 +50,18 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 def request_grammar(body: _GenerationBody, tool_format: ToolFormat = "tagged") -> str | None:
     """The grammar `body`'s output must follow, or None for free text. Raises a 400 for a schema,
     regex or choice list that cannot be compiled, naming its field."""
-    content, param = _content_rule(body)
+    grammar, param = _grammar_text(body)
     calls = _tool_rule(body, tool_format) if isinstance(body, ChatCompletionRequest) else None
+    if grammar is not None:  # a whole grammar of its own: it cannot be one rule beside the tool calls
+        if calls is not None:
+            raise bad_request(f"{param} and tools with tool_choice {_choice_name(body)} or strict functions both "
+                              "shape the output; send one", param)
+        try:
+            lark = llguidance.gbnf_to_lark.any_to_lark(grammar)
+        except Exception as exc:  # noqa: BLE001 - the converter raises what its parser meets
+            raise bad_request(f"{param}: not a GBNF or Lark grammar this server can read: {exc}", param) from exc
+        return _from_lark(lark, param)
+    content, param = _content_rule(body)
     if calls is None:
         if content is None:
             return None
@@ -61,8 +74,34 @@ def request_grammar(body: _GenerationBody, tool_format: ToolFormat = "tagged") -
     return _from_lark(f"start: {rule} | {reply}", "tools")
 
 
+def _grammar_text(body: _GenerationBody) -> tuple[str | None, str]:
+    """(vLLM's grammar text, the field it came from), or (None, "")."""
+    if body.guided_grammar is not None:
+        return body.guided_grammar, "guided_grammar"
+    so = body.structured_outputs
+    if so is not None and so.grammar is not None:
+        return so.grammar, "structured_outputs.grammar"
+    return None, ""
+
+
+def _choice_name(body: _GenerationBody) -> str:
+    choice = body.tool_choice if isinstance(body, ChatCompletionRequest) else None
+    return choice if isinstance(choice, str) else "naming a function" if choice is not None else "auto"
+
+
 def _content_rule(body: _GenerationBody) -> tuple[str | None, str]:
     """(lark rule for the reply's content, the field it came from); None: free text."""
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            schema = so.json_ if isinstance(so.json_, dict) else _parse_json(so.json_, "structured_outputs.json")
+            return _json(schema, "structured_outputs.json"), "structured_outputs.json"
+        if so.regex is not None:
+            return f"/{_lark_regex(so.regex)}/", "structured_outputs.regex"
+        if so.choice is not None:
+            return " | ".join(json.dumps(c) for c in so.choice), "structured_outputs.choice"
+        if so.json_object:
+            return _json(ANY_OBJECT, "structured_outputs.json_object"), "structured_outputs.json_object"
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         return _json(ANY_OBJECT, "response_format"), "response_format"
@@ -70,7 +109,8 @@ def _content_rule(body: _GenerationBody) -> tuple[str | None, str]:
         assert fmt.json_schema is not None
         return _json(fmt.json_schema.schema_, "response_format.json_schema.schema"), "response_format"
     if body.guided_json is not None:
-        schema = body.guided_json if isinstance(body.guided_json, dict) else _parse_json(body.guided_json)
+        given = body.guided_json
+        schema = given if isinstance(given, dict) else _parse_json(given, "guided_json")
         return _json(schema, "guided_json"), "guided_json"
     if body.guided_regex is not None:
         return f"/{_lark_regex(body.guided_regex)}/", "guided_regex"
@@ -132,16 +172,16 @@ def _json(schema: Any, param: str) -> str:
     return "%json " + json.dumps(styled)
 
 
-def _parse_json(text: str) -> Any:
+def _parse_json(text: str, param: str) -> Any:
     try:
         schema = client_json.loads(text)
     except client_json.JSONLimitError as exc:
-        raise bad_request(f"guided_json: {exc.message}", "guided_json") from exc
+        raise bad_request(f"{param}: {exc.message}", param) from exc
     except json.JSONDecodeError as exc:
-        raise bad_request(f"guided_json is not valid JSON: {exc}", "guided_json") from exc
+        raise bad_request(f"{param} is not valid JSON: {exc}", param) from exc
     problem = lone_surrogate_in_json(schema)  # llguidance cannot take half a character
     if problem is not None:
-        raise bad_request(f"guided_json: {problem}", "guided_json")
+        raise bad_request(f"{param}: {problem}", param)
     return schema
 
 

@@ -18,8 +18,10 @@ Two rules make forced calls (`tool_choice` required) end where clients expect:
 * a call identical to an earlier one of the same reply (same name, same arguments as JSON) is not a
   parallel call but a model looping: the reply ends before it (`repeated`; the server then stops
   generating the choice, server/api/serving.py);
-* a call that `max_tokens` cut short is dropped, neither a call nor content (`cut`; the choice keeps
-  `finish_reason: "length"`).
+* a call that `max_tokens` cut short is dropped, neither a call nor content (`cut`). When whole calls came
+  before it, the reply is those calls: they closed the answer as a call array's `]` would (`cut_after_calls`;
+  the choice finishes with `tool_calls`, as a reply that stopped after its calls does); a reply whose only call
+  was cut keeps `finish_reason: "length"`.
 
 Example: feeding `Sure.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>` in any split
 gives content "Sure." and one call f with arguments `{"x": 1}`; repeating the block adds nothing.
@@ -118,13 +120,22 @@ class ToolCallParser:
             if (self._mode, len(self._buffer)) == before:
                 return [d for d in out if d.content != ""]
 
+    @property
+    def cut_after_calls(self) -> bool:
+        """max_tokens cut a call short after whole ones: the reply is those calls (it finishes `tool_calls`)."""
+        return self.cut and bool(self.calls)
+
     def finish(self, finish_reason: str | None = None) -> list[Delta]:
         """Flush at the end of the choice. An unterminated block (or bare reply) that parses as complete calls
         counts as if it had been closed; one that does not is a call cut short when `finish_reason` is
-        "length" (dropped: neither a call nor content), else text."""
+        "length" (dropped: neither a call nor content), else text. So is the start of an opening tag cut
+        there (`<tool_`)."""
         out = self.feed("")
         buffer, self._buffer = self._buffer, ""
         cut = finish_reason == "length"
+        if cut and self._mode == "text" and buffer.strip() and OPEN.startswith(buffer.strip()):
+            self.cut = True  # a call cut before its tag was whole
+            return [d for d in out if d.content != ""]
         if self._mode == "call":
             out += self._close_block(buffer, terminated=False, cut=cut)
         elif self._mode == "bare":
@@ -254,6 +265,11 @@ class Reply:
     calls: list[ToolCall]
     end: int | None  # characters of the text that count when the reply ended at a repeated call, else None
     cut: bool  # a call cut short by max_tokens was dropped
+
+    @property
+    def cut_after_calls(self) -> bool:
+        """`ToolCallParser.cut_after_calls`: the reply is its whole calls."""
+        return self.cut and bool(self.calls)
 
 
 def parse_whole(text: str, names: set[str], finish_reason: str | None = None) -> Reply:
