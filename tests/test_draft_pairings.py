@@ -29,12 +29,14 @@ PROMPT = CYCLE[:9] + CYCLE[:4]  # copy-heavy: the text repeats itself
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The cycling GGUF (Q4_1 layers, Q8_0 table and head), a weights cache, and the fp32 entry as a directory."""
+    """The cycling GGUF (Q4_1 layers, Q8_0 table and head), a weights cache, the fp32 entry as a directory, and a
+    smaller model of the same tokenizer as another file (one layer, Q8_0: a draft beside a target, as `-md`)."""
     root = tmp_path_factory.mktemp("pairings")
     gguf = write_tiny_gguf(root / "cycling.gguf", hidden=64, quant="Q4_1", cycle=CYCLE)
+    small = write_tiny_gguf(root / "small.gguf", hidden=64, layers=1, quant="Q8_0", cycle=CYCLE)
     cache = root / "cache"
     load_model(str(gguf), device="cpu", weights="fp32", cache_dir=cache)  # writes the dequantized entry
-    return {"file": str(gguf), "dir": str(entry_path(gguf, cache, "fp32")), "cache": cache}
+    return {"file": str(gguf), "dir": str(entry_path(gguf, cache, "fp32")), "small": str(small), "cache": cache}
 
 
 TARGETS = {  # name -> (weights, SPECULA_CPU_DECODER)
@@ -44,8 +46,9 @@ TARGETS = {  # name -> (weights, SPECULA_CPU_DECODER)
     "fp32": ("fp32", "1"),
 }
 DRAFTS = [("target", d) for d in ("auto", "float32", "bfloat16", "float16")] + \
-    [("file", d) for d in ("auto", "bfloat16", "float16")] + [("dir", d) for d in ("float32", "bfloat16")]
-FAST = {("as-file", "target", "bfloat16"), ("as-file", "file", "auto"), ("fp32", "target", "float16")}
+    [("file", d) for d in ("auto", "bfloat16", "float16")] + [("dir", d) for d in ("float32", "bfloat16")] + \
+    [("small", d) for d in ("auto", "bfloat16")]
+FAST = {("as-file", "target", "bfloat16"), ("as-file", "small", "auto"), ("fp32", "target", "float16")}
 PAIRINGS = [pytest.param(t, s, d, marks=() if (t, s, d) in FAST else pytest.mark.slow, id=f"{t}-{s}-{d}")
             for t in TARGETS for s, d in DRAFTS]
 
@@ -72,7 +75,8 @@ def test_every_draft_pairing_drafts_is_accepted_and_keeps_the_targets_greedy_tex
     assert st.fallbacks == [] and engine.parts.report() == {}  # nothing failed safe
 
 
-@pytest.mark.parametrize("target_kind", list(TARGETS))
+@pytest.mark.parametrize("target_kind", [k if k == "as-file" else pytest.param(k, marks=pytest.mark.slow)
+                                         for k in TARGETS])
 def test_the_draft_runs_as_it_was_asked_for(files, target_kind, monkeypatch):
     """What each pairing makes: `target` in its own dtype (or auto) is the target's model itself, run over a cache
     of its own; in another dtype a dense copy computing in that dtype (its mask and cache too); a GGUF draft under
@@ -85,11 +89,12 @@ def test_the_draft_runs_as_it_was_asked_for(files, target_kind, monkeypatch):
         runner = engine.proposer("draft").runner
         assert runner.dtype == runner.kv.dtype == dtype and runner.model is not engine.target.model
         assert engine.target.model.dtype == torch.float32  # the target is untouched
-    file_draft = engine_for(files, target_kind, "file", "auto", monkeypatch).proposer("draft")
-    if cpu_kernels.library() is not None:  # the blocks' kernels build here (else auto serves the file dense)
-        decoder = TARGETS[target_kind][1] == "1"  # SPECULA_CPU_DECODER=0 is every model's torch path
-        assert file_draft.draft.weights == "as-file"
-        assert file_draft.runner.forward_kind.endswith("+c-decoder") == decoder
+    for file in ("file", "small"):
+        file_draft = engine_for(files, target_kind, file, "auto", monkeypatch).proposer("draft")
+        if cpu_kernels.library() is not None:  # the blocks' kernels build here (else auto serves the file dense)
+            decoder = TARGETS[target_kind][1] == "1"  # SPECULA_CPU_DECODER=0 is every model's torch path
+            assert file_draft.draft.weights == "as-file"
+            assert file_draft.runner.forward_kind.endswith("+c-decoder") == decoder
 
 
 def test_a_draft_file_whose_tokenizer_differs_is_refused_naming_both(files, tmp_path):

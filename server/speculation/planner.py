@@ -44,7 +44,7 @@ from server.speculation.policy import AutoPolicy, Candidate, Choice, DraftPolicy
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 from server.speculation.tuning import AutoTuning
-from server.types import Fallback
+from server.types import Fallback, FallbackReason
 
 RowOffers = dict[str, tuple[list[int], int]]  # lookahead proposer -> (its drafts for a row, their confidence level)
 
@@ -356,11 +356,11 @@ class Planner:
         else:
             self._drop(name, ids)
 
-    def _lost(self, request_id: str, name: str, reason: str, error: str | None = None) -> None:
+    def _lost(self, request_id: str, name: str, reason: FallbackReason, error: str | None = None) -> None:
         """The request goes on without proposer `name` (`Fallback`; once per proposer: it never rejoins it)."""
         lost = self.fallbacks.setdefault(request_id, [])
         if all(f.proposer != name for f in lost):
-            lost.append(Fallback(name, reason, error or self.parts.errors.get(_part(name))))  # type: ignore[arg-type]
+            lost.append(Fallback(name, reason, error or self.parts.errors.get(_part(name))))
 
     def _propose(self, name: str, seqs: list[PlannedSequence], ks: list[int]) -> tuple[Proposal | None, bool]:
         """(proposer `name`'s proposal for seqs, whether its first call gave it). When the call raises,
