@@ -7,7 +7,9 @@ answers `/health`, it gets its first request alone, then `FRESH_CLIENTS` concurr
 `--clients` concurrent clients loops until the deadline, picking one kind of request at a time (seeded): chat
 and text completions (some with prompts of 300-1500 words), streams read to the end, streams aborted after two
 chunks, n = 2 seeded sampling, oversized inputs (a prompt beyond the context; a multi-megabyte body) and bad
-fields (out-of-range numbers, unknown models, a lone UTF-16 surrogate...). It reports requests served,
+fields (out-of-range numbers, unknown models, a lone UTF-16 surrogate...), and copy-heavy chats asking for each
+speculation method the server lists in `/v1/models` (greedy). After the traffic, each method is asked once more
+per copy prompt, one request at a time, beside `none`. It reports requests served,
 statuses per kind, p50/p95 latency of the completed ones, the server's RSS every second (after warm-up, peak,
 and after `--idle-s` seconds without traffic) and the memory parts its /metrics exports
 (`specula_memory_bytes{part}`, docs/api.md#memory), whose largest sum the peak RSS is held to
@@ -16,7 +18,10 @@ and after `--idle-s` seconds without traffic) and the memory parts its /metrics 
 a one-second sample misses). The peak is the kernel's high-water mark of the server's RSS since it became
 healthy (VmHWM, reset then), so no spike between two samples escapes. It fails (exit 1) on any 5xx, any lost
 request (no status, a stream without `[DONE]`, a timeout), a fresh-start request that is not a 200, a server
-that does not come up or does not drain, or a peak RSS over the ratio. Server settings come from the
+that does not come up or does not drain, a peak RSS over the ratio, or a method that did not run: one asked for
+that never drafted or never had a draft accepted, one the fail-safe turned off for a request
+(`usage.speculation.fallbacks`), or a copy chat whose greedy text is not `none`'s for the same prompt (under the
+traffic's batches as in the sequential check). Server settings come from the
 environment (`SPECULA_KV_CACHE_MEMORY=512MiB`) or the arguments after `--` (flags of `python -m server
 serve`).
 
@@ -62,7 +67,8 @@ WORDS = "the quick brown fox jumps over the lazy dog while specula drafts and ve
 
 # kind -> share of the traffic
 MIX = {
-    "chat": 0.2,
+    "chat": 0.1,
+    "copy": 0.1,  # a copy-heavy greedy chat asking for one of the server's methods (`check_methods`)
     "long_prompt": 0.05,
     "completion": 0.15,
     "stream": 0.15,
@@ -91,15 +97,38 @@ BAD_FIELDS: list[dict[str, Any]] = [
     {"stream": "yes"},
     {"use_beam_search": True},  # a vLLM field not served: refused, naming it
 ]
+# copy-heavy prompts: the answer repeats the prompt's text, so every proposer has something to draft
+COPY_PROMPTS = [
+    "Repeat this text exactly: The quick brown fox jumps over the lazy dog. Speculative decoding lets a small "
+    "draft propose tokens that a large target model checks in one pass.",
+    "Fix the typos and repeat the rest as it is: Teh cat sat on teh mat. The dog sat on the mat. Teh bird sat "
+    "on the mat.",
+    "Copy this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears.",
+]
+COPY_TOKENS = 48  # max_tokens of a copy chat (the same for every method: their greedy texts are compared)
 
 
 @dataclass(frozen=True)
 class Target:
-    """What the traffic is sized to: the served model's name, its context in tokens, the big body's size."""
+    """What the traffic is sized to: the served model's name, its context in tokens, the big body's size, and the
+    speculation methods it lists (`/v1/models`; the copy chats ask for each)."""
 
     model: str
     context: int
     body_mb: float
+    methods: tuple[str, ...] = ("none",)
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What a copy chat's answer said of its speculation (its `usage.speculation`) and its text."""
+
+    method: str
+    prompt: int  # index into COPY_PROMPTS
+    text: str
+    draft_tokens: int
+    accepted_tokens: int
+    fallbacks: tuple[str, ...]  # "proposer:reason" of each proposer the fail-safe turned off for it
 
 
 @dataclass
@@ -109,6 +138,7 @@ class Outcome:
     # (no answer, a stream cut without [DONE], a timeout)
     status: int | str
     latency_s: float
+    copied: Copied | None = None  # a copy chat answered in full
 
 
 @dataclass
@@ -131,6 +161,8 @@ class Report:
     rss_ratio: float | None = None  # rss_peak_mb / memory_sum_mb (None: the server exports no parts)
     memory_parts_series: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (s, part -> MiB)
     drained: bool = False  # running and waiting gauges back to 0 after the traffic
+    # per method asked for by copy chats: requests, draft_tokens, accepted_tokens, fallbacks, texts unlike none's
+    methods: dict[str, dict[str, int]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -249,9 +281,27 @@ def build(kind: str, rng: random.Random, target: Target) -> tuple[str, dict[str,
     if kind == "oversized_body":  # a multi-megabyte body: 400 (too long) or 413 (over the body limit)
         big = "a " * int(target.body_mb * 2**19)
         return "/v1/completions", json.dumps({"model": model, "prompt": big, "max_tokens": 4}).encode()
+    if kind == "copy":
+        return "/v1/chat/completions", copy_body(model, rng.randrange(len(COPY_PROMPTS)), rng.choice(target.methods))
     bad = dict(rng.choice(BAD_FIELDS))
     body = {**chat, **bad}
     return "/v1/chat/completions", json.dumps(body).encode()  # json.dumps keeps a lone surrogate as \\ud83d
+
+
+def copy_body(model: str, prompt_index: int, method: str) -> dict[str, Any]:
+    """A copy chat: prompt `prompt_index` of COPY_PROMPTS, greedy, asking for `method` (K 4 for a fixed method)."""
+    speculation: dict[str, Any] = {"method": method} | ({"num_tokens": 4} if method not in ("none", "auto") else {})
+    return {"model": model, "messages": [{"role": "user", "content": COPY_PROMPTS[prompt_index]}],
+            "max_tokens": COPY_TOKENS, "temperature": 0, "speculation": speculation}
+
+
+def copied(body: dict[str, Any], answer: dict[str, Any]) -> Copied:
+    """A copy chat's `Copied` from its request body and its (whole, 200) answer."""
+    spec = answer.get("usage", {}).get("speculation", {})
+    prompt = COPY_PROMPTS.index(body["messages"][0]["content"])
+    return Copied(body["speculation"]["method"], prompt, answer["choices"][0]["message"]["content"] or "",
+                  int(spec.get("draft_tokens", 0)), int(spec.get("accepted_tokens", 0)),
+                  tuple(f"{f['proposer']}:{f['reason']}" for f in spec.get("fallbacks", [])))
 
 
 async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, target: Target) -> Outcome:
@@ -281,9 +331,64 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, target: 
         r = await client.post(path, **kwargs)
         if r.status_code == 200 and not r.json().get("choices"):
             return Outcome(kind, "lost", time.monotonic() - started)
-        return Outcome(kind, r.status_code, time.monotonic() - started)
+        answer = copied(body, r.json()) if kind == "copy" and r.status_code == 200 else None  # type: ignore[arg-type]
+        return Outcome(kind, r.status_code, time.monotonic() - started, answer)
     except httpx.HTTPError:
         return Outcome(kind, "lost", time.monotonic() - started)
+
+
+async def method_check(url: str, target: Target) -> list[Outcome]:
+    """Each copy prompt with `none`, then with every other method the server lists, one request at a time: what
+    `check_methods` compares the traffic's copy chats with (`none`'s texts), and each method asked for at least
+    once per prompt."""
+    outcomes = []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for i in range(len(COPY_PROMPTS)):
+            for method in ("none", *(m for m in target.methods if m != "none")):
+                body = copy_body(target.model, i, method)
+                started = time.monotonic()
+                try:
+                    r = await client.post("/v1/chat/completions", json=body)
+                    answer = copied(body, r.json()) if r.status_code == 200 else None
+                    outcomes.append(Outcome("method_check", r.status_code if answer else "lost",
+                                            time.monotonic() - started, answer))
+                except (httpx.HTTPError, KeyError, IndexError, ValueError):
+                    outcomes.append(Outcome("method_check", "lost", time.monotonic() - started))
+    return outcomes
+
+
+def check_methods(outcomes: list[Outcome]) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """Per method asked for by copy chats (the traffic's and the sequential check's): requests, draft and
+    accepted tokens, fallbacks and texts unlike `none`'s for the same prompt; and the problems: a method other
+    than `none` that never drafted or never had a draft accepted, one the fail-safe turned off for a request, a
+    greedy text that differs from `none`'s (the sequential check's answer to the same prompt)."""
+    answers = [o.copied for o in outcomes if o.copied is not None]
+    plain = {a.prompt: a.text for o, a in ((o, o.copied) for o in outcomes)
+             if a is not None and o.kind == "method_check" and a.method == "none"}
+    tally: dict[str, dict[str, int]] = {}
+    for a in answers:
+        t = tally.setdefault(a.method, dict.fromkeys(("requests", "draft_tokens", "accepted_tokens", "fallbacks",
+                                                      "unlike_none"), 0))
+        t["requests"] += 1
+        t["draft_tokens"] += a.draft_tokens
+        t["accepted_tokens"] += a.accepted_tokens
+        t["fallbacks"] += len(a.fallbacks)
+        t["unlike_none"] += a.prompt in plain and a.text != plain[a.prompt]
+    problems = []
+    for method, t in sorted(tally.items()):
+        if method != "none" and not t["draft_tokens"]:
+            problems.append(f"method {method} never drafted in {t['requests']} copy chats")
+        elif method != "none" and not t["accepted_tokens"]:
+            problems.append(f"method {method} drafted {t['draft_tokens']} tokens in {t['requests']} copy chats and "
+                            "none was accepted")
+        if t["fallbacks"]:
+            lost = sorted({f for a in answers if a.method == method for f in a.fallbacks})
+            problems.append(f"method {method} fell back {t['fallbacks']} times (usage.speculation.fallbacks: "
+                            f"{', '.join(lost)})")
+        if t["unlike_none"]:
+            problems.append(f"method {method}: {t['unlike_none']} of {t['requests']} greedy copy chats differ from "
+                            "none's text for the same prompt")
+    return tally, problems
 
 
 async def traffic(url: str, target: Target, clients: int, seconds: float, seed: int) -> list[Outcome]:
@@ -366,8 +471,9 @@ def soak(
         exact_peak = reset_peak_rss(pid)
         sampler = RssSampler(pid, url)
         sampler.start()
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        target = Target(model, context, body_mb)
+        listed = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        methods = tuple(listed.get("speculation", {}).get("methods", ("none",)))
+        target = Target(listed["id"], context, body_mb, methods)
         progress(f"fresh start: 1 request, then {FRESH_CLIENTS} clients x {FRESH_CHATS} short chats"
                  + (f" ({hogs} CPU hogs running)" if hogs else ""))
         first = asyncio.run(fresh_start(url, target, seed + 2))
@@ -379,7 +485,11 @@ def soak(
             warm = rss_mb(pid)
             progress(f"traffic {seconds:.0f} s, {clients} clients")
             outcomes = first + asyncio.run(traffic(url, target, clients, seconds, seed))
+            progress(f"every method on {len(COPY_PROMPTS)} copy prompts, one request at a time")
+            outcomes += asyncio.run(method_check(url, target))
         report = summarize(outcomes, seconds, clients)
+        report.methods, problems = check_methods(outcomes)
+        report.problems += problems
         if procs[0].poll() is None:
             progress(f"idle {idle_s:.0f} s")
             time.sleep(idle_s)
@@ -431,6 +541,9 @@ def format_report(r: Report) -> str:
         + (", ".join(f"{k} {v:.0f}" for k, v in r.memory_parts_mb.items()) or "none exported")
         + (f"; sum {r.memory_sum_mb:.0f}, peak RSS / sum {r.rss_ratio:.2f}" if r.rss_ratio is not None else ""),
         *([f"CPU hogs beside the server: {r.hogs}"] if r.hogs else []),
+        "copy chats per method (requests, draft / accepted tokens, fallbacks, unlike none): "
+        + ("; ".join(f"{m} {t['requests']}, {t['draft_tokens']} / {t['accepted_tokens']}, {t['fallbacks']}, "
+                     f"{t['unlike_none']}" for m, t in sorted(r.methods.items())) or "none"),
         f"drained: {r.drained}; problems: {r.problems or 'none'}",
     ]
     return "\n".join(lines)

@@ -15,7 +15,9 @@ from server.speculation.registry import BUILTIN
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML settings file (default: config/default.yaml)")
     p.add_argument("--target", default=None, help="target model: directory, hub id or .gguf (default: SmolLM2)")
-    p.add_argument("--draft", default=None, help='draft model, or "target" for the target in --draft-dtype')
+    p.add_argument("--draft", default=None,
+                   help='draft model (directory, hub id or .gguf with the target\'s tokenizer), or "target" for the '
+                        "target's weights in --draft-dtype")
     p.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--weights", default=None, choices=["auto", "as-file", "int8", "fp32", "bf16"],
                    help="how the target's weights are served (default auto: a GGUF's quantized tensors on CPU)")
@@ -23,7 +25,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="precision of the target's cached keys and values (default auto: float16 for quantized "
                         "weights, else the model's dtype)")
     p.add_argument("--draft-head", default=None, help='EAGLE-style head directory, "auto" (shipped) or "none"')
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
+                   help="the draft's dtype (default auto: the target as served for `target`, a GGUF's quantized "
+                        "blocks on CPU; another dtype: its weights dense in it)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 or auto")
     p.add_argument("--speculation", default=None, choices=BUILTIN.methods)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,

@@ -81,11 +81,16 @@ class Settings(BaseSettings):
     # (half the bytes of float32 for float16). "auto": float16 where the weights are quantized (`as-file`,
     # `int8`: llama.cpp's default f16 cache), else the model's own dtype (server/model/kv_shape.py `kv_precision`).
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    # `draft`: a draft model for method `draft` (None = none: the method is then unavailable); "target" =
-    # the target's weights loaded again in `draft_dtype` (opt-in: on CPU a bf16 copy costs more than the
-    # fp32 target, so the default speculates with the shipped draft head instead).
+    # `draft`: a draft model for method `draft` (None = none: the method is then unavailable): a directory, hub id
+    # or .gguf file sharing the target's tokenizer, or "target" = the target's own weights in `draft_dtype` (opt-in:
+    # on CPU a copy of the target never pays, so the default speculates with the shipped draft head instead).
     draft: str | None = None
-    draft_dtype: DType = "bfloat16"
+    # "auto": "target" is the target's model itself as served (its own dtype and weights format); a file or
+    # directory loads as a target would (a GGUF's quantized blocks on CPU, as llama-server's -md runs a draft;
+    # else float32 on CPU, bfloat16 on a GPU). Another dtype: "target" is its weights dense in that dtype
+    # (quantized layers dequantized) unless the target computes in it, a file or directory is loaded in it as a
+    # target would be (loading.py `load_draft_like`).
+    draft_dtype: DType = "auto"
     # `draft_head`: a trained EAGLE-style head (a directory with model.safetensors + config.json, made
     # by `python -m server distill`). "auto" = the head shipped for the built-in target when `target`
     # is None, no head otherwise; None = no head. `resolved_draft_head()` gives the directory.

@@ -8,7 +8,9 @@ exception there is logged (with its traceback the first time), counted per part 
 `specula_engine_degraded_total{part}`, `/health` lists the parts that failed), and the step goes on
 without the part: the caller's fallback is what a server without that part would do (plain decoding for
 the step, a full prefill, the current thread count, calibrating from traffic). A part that keeps failing
-(`SWITCH_OFF_AFTER` failures) is switched off until restart.
+(`SWITCH_OFF_AFTER` failures) is switched off until restart. A request whose speculation loses a proposer
+this way is told so (the planner's `fallbacks`: `usage.speculation.fallbacks`, and
+`specula_spec_decode_fallbacks_total` counts them), so a method that fails safe never looks like one that ran.
 
 Part names: `threads`, `calibration`, `cost_model`, `acceptance`, `planner`, `prefix_cache`, `grammar`,
 `kernels` (the CPU block kernels could not be built or loaded: recorded once at start, the blocks then multiply
@@ -36,6 +38,7 @@ class OptionalParts:
         self.switch_off_after = switch_off_after
         self.failures: dict[str, int] = {}  # part -> failures since start
         self.off: set[str] = set()  # parts switched off until restart
+        self.errors: dict[str, str] = {}  # part -> its last failure's exception type (the message goes to the log)
         self._unreported: list[str] = []  # one entry per failure not yet handed to the metrics (`take_new`)
 
     def on(self, part: str) -> bool:
@@ -44,6 +47,7 @@ class OptionalParts:
 
     def failed(self, part: str, exc: BaseException) -> None:
         """`part` raised `exc`; the caller goes on without it."""
+        self.errors[part] = type(exc).__name__  # first: `report` reads it for every part `failures` holds
         n = self.failures[part] = self.failures.get(part, 0) + 1
         self._unreported.append(part)
         if n == 1:
@@ -70,6 +74,7 @@ class OptionalParts:
         new, self._unreported = self._unreported, []
         return new
 
-    def report(self) -> dict[str, dict[str, int | bool]]:
-        """Per part that has failed: {"failures": n, "off": switched off}."""
-        return {part: {"failures": n, "off": part in self.off} for part, n in sorted(self.failures.items())}
+    def report(self) -> dict[str, dict[str, int | bool | str]]:
+        """Per part that has failed: {"failures": n, "off": switched off, "error": its last exception's type}."""
+        return {part: {"failures": n, "off": part in self.off, "error": self.errors.get(part, "")}
+                for part, n in sorted(self.failures.items())}

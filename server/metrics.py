@@ -50,9 +50,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.types import FinishedSequence, FinishReason, StepResult
+from server.types import FallbackReason, FinishedSequence, FinishReason, StepResult
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+FALLBACK_REASONS: tuple[str, ...] = get_args(FallbackReason)
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,14 @@ class Metrics:
             ["model", "part"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "specula_spec_decode_fallbacks",
+            "Requests whose speculation lost a proposer because it failed (the fail-safe turned it off for them; "
+            "usage.speculation.fallbacks): once per request choice and proposer. reason: error (it raised while "
+            "working for the request) or switched_off (it had failed too often and is off until restart).",
+            ["model", "method", "proposer", "reason"],
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
             "specula_prefix_cache_hits",
             "Prompt tokens whose keys and values came from the prefix cache instead of a prefill.",
@@ -245,6 +254,10 @@ class Metrics:
             for proposer in used:
                 for c in (self.draft_tokens, self.accepted_tokens, self.steps):
                     c.labels(model, m, proposer)
+        for m in methods:  # a method's fallbacks read 0, not "no data", until one happens
+            for proposer in proposers if m == "auto" else [m] if m in proposers else []:
+                for reason in FALLBACK_REASONS:
+                    self.fallbacks.labels(model, m, proposer, reason)
         for reason in FINISH_REASONS:
             self.requests.labels(model, reason)
         for c in (self.prompt_tokens, self.generation_tokens):
@@ -258,7 +271,8 @@ class Metrics:
         accepted positions 0..accepted-1, and one acceptance-length observation of `emitted_tokens`.
         Generation tokens are the token ids of the step's outputs (after stop truncation); prompt tokens
         computed by the step or read from the prefix cache count as prefix-cache queries, the latter as hits;
-        the prompt tokens computed are observed per step, and those still waiting set their gauge.
+        the prompt tokens computed are observed per step, and those still waiting set their gauge; each
+        proposer a request lost to its failure this step counts one fallback.
         """
         for s in result.seq_stats:
             labels = (self.model, s.method, s.proposer)
@@ -277,6 +291,8 @@ class Metrics:
         self.prompt_waiting.labels(self.model).set(result.prompt_tokens_waiting)
         for part in result.degraded:
             self.degraded.labels(self.model, part).inc()
+        for method, fallback in result.fallbacks:
+            self.fallbacks.labels(self.model, method, fallback.proposer, fallback.reason).inc()
         generated = sum(len(o.token_ids) for o in result.outputs)
         if generated:
             self.generation_tokens.labels(self.model).inc(generated)

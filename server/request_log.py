@@ -56,6 +56,8 @@ def request_record(
     }
     if user is not None:
         record["user"] = user
+    if stats.fallbacks:  # proposers the fail-safe turned off for it (usage.speculation.fallbacks)
+        record["fallbacks"] = [f"{f.proposer}:{f.reason}" for f in stats.fallbacks]
     return {k: capped(v) if isinstance(v, str) else v for k, v in record.items()}
 
 

@@ -171,6 +171,22 @@ class ProposerTally:
     accepted_tokens: int = 0
 
 
+FallbackReason = Literal["error", "switched_off"]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A proposer a request's speculation lost because the proposer failed (server/failsafe.py): the request went
+    on without it (plain decoding for a fixed method; `auto` choosing among the others). `reason` "error": the
+    proposer raised in a call for this request; "switched_off": it had failed too often (in any request's calls)
+    and was switched off until restart, before or while this request ran. `error`: the exception's type name
+    (its message, which can hold internals, goes to the server's log only)."""
+
+    proposer: str
+    reason: FallbackReason
+    error: str | None = None
+
+
 @dataclass
 class RequestStats:
     """Cumulative speculation figures for one request; feeds `usage.speculation`."""
@@ -186,6 +202,7 @@ class RequestStats:
     decode_steps: int = 0  # verify passes (target forwards after prefill)
     accepted_per_position: list[int] = field(default_factory=list)  # index j: accepted at draft pos j
     by_proposer: dict[str, ProposerTally] = field(default_factory=dict)  # who drafted what (auto mixes them)
+    fallbacks: list[Fallback] = field(default_factory=list)  # proposers it lost to their failure, in order, one each
 
     @property
     def acceptance_rate(self) -> float:
@@ -216,6 +233,9 @@ def total_stats(stats: list[RequestStats], method: str, prompt_tokens: int, comp
             mine = total.by_proposer.setdefault(name, ProposerTally())
             mine.draft_tokens += tally.draft_tokens
             mine.accepted_tokens += tally.accepted_tokens
+        for fallback in s.fallbacks:  # a proposer lost by several choices is said once
+            if all(f.proposer != fallback.proposer for f in total.fallbacks):
+                total.fallbacks.append(fallback)
     return total
 
 
@@ -338,4 +358,6 @@ class StepResult:
     rejected: dict[str, str] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens read from the prefix cache this step (not computed)
     degraded: list[str] = field(default_factory=list)  # optional parts that failed since the last step, per failure
+    # proposers requests lost to their failure this step: (the request's method, what it lost), once per choice
+    fallbacks: list[tuple[str, Fallback]] = field(default_factory=list)
     prompt_tokens_waiting: int = 0  # prompt tokens of the running requests not computed yet, after the step

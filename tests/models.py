@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from server.model.loading import LoadedModel
@@ -78,20 +79,23 @@ def cycling_llama(vocab_size: int, cycle: list[int], *, hidden: int = 64) -> Lla
 
 
 def write_tiny_gguf(
-    path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, quant: str | None = None
+    path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, quant: str | None = None,
+    cycle: list[int] | None = None, merges: tuple[str, ...] = ("Ġ t", "h e", "i n"),
 ) -> Path:
     """A tiny Llama as a real GGUF file (a byte-level BPE tokenizer of ~260 tokens) that transformers
     dequantizes in well under a second: the loading path and the weights cache on a file like the built-in
     model's, without its 20 s. `quant`: None for float32 tensors; "Q4_0", "Q4_1" or "Q8_0" for the linear
     layers in that type (quantized by gguf's reference code) and, as in SmolLM2's file, the embedding table
     (tied to the output layer) in Q8_0. q and k are written permuted per head, as llama.cpp's converter
-    writes them."""
+    writes them. `cycle`: instead of random weights, `cycling_llama`'s (the greedy text repeats these token
+    ids of the file's tokenizer forever; its own output matrix, in the table's type). `merges`: the
+    tokenizer's BPE merges, each adding a token (another list: a file whose tokenizer differs)."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    merges = ["Ġ t", "h e", "i n"]
+    merges = list(merges)
     tokens = specials + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
     types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials))
     heads, kv_heads, ffn = 4, 2, 2 * hidden
@@ -117,9 +121,12 @@ def write_tiny_gguf(
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     rng = np.random.default_rng(seed)
+    fixed = _cycling_tensors(len(tokens), hidden, cycle) if cycle is not None else {}
 
     def add(name: str, *shape: int, kind: str | None = quant) -> None:
-        values = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        values = fixed[name] if name in fixed else (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        if cycle is not None and name.endswith(("attn_output.weight", "ffn_down.weight")):
+            values = np.zeros(shape, np.float32)
         if ".attn_q." in name or ".attn_k." in name:  # llama.cpp's per-head row permutation
             n_head = heads if ".attn_q." in name else kv_heads
             values = values.reshape(n_head, 2, shape[0] // n_head // 2, shape[1]).swapaxes(1, 2).reshape(shape)
@@ -138,9 +145,48 @@ def write_tiny_gguf(
                             ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)),
                             ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
             add(f"blk.{i}.{name}.weight", *shape)
+    if cycle is not None:  # its own output matrix (a cycling model's head is not its table)
+        add("output.weight", len(tokens), hidden, kind="Q8_0" if quant else None)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _cycling_tensors(vocab: int, hidden: int, cycle: list[int]) -> dict:
+    """`cycling_llama`'s embedding table and output matrix (numpy, GGUF's tensor names); the layers' output
+    projections are zero (`write_tiny_gguf` writes every `attn_output` and `ffn_down` as zeros)."""
+    import numpy as np
+
+    assert len(set(cycle)) == len(cycle) and len(cycle) < hidden, "distinct tokens, fewer than hidden"
+    embed = np.zeros((vocab, hidden), np.float32)
+    embed[:, 0] = 1.0
+    head = np.zeros((vocab, hidden), np.float32)
+    head[cycle[0], 0] = 1.0
+    for i, token in enumerate(cycle):
+        embed[token, i + 1] = 4.0
+        head[cycle[(i + 1) % len(cycle)], i + 1] = 10.0
+    return {"token_embd.weight": embed, "output.weight": head}
+
+
+def copying_head(target: nn.Module, directory: Path, name: str = "tiny-cycling") -> Path:
+    """An EAGLE head (server/draft_head/model.py) for a cycling model (`cycling_llama`, `write_tiny_gguf(cycle=)`)
+    that drafts exactly what the target will say: its fc passes the next token's embedding through ([I, 0]), its
+    layer adds nothing (zero output projections), so its feature is that embedding, whose logits under the
+    target's head rank the token's successor first, as the target's own normalised feature does. Saved in
+    `directory` (the `draft_head` setting); its FR vocabulary is the whole vocabulary."""
+    from server.draft_head.model import EagleHead, vocab_rows
+
+    head = EagleHead.create(target, list(range(vocab_rows(target.get_output_embeddings()))), name)
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :hidden] = torch.eye(hidden)
+        head.fc.bias.zero_()
+        for layer in head.decoder.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    head.save_pretrained(directory, dtype=torch.float32)
+    return directory

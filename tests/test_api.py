@@ -12,7 +12,8 @@ from server.config import Settings
 from tests.api_helpers import MODEL, chat_body, running_app, sse_data, sse_json
 
 DEFAULTS = Settings.load()
-SPEC_KEYS = {"method", "draft_tokens", "accepted_tokens", "acceptance_rate", "decode_steps", "by_proposer"}
+SPEC_KEYS = {"method", "draft_tokens", "accepted_tokens", "acceptance_rate", "decode_steps", "by_proposer",
+             "fallbacks"}
 
 
 async def test_health_is_503_while_loading_then_200(tiny_engine_factory):

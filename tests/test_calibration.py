@@ -103,12 +103,12 @@ def test_the_cost_model_reads_each_batch_sizes_own_timings(tiny_engine_factory, 
 
 def test_a_restart_reads_the_stored_timings_without_running_the_model(tiny_engine_factory, tmp_path, monkeypatch):
     first = calibrate(tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2), budget_s=UNBOUNDED)
+    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)  # (its draft runs once: draft_model.check_runs)
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a stored calibration must not run the model")
 
     monkeypatch.setattr(ModelRunner, "forward", no_forward)
-    engine = tiny_engine_factory(cache_dir=tmp_path, max_batch_size=2)
     again = calibrate(engine, budget_s=UNBOUNDED)
     assert again.loaded and again.verify == first.verify and again.draft == first.draft
     assert engine.cost.timed

@@ -32,7 +32,7 @@ from server.speculation.ngram import NgramProposer
 from server.speculation.planner import Planner
 from server.speculation.policy import AutoPolicy
 from server.speculation.suffix import SuffixProposer
-from server.types import GenerationRequest, SamplingParams, SpeculationParams
+from server.types import Fallback, GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_helpers import request
 from tests.test_constrained import SCHEMA, json_grammar
 
@@ -112,13 +112,16 @@ def workload(prompt_ids: list[list[int]], wave: str) -> list[GenerationRequest]:
     return reqs
 
 
-def drive(engine: Engine, prompt_ids: list[list[int]]) -> tuple[dict[str, list[int]], list[str]]:
+def drive(engine: Engine, prompt_ids: list[list[int]], finals: dict | None = None
+          ) -> tuple[dict[str, list[int]], list[str]]:
     """Run the first wave, join the second (the same prompts) at step 3; (tokens per request, the
-    parts the steps reported as degraded). No request may fail."""
+    parts the steps reported as degraded). No request may fail. `finals`, when given, gets each request's
+    final `RequestStats`, and "fallbacks" the (method, `Fallback`) pairs the steps reported."""
     first, second = workload(prompt_ids, "a"), workload(prompt_ids, "b")
     tokens: dict[str, list[int]] = {r.request_id: [] for r in first + second}
     finished: set[str] = set()
     degraded: list[str] = []
+    reported: list = []
     engine.add_requests(first)
     step = 0
     while engine.has_unfinished() or step <= 3:
@@ -127,12 +130,17 @@ def drive(engine: Engine, prompt_ids: list[list[int]]) -> tuple[dict[str, list[i
         result = engine.step()
         assert not result.failed and not result.rejected, (result.failed, result.rejected)
         degraded += result.degraded
+        reported += result.fallbacks
         for out in result.outputs:
             tokens[out.request_id] += out.token_ids
             if out.finished:
                 finished.add(out.request_id)
+                if finals is not None:
+                    finals[out.request_id] = out.stats
         step += 1
     assert finished == set(tokens), "every request completes"
+    if finals is not None:
+        finals["fallbacks"] = reported
     return tokens, degraded
 
 
@@ -175,7 +183,7 @@ def test_a_part_that_always_raises_is_switched_off_and_answers_stay_the_same(
     tokens, _ = drive(engine, prompt_ids)
     assert tokens == clean_run
     assert engine.parts.failures[part] == SWITCH_OFF_AFTER and not engine.parts.on(part)
-    assert engine.parts.report()[part] == {"failures": SWITCH_OFF_AFTER, "off": True}
+    assert engine.parts.report()[part] == {"failures": SWITCH_OFF_AFTER, "off": True, "error": "Injected"}
 
 
 @pytest.mark.slow
@@ -185,9 +193,19 @@ def test_a_proposer_that_always_raises_loses_its_rows_and_answers_stay_the_same(
 ):
     engine = make_engine()
     inject(monkeypatch, f"proposer:{name}", rate=1.0)
-    tokens, _ = drive(engine, prompt_ids)
+    finals: dict = {}
+    tokens, _ = drive(engine, prompt_ids, finals)
     assert tokens == clean_run
     assert engine.parts.failures[f"proposer:{name}"] >= 1 and not engine.planner.members[name]
+    # every request that asked for it (or `auto`, which uses it) is told it went without it, and why
+    reported = finals.pop("fallbacks")
+    for rid, stats in finals.items():
+        lost = [f for f in stats.fallbacks if f.proposer == name]
+        if stats.method in (name, "auto"):
+            assert len(lost) == 1 and lost[0].reason in ("error", "switched_off") and lost[0].error == "Injected", rid
+        else:
+            assert not lost, rid
+    assert sorted(reported, key=str) == sorted(((s.method, f) for s in finals.values() for f in s.fallbacks), key=str)
 
 
 def test_a_failing_proposer_is_dropped_for_its_rows_only(make_engine, prompt_ids, monkeypatch):
@@ -211,6 +229,7 @@ def test_a_failing_proposer_is_dropped_for_its_rows_only(make_engine, prompt_ids
             stats[out.request_id] = out.stats
     assert engine.parts.failures == {"proposer:ngram": 1}
     assert stats["bad"].draft_tokens == 0 and stats["good"].draft_tokens > 0
+    assert stats["bad"].fallbacks == [Fallback("ngram", "error", "Injected")] and stats["good"].fallbacks == []
 
 
 @pytest.mark.slow
@@ -223,7 +242,7 @@ def test_a_calibration_that_raises_leaves_a_serving_engine(tiny_target, monkeypa
     monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: tiny_target)
     monkeypatch.setattr(engine_module, "calibrate", broken)
     engine = engine_module.build_engine(Settings.load(calibrate=True, cache_dir=str(tmp_path)), keep_dense=True)
-    assert engine.parts.report() == {"calibration": {"failures": 1, "off": False}}
+    assert engine.parts.report() == {"calibration": {"failures": 1, "off": False, "error": "Injected"}}
     engine.add_requests([request("r", [1, 2, 3, 4], "auto", 4, max_tokens=8)])
     result = engine.step()
     assert result.degraded == ["calibration"]  # reported with the first step, for the metrics
@@ -258,3 +277,17 @@ def test_optional_parts_count_log_once_and_switch_off(caplog):
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert len(tracebacks) == 1  # the traceback once; the switch-off said once
     assert sum("switched off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_request_asking_for_a_switched_off_proposer_is_told_at_once(make_engine, prompt_ids):
+    """A proposer switched off before a request comes: the request decodes plain and its stats say so from its
+    first output, with the part's last error (an `auto` request names it too: it goes without it)."""
+    engine = make_engine()
+    for _ in range(SWITCH_OFF_AFTER):
+        engine.parts.failed("proposer:draft", Injected("it broke earlier"))
+    engine.add_requests([request("fixed", prompt_ids[1], "draft", 4, max_tokens=6),
+                         request("auto", prompt_ids[1], "auto", 4, max_tokens=6),
+                         request("other", prompt_ids[1], "ngram", 4, max_tokens=6)])
+    first = {o.request_id: o.stats for o in engine.step().outputs}
+    assert first["fixed"].fallbacks == first["auto"].fallbacks == [Fallback("draft", "switched_off", "Injected")]
+    assert first["other"].fallbacks == [] and first["fixed"].draft_tokens == 0

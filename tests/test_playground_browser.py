@@ -132,3 +132,43 @@ def test_playground_colours_tokens_and_races(cycling_target):
                 assert errors == []
             finally:
                 browser.close()
+
+
+def test_playground_shows_a_method_the_server_turned_off(tiny_target, monkeypatch):
+    """A reply whose method failed safe (the draft proposer raises at every draft) says so under it: which
+    proposer, why, and that the reply decoded without it."""
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    from server.speculation.draft_model import DraftModelProposer
+
+    def broken(self, seqs, ks):  # noqa: ANN001
+        raise RuntimeError("Expected attn_mask dtype to match query dtype")
+
+    monkeypatch.setattr(DraftModelProposer, "propose", broken)
+    with live_server(tiny_target, tiny_target) as (url, _app):
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.goto(url + "/")
+                expect(page.locator("body")).to_have_attribute("data-ready", "true")
+                page.select_option("#method", "draft")
+                page.fill("#max-tokens", "8")
+                page.fill("#prompt", PROMPT)
+                page.press("#prompt", "Enter")
+                expect(page.locator(".turn").nth(0)).to_have_attribute("data-state", "done", timeout=60_000)
+                note = page.locator(".reply [data-role=fallback]")
+                expect(note).to_have_count(1)
+                assert note.get_attribute("data-proposer") == "draft" and note.get_attribute("data-reason") == "error"
+                expect(note).to_contain_text("draft was turned off for this reply")
+                expect(note).to_contain_text("RuntimeError")
+                plain = page.locator(".reply .tok")
+                assert {plain.nth(i).get_attribute("data-origin") for i in range(plain.count())} == {"plain"}
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "playground-fallback.png"), full_page=True)
+                assert errors == []
+            finally:
+                browser.close()

@@ -1,7 +1,8 @@
-"""A short soak (`bench/soak.py`) against a real `serve` process on the tiny model: its first requests,
-then mixed traffic with aborts, oversized inputs and bad fields; no 5xx, no lost request, the server
-drains and stays healthy, and its peak RSS stays within its memory plan. The CPU hogs (`--hogs`) run
-for the soak only: gone when it ends, whatever ends it."""
+"""A short soak (`bench/soak.py`) against a real `serve` process on the tiny model that copies itself: its first
+requests, then mixed traffic with aborts, oversized inputs, bad fields and copy chats asking for every method it
+lists (a bf16 self-draft included); no 5xx, no lost request, the server drains and stays healthy, its peak RSS
+stays within its memory plan, and every method drafts, has drafts accepted and keeps `none`'s greedy text. The
+CPU hogs (`--hogs`) run for the soak only: gone when it ends, whatever ends it."""
 
 from __future__ import annotations
 
@@ -12,27 +13,45 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import FRESH_CHATS, FRESH_CLIENTS, MAX_RSS_RATIO, MIX, cpu_hogs, format_report, memory_parts, soak
+from bench.soak import (
+    FRESH_CHATS,
+    FRESH_CLIENTS,
+    MAX_RSS_RATIO,
+    MIX,
+    Copied,
+    Outcome,
+    check_methods,
+    cpu_hogs,
+    format_report,
+    memory_parts,
+    soak,
+)
 from server.model.runner import ModelRunner
 
 
 @pytest.mark.slow
-def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp_path: Path, monkeypatch):
+def test_short_soak_serves_everything_and_refuses_only_with_4xx(cycling_target, tmp_path: Path, monkeypatch):
     # A KV budget of 1500 tokens: two long prompts (300-512 words) fill it, so admission waits at times.
-    per_token = ModelRunner.kv_shape(tiny_target.model).bytes_per_token
+    per_token = ModelRunner.kv_shape(cycling_target.model).bytes_per_token
     monkeypatch.setenv("SPECULA_KV_CACHE_MEMORY", str(1500 * per_token))  # the server process reads it
     model_dir = tmp_path / "tiny"
-    tiny_target.model.save_pretrained(model_dir)
-    tiny_target.tokenizer.save_pretrained(model_dir)
-    args = ["--target", str(model_dir), "--served-model-name", "tiny"]
+    cycling_target.model.save_pretrained(model_dir)
+    cycling_target.tokenizer.save_pretrained(model_dir)
+    args = ["--target", str(model_dir), "--served-model-name", "tiny", "--draft", "target", "--draft-dtype",
+            "bfloat16"]
     report = soak(args, seconds=30, clients=3, idle_s=2, warmup_s=3, seed=1, log_path=tmp_path / "server.log",
-                  context=tiny_target.max_context, body_mb=1.0, progress=lambda _: None)
+                  context=cycling_target.max_context, body_mb=1.0, progress=lambda _: None)
     text = format_report(report)
     assert not report.problems, text
     assert report.drained, text
     assert report.statuses["first_request"] == {"200": 1}, text
     assert report.statuses["fresh_burst"] == {"200": FRESH_CLIENTS * FRESH_CHATS}, text
-    assert set(report.statuses) == set(MIX) | {"first_request", "fresh_burst"}, text  # every kind was sent
+    assert set(report.statuses) == set(MIX) | {"first_request", "fresh_burst", "method_check"}, text  # every kind
+    # every method the server lists was asked for, drafted, had drafts accepted, and kept none's greedy text
+    assert set(report.methods) == {"none", "ngram", "suffix", "draft", "auto"}, text
+    for method, tally in report.methods.items():
+        assert tally["fallbacks"] == tally["unlike_none"] == 0, text
+        assert method == "none" or tally["accepted_tokens"] > 0, text
     # the memory plan: every part exported, and the peak RSS within it
     assert set(report.memory_parts_mb) == {"weights", "kv_cache", "prefix_cache", "proposers", "activations",
                                            "runtime"}, text
@@ -41,7 +60,7 @@ def test_short_soak_serves_everything_and_refuses_only_with_4xx(tiny_target, tmp
         assert set(report.statuses[kind]) <= {"400", "413"}, text
     assert all(s in ("200", "400", "404", "413", "422") for s in report.statuses["bad_field"]), text
     assert set(report.statuses["stream_abort"]) == {"aborted"}, text
-    for kind in ("chat", "long_prompt", "completion", "stream", "n2_seeded"):
+    for kind in ("chat", "long_prompt", "completion", "stream", "n2_seeded", "copy", "method_check"):
         assert set(report.statuses[kind]) == {"200"}, text
     assert report.served > 0 and report.rss_peak_mb > 0
 
@@ -92,3 +111,27 @@ def test_memory_parts_are_read_from_the_metrics_text():
     text += 'specula_memory_peak_bytes{model="m",part="kv_cache"} 4194304.0\n'
     assert memory_parts(text) == {"weights": 1.0, "kv_cache": 2.0}
     assert memory_parts(text, peak=True) == {"kv_cache": 4.0}
+
+
+def copy_chat(method: str, prompt: int, text: str, drafted: int, accepted: int, fallbacks=(), kind="copy"):
+    return Outcome(kind, 200, 0.1, Copied(method, prompt, text, drafted, accepted, tuple(fallbacks)))
+
+
+def test_the_soak_fails_a_method_that_did_not_run():
+    """`check_methods`: a method that never drafted, one whose drafts were never accepted, one the fail-safe turned
+    off, and a greedy text unlike `none`'s are each a problem; methods that ran are not."""
+    plain = [copy_chat("none", i, f"text {i}", 0, 0, kind="method_check") for i in range(2)]
+    ran = [copy_chat("ngram", 0, "text 0", 9, 5), copy_chat("ngram", 1, "text 1", 0, 0, kind="method_check")]
+    tally, problems = check_methods(plain + ran)
+    assert problems == [] and tally["ngram"] == {"requests": 2, "draft_tokens": 9, "accepted_tokens": 5,
+                                                 "fallbacks": 0, "unlike_none": 0}
+    dead = [copy_chat("draft", 0, "text 0", 0, 0, ["draft:error"]), copy_chat("draft", 1, "text 1", 0, 0)]
+    rejected = [copy_chat("eagle", 0, "text 0", 12, 0)]
+    differs = [copy_chat("suffix", 1, "other text", 4, 2)]
+    _, problems = check_methods(plain + ran + dead + rejected + differs)
+    assert problems == [
+        "method draft never drafted in 2 copy chats",
+        "method draft fell back 1 times (usage.speculation.fallbacks: draft:error)",
+        "method eagle drafted 12 tokens in 1 copy chats and none was accepted",
+        "method suffix: 1 of 1 greedy copy chats differ from none's text for the same prompt",
+    ]

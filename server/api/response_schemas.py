@@ -37,6 +37,16 @@ class ProposerTally(_Doc):
     accepted_tokens: int
 
 
+class SpeculationFallback(_Doc):
+    """A proposer the request's speculation lost because the proposer failed (the server's fail-safe)."""
+
+    proposer: str = Field(description="the proposer turned off for this request (its method, or one `auto` used)")
+    reason: Literal["error", "switched_off"] = Field(
+        description="error: it raised while working for this request; switched_off: it had failed too often and "
+                    "was switched off until restart (`/health` lists it under `degraded`)")
+    error: str | None = Field(description="the exception's type (its message is in the server's log only)")
+
+
 class SpeculationUsage(_Doc):
     """Extension: what speculation did for this request (all choices summed)."""
 
@@ -46,6 +56,9 @@ class SpeculationUsage(_Doc):
     acceptance_rate: float
     decode_steps: int
     by_proposer: dict[str, ProposerTally] = Field(description="who drafted what (`auto` mixes proposers)")
+    fallbacks: list[SpeculationFallback] = Field(
+        description="the proposers turned off for this request because they failed, in order ([] when none): "
+                    "its method then decoded without them (plain decoding for a fixed method)")
 
 
 class SpeculativeDecoding(_Doc):

@@ -89,6 +89,8 @@ def usage(prompt_tokens: int, choices: list[Choice], method: str) -> dict[str, A
                 name: {"draft_tokens": t.draft_tokens, "accepted_tokens": t.accepted_tokens}
                 for name, t in total.by_proposer.items()
             },
+            # the proposers the fail-safe turned off for it, and why (server/types.py `Fallback`); [] when none
+            "fallbacks": [{"proposer": f.proposer, "reason": f.reason, "error": f.error} for f in total.fallbacks],
         },
     }
 

@@ -45,7 +45,7 @@ from server.speculation.policy import DraftPolicy
 from server.speculation.proposer import BuildContext, Proposer
 from server.speculation.registry import BUILTIN, Registry
 from server.speculation.tuning import AutoTuning
-from server.types import GenerationRequest, RequestOutput, SeqStepStats, ServingLimits, StepResult
+from server.types import Fallback, GenerationRequest, RequestOutput, SeqStepStats, ServingLimits, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -172,19 +172,20 @@ class Engine:
         failures: dict[str, Exception] = self.admission.enter(self.step_budget.tokens)  # rows the budget reaches
         self.memory.observe_join()
         seqs = [self.running[rid] for rid in self.runner.rows]  # the target cache's row order: oldest first
-        outputs, stats = [], []
+        outputs, stats, fallbacks = [], [], []
         if seqs:
             if self.threads is not None:  # steps that compute prompt tokens have their own thread count
                 governed(self.threads, self.parts, self.threads.before_step,
                          PROMPT if self.admission.prompt_waiting() else DECODE)
             verified, failed = self.isolation.run(seqs, self._verify)  # plan -> verify -> accept
-            outputs, stats = self._commit(verified, failed) if verified is not None else ([], [])
+            if verified is not None:
+                outputs, stats, fallbacks = self._commit(verified, failed)
             self.planner.settle()  # rows a proposer dropped while planning leave it
             self.isolation.count(failed, committed=verified is not None and bool(stats or verified.chunks))
             failures |= failed
         self.admission.leave({o.request_id for o in outputs if o.finished} | set(failures), failed=set(failures))
         self.memory.after_change()
-        return _result(outputs, stats, failures, self.admission, started, self.parts.take_new())
+        return _result(outputs, stats, failures, self.admission, started, self.parts.take_new(), fallbacks)
 
     def _verify(self, seqs: list[Sequence], hold: frozenset[str]) -> Verified:
         """Plan, verify in one target pass and sample, for the rows not in `hold`; the pass's timing
@@ -217,11 +218,14 @@ class Engine:
             [(seq.prompt_computed, row.chunk) for seq, row in finishing if row.chunk]
         return verified.computed + sum(self.step_budget.cost(start, n) - n for start, n in pieces)
 
-    def _commit(self, v: Verified, failed: dict[str, Exception]) -> tuple[list[RequestOutput], list[SeqStepStats]]:
+    def _commit(
+        self, v: Verified, failed: dict[str, Exception]
+    ) -> tuple[list[RequestOutput], list[SeqStepStats], list[tuple[str, Fallback]]]:
         """Roll back the rejected drafts and commit what each verified row emitted, and the prompt chunks of
         the rows that computed one only; a row whose commit raises joins `failed` (its state is dropped when
-        it leaves; the other rows never read it)."""
-        outputs, stats = [], []
+        it leaves; the other rows never read it). Each committed row's output says which proposers it has lost
+        to their failure (`Sequence.fell_back`); the losses new this step come back with the row's method."""
+        outputs, stats, fallbacks = [], [], []
         for chunk in v.chunks:
             seq = chunk.seq
             try:
@@ -240,6 +244,7 @@ class Engine:
                 if seq.features is not None and hidden is not None:
                     seq.features.append(hidden.clone())
                 self.planner.commit(seq, row, emitted, hidden)
+                lost = seq.fell_back(self.planner.fallbacks_of(seq.request_id))
                 output, step = seq.commit(row, emitted, v.logprobs(i, seq.sampling.logprobs))
                 if row.chunk:  # the prompt's last chunk is in the cache now: share the prompt
                     self.admission.prefilled(seq, row.chunk)
@@ -249,19 +254,21 @@ class Engine:
                 continue
             outputs.append(output)
             stats.append(step)
-        return outputs, stats
+            fallbacks += [(seq.method, f) for f in lost]
+        return outputs, stats, fallbacks
 
 
 def _result(
     outputs: list[RequestOutput], stats: list[SeqStepStats], failures: dict[str, Exception],
-    admission: Admission, started: float, degraded: list[str],
+    admission: Admission, started: float, degraded: list[str], fallbacks: list[tuple[str, Fallback]],
 ) -> StepResult:
     """The step's report: failures split into the engine's (`failed`) and the clients' bad input (`rejected`)."""
     prefill, cached = admission.take_counts()
     return StepResult(outputs, stats, prefill, time.perf_counter() - started, cached_tokens=cached,
                       prompt_tokens_waiting=admission.prompt_waiting(),
                       failed={rid: describe(e) for rid, e in failures.items() if not own_input(e)},
-                      rejected={rid: str(e) for rid, e in failures.items() if own_input(e)}, degraded=degraded)
+                      rejected={rid: str(e) for rid, e in failures.items() if own_input(e)}, degraded=degraded,
+                      fallbacks=fallbacks)
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

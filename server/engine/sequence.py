@@ -13,6 +13,7 @@ from server.grammar import Grammars, GrammarState
 from server.speculation.plan import RowPlan, Rule
 from server.speculation.registry import AUTO, PLAIN
 from server.types import (
+    Fallback,
     FinishReason,
     GenerationRequest,
     ProposerTally,
@@ -138,6 +139,13 @@ class Sequence:
         return Rule.COMPARE if not self.sampled or (seeded and self.method == AUTO) else Rule.RATIO
 
     # ---- committing one step ------------------------------------------------------------------------
+    def fell_back(self, fallbacks: list[Fallback]) -> list[Fallback]:
+        """Record the proposers this request lost to their failure (the planner's account of it, in order: this
+        step's output reports them, `usage.speculation.fallbacks`); returns those not recorded before."""
+        new = fallbacks[len(self.stats.fallbacks):]
+        self.stats.fallbacks.extend(new)
+        return new
+
     def commit(
         self, row: RowPlan, emitted: list[int], logprobs: list[TokenLogprob] | None
     ) -> tuple[RequestOutput, SeqStepStats]:
@@ -217,6 +225,7 @@ class Sequence:
         stats = copy.copy(self.stats)
         stats.accepted_per_position = list(self.stats.accepted_per_position)
         stats.by_proposer = {name: copy.copy(t) for name, t in self.stats.by_proposer.items()}
+        stats.fallbacks = list(self.stats.fallbacks)
         return RequestOutput(request_id=self.request_id, token_ids=tokens,
                              text=self.detokenizer.take(final=self.finished), logprobs=logprobs,
                              finished=self.finished, finish_reason=self.finish_reason, stats=stats, sources=sources)

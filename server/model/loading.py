@@ -21,6 +21,7 @@ written costs a warning and the conversion at every start.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -37,6 +38,7 @@ from server.model import checkpoints, cpu_kernels, gguf_weights
 from server.model.memory import drop_file_pages
 from server.model.quantize import quantize_linears
 from server.model.quantized import QuantLinear
+from server.model.tables import BlockTable, Fp16Table, TableHead
 from server.model.weights_cache import (
     KINDS_FILE,
     QUANTIZED_FILE,
@@ -360,19 +362,67 @@ def describe_weights(model: nn.Module, weights: str) -> str:
 
 
 def load_draft_like(target: LoadedModel, source: str, *, dtype: str, cache_dir: Path | None) -> LoadedModel:
-    """Load the draft: `source == "target"` reuses the target's weights in `dtype`, else `load_model`."""
-    if source == "target":
-        torch_dtype = resolve_dtype(dtype, target.device)
-        import copy
+    """Load the draft model (the `draft` and `draft_dtype` settings) for `target`.
 
-        model = copy.deepcopy(target.model).to(torch_dtype).eval()
+    * `source == "target"`: the target's weights. In `dtype` "auto", or the dtype the target computes in, the
+      target's model itself, as it is served (quantized layers on the same kernels: the C decoder for a GGUF's
+      blocks; nothing is copied, the draft proposer runs it over a cache of its own); in another dtype its
+      weights dense in that dtype, a model of its own (`dense_copy`: quantized layers and tables dequantized),
+      since the block kernels compute in float32 only.
+    * a GGUF file, a directory or a hub id: loaded as a target would be (`load_model` in `dtype`; "auto": a GGUF's
+      quantized blocks on CPU where the block kernels build, as llama-server's `-md` runs a draft; else the
+      device's dtype), and refused unless its tokenizer is the target's (`check_same_tokenizer`).
+
+    Whether the pair then runs is the draft proposer's start-up check (server/speculation/draft_model.py)."""
+    if source == "target":
+        wanted = target.dtype if dtype == "auto" else resolve_dtype(dtype, target.device)
+        if wanted == target.dtype:
+            return LoadedModel(
+                name=f"{target.name}-{target.weights}", model=target.model,
+                tokenizer=target.tokenizer, device=target.device, dtype=target.dtype, weights=target.weights,
+            )
         return LoadedModel(
-            name=f"{target.name}-{dtype}", model=model, tokenizer=target.tokenizer,
-            device=target.device, dtype=torch_dtype,
+            name=f"{target.name}-{str(wanted).removeprefix('torch.')}", model=dense_copy(target.model, wanted),
+            tokenizer=target.tokenizer, device=target.device, dtype=wanted,
         )
     draft = load_model(source, dtype=dtype, device=str(target.device), cache_dir=cache_dir)
     check_same_tokenizer(target, draft)
     return draft
+
+
+def dense_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` with every weight dense in `dtype` (`model` itself is untouched): its quantized linear
+    layers (quantized.py) as `nn.Linear`s of their dequantized weights, a quantized embedding table as an
+    `nn.Embedding` of its values, and an LM head over a quantized table (`TableHead`) as an `nn.Linear`, sharing
+    the embeddings' weight where it shared their table. The quantized modules are never copied: the dense ones
+    stand in for them in the copy."""
+    dense: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            dense[id(module)] = _linear(module.dequantize(), module.bias)
+    table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(table, BlockTable | Fp16Table):
+        dense[id(table)] = nn.Embedding(table.num_embeddings, table.embedding_dim, _weight=_table_values(table),
+                                        _freeze=True)
+    if isinstance(head, TableHead):
+        tied = id(head.table) in dense and head.table is table
+        dense[id(head)] = _linear(dense[id(table)].weight if tied else _table_values(head.table), None)
+    copied = copy.deepcopy(model, memo=dense)  # type: ignore[arg-type]  the memo maps the originals to their stand-ins
+    return copied.to(dtype).eval().requires_grad_(False)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An `nn.Linear` over `weight` [out, in] (a Parameter already: shared, as a tied head shares it) and `bias`."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return layer
+
+
+def _table_values(table: BlockTable | Fp16Table) -> torch.Tensor:
+    """A quantized table's values in float32 [vocab, hidden] (the file's: Q8_0 blocks' d q, or the fp16 values)."""
+    return table.dequantize() if isinstance(table, BlockTable) else table.weight.float()
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

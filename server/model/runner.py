@@ -99,7 +99,8 @@ class ModelRunner:
         None: the model's dtype)."""
         self.model = model
         self.device = model.device
-        self.dtype = model.dtype  # read once: `model.dtype` walks the parameters
+        # what its hidden states are in: its masks, fed embeddings and (by default) cache are made in it
+        self.dtype = compute_dtype(model)
         self.has_lm_head = model.get_output_embeddings() is not None
         self.packs = packs(model)  # rows feeding different numbers of tokens are packed (attention.py)
         self.call = (LeanForward.of(model) if lean else None) or model  # the forward, with transformers' keywords
@@ -132,8 +133,8 @@ class ModelRunner:
 
     @staticmethod
     def kv_shape(model: nn.Module, dtype: torch.dtype | None = None) -> KVShape:
-        """What one token of this model's cache holds (in `dtype`; None: the model's)."""
-        return KVShape.of(model.config, dtype or model.dtype)
+        """What one token of this model's cache holds (in `dtype`; None: the dtype it computes in)."""
+        return KVShape.of(model.config, dtype or compute_dtype(model))
 
     @property
     def rows(self) -> list[str]:
@@ -342,6 +343,20 @@ class ModelRunner:
         """Token slots (rows x columns) the cache's storage holds now; 0 before it is allocated."""
         layer = self.kv.cache.layers[0]
         return layer.slots if layer.is_initialized else 0
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model` computes its hidden states in, and so what its attention's queries are in: the one place
+    a runner reads it (its additive masks, the embeddings it is fed and, unless told otherwise, its KV cache are
+    made in it). That is what its input embeddings give, not its first parameter's dtype: a quantized table
+    (quantized.py) gives float32 rows whatever it holds, and quantized layers give back their input's dtype, so
+    a model whose norms were cast to bfloat16 around float32 kernels still computes in float32. A model without
+    lookup table computes in its parameters' dtype."""
+    table = model.get_input_embeddings()
+    if table is None:
+        return model.dtype
+    with torch.no_grad():
+        return table(torch.zeros(1, dtype=torch.long, device=model.device)).dtype
 
 
 def _take(flat: torch.Tensor | None, order: list[int]) -> torch.Tensor | None:

@@ -15,6 +15,30 @@ from server.speculation.model_proposer import ModelProposer
 from server.speculation.proposer import BuildContext, Proposal, SequenceView, Traits
 
 
+class DraftCannotRun(ValueError):
+    """The draft model cannot run on this server (its dtype, weights or device): the server does not start."""
+
+
+def check_runs(draft: LoadedModel, runner: ModelRunner) -> None:
+    """Run the draft once as drafting runs it (a prefill, then a step and a 2-token pass over that cache) on a
+    scratch cache of its runner's kind: a pairing whose draft cannot compute (a dtype its kernels or attention do
+    not take on this device) raises `DraftCannotRun` here, at start-up, naming the draft, instead of failing safe
+    at every step and leaving the method to draft nothing."""
+    probe = ModelRunner(draft.model, kv_dtype=runner.kv_dtype)  # the same forward (shared kernels), its own cache
+    try:
+        probe.join(["probe"], [[0, 1, 2]])
+        for feed in ([[1]], [[2, 3]]):
+            logits = probe.forward(feed).logits
+            if logits is None or not torch.isfinite(logits).all():
+                raise FloatingPointError("its logits are not finite numbers")
+    except Exception as exc:
+        raise DraftCannotRun(
+            f"draft model {draft.name!r} ({draft.weights} weights, computing in "
+            f"{str(runner.dtype).removeprefix('torch.')}, on {draft.device}) cannot run here: "
+            f"{type(exc).__name__}: {exc}; pick another --draft-dtype (auto serves it as a target would be)"
+        ) from exc
+
+
 class DraftModelProposer(ModelProposer):
     # Its cost is timed (a model forward per draft token); a bf16 copy of the target accepts ~0.6+.
     traits = Traits(confidence_priors=(0.6,))
@@ -24,10 +48,12 @@ class DraftModelProposer(ModelProposer):
         return cls(ctx.draft, ctx.vocab_size) if ctx.draft is not None else None
 
     def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
-        """`vocab_size`: the target's logits width (q is taken over the target's ids)."""
+        """`vocab_size`: the target's logits width (q is taken over the target's ids). Raises `DraftCannotRun`
+        when the draft cannot run here (`check_runs`): a start-up error, not a method that fails at every step."""
         self.draft = draft
         self.vocab_size = vocab_size
         self.runner = ModelRunner(draft.model)
+        check_runs(draft, self.runner)
         self.forwards = 0
         self.pending: dict[str, list[int]] = {}
         self._drafted_last = set()

@@ -13,6 +13,11 @@ the rows of that call (they leave it and go on with the others, or plain), the c
 acceptance model that raise teach nothing that step, the grammar's fast path that raises leaves its
 row without drafts, and a plan that raises is a plain step for every row (the proposers returned to the
 step's checkpoint). `auto` rows plan no drafts once the cost model or the acceptance model is off.
+
+A row a proposer is dropped for (its call raised, or the proposer was switched off) has lost it: the planner
+keeps that account per request (`fallbacks_of`: which proposer, and why), and so does a row that joins asking for
+a proposer already switched off, so the request's answer can say its method fell back (server/types.py
+`Fallback`) instead of looking like a method that ran and drafted nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from server.speculation.policy import AutoPolicy, Candidate, Choice, DraftPolicy
 from server.speculation.proposer import BuildContext, Proposal, Proposer, SequenceView
 from server.speculation.registry import AUTO, BUILTIN, PLAIN, Registry
 from server.speculation.tuning import AutoTuning
+from server.types import Fallback, FallbackReason
 
 RowOffers = dict[str, tuple[list[int], int]]  # lookahead proposer -> (its drafts for a row, their confidence level)
 
@@ -80,6 +86,8 @@ class Planner:
         self.members: dict[str, set[str]] = {name: set() for name in self.proposers}
         self._step_start: dict[str, object] | None = None  # `checkpoint()`'s: the states at the step's start
         self._dropping: dict[str, set[str]] = {}  # rows dropped by a proposer that failed this step (`settle`)
+        # request id -> the proposers it lost to their failure, in order, one each (`fallbacks_of`)
+        self.fallbacks: dict[str, list[Fallback]] = {}
         # proposers that read the target's features: none can draft for a row whose prompt is still being computed
         self.hidden_readers = frozenset(name for name, p in self.proposers.items() if p.traits.needs_hidden)
 
@@ -154,7 +162,11 @@ class Planner:
         that of the leading blocks holding it (`Proposer.load_prefix`)."""
         for name, proposer in self.proposers.items():
             users = [i for i, s in enumerate(seqs) if s.method in (name, AUTO)]
-            if not users or not self.parts.on(_part(name)):
+            if not users:
+                continue
+            if not self.parts.on(_part(name)):  # switched off before they came: they go without it
+                for i in users:
+                    self._lost(seqs[i].request_id, name, "switched_off")
                 continue
             ids = {seqs[i].request_id for i in users}
             self.members[name] |= ids
@@ -179,6 +191,11 @@ class Planner:
             self._drop(name, ids)
         for s in seqs:
             self.parts.call("acceptance", self.policy.forget, s.request_id, default=None)
+            self.fallbacks.pop(s.request_id, None)
+
+    def fallbacks_of(self, request_id: str) -> list[Fallback]:
+        """The proposers the request lost to their failure so far, in order (none: a copy of an empty list)."""
+        return list(self.fallbacks.get(request_id, ()))
 
     # ---- one step ------------------------------------------------------------------------------
     def plan(self, seqs: list[PlannedSequence], hold: frozenset[str] = frozenset(),
@@ -261,6 +278,7 @@ class Planner:
         self._step_start = {
             "proposers": {name: p.checkpoint() for name, p in self.proposers.items()},
             "members": {name: set(ids) for name, ids in self.members.items()},
+            "fallbacks": {rid: list(lost) for rid, lost in self.fallbacks.items()},
         }
         return self._step_start
 
@@ -269,6 +287,7 @@ class Planner:
         for name, proposer in self.proposers.items():
             proposer.restore(proposers[name])
         self.members = {name: set(ids) for name, ids in state["members"].items()}  # type: ignore[attr-defined]
+        self.fallbacks = {rid: list(lost) for rid, lost in state["fallbacks"].items()}  # type: ignore[attr-defined]
         self._dropping = {}
 
     def settle(self) -> None:
@@ -329,11 +348,19 @@ class Planner:
         they stop being its rows at once but leave it when the step is committed (`settle`)."""
         self.parts.failed(_part(name), exc)
         ids = set(self.members[name]) if not self.parts.on(_part(name)) else request_ids & self.members[name]
+        for rid in ids:  # the rows of the failed call lost it to the error, the others to its switch
+            self._lost(rid, name, "error" if rid in request_ids else "switched_off", type(exc).__name__)
         if planning:
             self.members[name] -= ids
             self._dropping.setdefault(name, set()).update(ids)
         else:
             self._drop(name, ids)
+
+    def _lost(self, request_id: str, name: str, reason: FallbackReason, error: str | None = None) -> None:
+        """The request goes on without proposer `name` (`Fallback`; once per proposer: it never rejoins it)."""
+        lost = self.fallbacks.setdefault(request_id, [])
+        if all(f.proposer != name for f in lost):
+            lost.append(Fallback(name, reason, error or self.parts.errors.get(_part(name))))
 
     def _propose(self, name: str, seqs: list[PlannedSequence], ks: list[int]) -> tuple[Proposal | None, bool]:
         """(proposer `name`'s proposal for seqs, whether its first call gave it). When the call raises,

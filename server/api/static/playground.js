@@ -2,7 +2,10 @@
 //
 // Replies stream with `stream_options: {include_speculation: true}`: each content chunk's choice carries
 // `speculation: {tokens: [{text, origin, proposer, step}], draft_tokens, accepted_tokens, decode_steps}`
-// (see docs/api.md). Each token becomes <span class="tok" data-origin data-proposer data-step>.
+// (see docs/api.md). Each token becomes <span class="tok" data-origin data-proposer data-step>. The final
+// chunk's `usage.speculation.fallbacks` names any proposer the server's fail-safe turned off for the reply
+// (it then decoded without it): shown under the reply, so a method that did not run never looks like one
+// that drafted nothing.
 // The API key lives in the input field only: never stored.
 "use strict";
 
@@ -164,6 +167,7 @@ class Reply {
       for await (const chunk of sseEvents(response)) {
         if (chunk.error) throw new Error(chunk.error.message);
         for (const choice of chunk.choices) this.add(choice);
+        if (chunk.usage && chunk.usage.speculation) this.showFallbacks(chunk.usage.speculation.fallbacks || []);
       }
       this.finished = performance.now();
       this.el.dataset.state = "done";
@@ -199,6 +203,23 @@ class Reply {
     this.text.append(frag);
     this.spec = choice.speculation;
     this.update();
+  }
+
+  // One line per proposer the fail-safe turned off for this reply: which, why, and where to look.
+  showFallbacks(fallbacks) {
+    for (const f of fallbacks) {
+      const p = document.createElement("p");
+      p.className = "fallback";
+      p.dataset.role = "fallback";
+      p.dataset.proposer = f.proposer;
+      p.dataset.reason = f.reason;
+      const why = f.reason === "switched_off"
+        ? "it had failed too often and is switched off until the server restarts"
+        : `it failed while drafting (${f.error || "an error"})`;
+      p.textContent = `⚠ ${f.proposer} was turned off for this reply: ${why}; the reply decoded without it ` +
+        "(same text, no drafts from it). /health lists it under degraded; the server's log has the error.";
+      this.el.append(p);
+    }
   }
 
   get seconds() {
