@@ -32,9 +32,11 @@ weights) multiplies through those layers' own weight-only kernels instead; q, k 
 run as one call of the kernel over their weights side by side (`quantized.fused`): the same sums, a third of
 the calls. Its LM head (`TableHead`) gives fp32 logits from fp16 weights.
 
-Only decoders whose layers are exactly Llama's shape qualify (`LeanForward.of`: Llama, Mistral without a
-sliding window, Qwen2 with full attention; linear layers that are plain `nn.Linear` or quantized; SiLU MLPs; the
-engine's grouped-head attention); any other model keeps transformers' forward, which is also what
+What the layers do is the family's `Spec` (server/model/families/): which norms and where, q/k norms, biases,
+SiLU or GELU, each layer's window (the engine's mask cut to each query's last W live keys) and rotary set, score
+and logit caps. The server's own tree (decoder.py) serves every family; transformers' own Llama, Mistral and Qwen2
+trees (tools that load transformers' modules) run too. Linear layers must be plain `nn.Linear` or quantized, the
+attention the engine's grouped-head function; any other model keeps transformers' forward, which is also what
 `ModelRunner(lean=False)` asks for (tests compare the two).
 """
 
