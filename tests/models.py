@@ -94,10 +94,11 @@ def write_tiny_gguf(
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    from bench.gguf_files import add_tokenizer
+
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = list(merges)
     tokens = specials + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
-    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials))
     heads, kv_heads, ffn = 4, 2, 2 * hidden
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
@@ -109,17 +110,7 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hidden // heads)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    add_tokenizer(w, tokens, merges, specials=len(specials))
     rng = np.random.default_rng(seed)
     fixed = _cycling_tensors(len(tokens), hidden, cycle) if cycle is not None else {}
 
