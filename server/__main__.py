@@ -64,6 +64,7 @@ _EDGE = {  # the HTTP edge's limits (server/api/connections.py): flag -> help
     "header_timeout_s": "seconds a request's line and headers may take to arrive (then 408)",
     "body_timeout_s": "seconds a request's body may take to arrive after its headers (then 408)",
     "max_connections": "open connections at most; a new one past it gets 503",
+    "probe_connections": "connections past max_connections that health probes (GET /health) may still use",
 }
 _CLUSTER_FIELDS = (
     "replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "replica_num_cpus", "request_router",

@@ -155,12 +155,14 @@ class Settings(BaseSettings):
     # within `header_timeout_s` (from the connection opening, or from its first byte on a kept-alive connection),
     # or a body not complete within `body_timeout_s` of its head, gets 408 and the connection is closed. The
     # deadlines bound reading the request, never writing the answer (a stream runs as long as it runs). Past
-    # `max_connections` open connections, a new one is answered 503 and closed.
+    # `max_connections` open connections, a new one is answered 503 and closed, unless it is a health probe
+    # (`GET`/`HEAD /health`) and one of `probe_connections` reserved slots is free (two at most per peer address).
     max_header_bytes: int = Field(default=32 * 1024, ge=1)
     max_header_count: int = Field(default=100, ge=1)
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=512, ge=1)
+    probe_connections: int = Field(default=8, ge=0)
     # Responses the Responses API keeps for `previous_response_id` and `GET /v1/responses/{id}`
     # (server/api/response_store.py): at most this many bytes of JSON, least recently used out first; 0 keeps none.
     responses_store_bytes: int = Field(default=64 * 1024 * 1024, ge=0)

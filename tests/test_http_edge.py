@@ -259,22 +259,49 @@ def test_a_malformed_request_is_a_400_in_openai_shape(edge):
 
 
 @pytest.mark.slow
-def test_connections_past_max_connections_get_503_at_once(tokenizer):
-    settings = Settings.load(max_connections=2)
+def test_connections_past_max_connections_get_503_but_health_probes_are_answered(tokenizer):
+    """A client holding every connection slot cannot make the server fail its own health probe (a pod would be
+    restarted by its liveness probe): GET and HEAD /health keep an answer from the reserve, anything else asked there
+    is the same 503, and one peer address holds at most two reserved slots."""
+    settings = Settings.load(max_connections=2, probe_connections=4)
     with serve_app(create_app(settings, lambda _: FakeEngine(tokenizer))) as url:
         port = int(url.rsplit(":", 1)[1])
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-        time.sleep(0.2)  # both accepted
-        r = httpx.get(f"{url}/health", timeout=5)
+        time.sleep(0.2)  # both accepted: the ordinary slots are full
+        for _ in range(3):  # one probe after another, each on a connection of its own
+            r = httpx.get(f"{url}/health", timeout=5)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+        with socket.create_connection(("127.0.0.1", port)) as sock:  # HEAD: a head and no body
+            sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        r = httpx.get(f"{url}/v1/models", timeout=5)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "too_many_connections" and "max_connections" in r.json()["error"]["message"]
+        # two silent connections take this peer's share of the reserve: a third probe is refused until they leave
+        squatters = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        time.sleep(1.5)  # a reserved slot waits PROBE_HEAD_TIMEOUT_S for a head, then is given back
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         idle.pop().close()
         deadline = time.monotonic() + 5
-        while (status := httpx.get(f"{url}/health", timeout=5).status_code) != 200:
+        while (status := httpx.get(f"{url}/v1/models", timeout=5).status_code) != 200:
             assert status == 503 and time.monotonic() < deadline
             time.sleep(0.05)
-        for sock in idle:
+        for sock in idle + squatters:
             sock.close()
+
+
+def test_the_reserve_shares_its_slots_by_peer():
+    from server.api.connections import ProbeReserve
+
+    reserve = ProbeReserve(3, per_peer=2)
+    assert [reserve.take("a") for _ in range(3)] == [True, True, False]
+    assert reserve.take("b") and not reserve.take("c")  # the reserve is full
+    reserve.give_back("a")
+    assert reserve.take("c") and reserve.held == 3
+    assert not ProbeReserve(0).take("a")  # probe_connections 0: no reserve
 
 
 def test_the_edge_settings_come_from_yaml_environment_and_flags(monkeypatch, tmp_path):

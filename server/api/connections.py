@@ -17,8 +17,17 @@ the httptools protocol with, per connection (the settings in `server/config.py`)
 * **Body deadline.** A body must be complete within `body_timeout_s` of its head: else 408 (the app,
   waiting on the body, sees the client disconnected). It bounds reading the request only: an answer,
   an SSE stream of minutes included, is written for as long as it takes.
-* **Open connections.** Past `max_connections`, a new connection is answered 503 at once and closed
-  (nothing it sends is parsed, so it costs the server nearly nothing).
+* **Open connections.** Past `max_connections`, a new connection is answered 503 and closed. Health probes
+  keep an answer: `probe_connections` more slots (`ProbeReserve`) admit a connection past the limit on
+  probation, its head read within `PROBE_HEAD_TIMEOUT_S`, and it is served only when that head is `GET` or
+  `HEAD` of a probe path (`PROBE_PATHS`: `/health`, what every shipped probe asks), then closed; any other
+  request there gets the same 503, so the reserve serves ordinary traffic nothing. One peer address holds at
+  most `PROBE_SLOTS_PER_PEER` of those slots (a client holding every ordinary slot cannot take the reserve
+  too, nor can a proxy's overflow), and a slot is given back the moment its connection is refused. Past the
+  reserve (or the peer's share of it) a connection is answered 503 at once, nothing it sends parsed.
+  Why a reserve and not a health port: the kubelet opens a new connection for every probe (its prober
+  disables keep-alive), so a probe always needs a free slot, and the reserve gives it one on the port every
+  manifest, the Dockerfile's HEALTHCHECK and a proxy's health check already use.
 
 Each refusal is an answer in OpenAI's error shape with `Connection: close`, counted like the app's
 errors (`on_refused`), logged at INFO; then the connection stops reading into the parser, shuts its
@@ -37,6 +46,7 @@ import asyncio
 import functools
 import json
 import logging
+import urllib.parse
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -55,6 +65,55 @@ log = logging.getLogger(__name__)
 # After a refusal, how long the connection keeps draining what the client still sends before it closes:
 # closing with unread bytes makes the kernel send a reset, which can destroy the answer before it is read.
 LINGER_S = 2.0
+# What a connection past max_connections may ask (in the reserve): the path every shipped probe uses
+# (deploy/k8s's startup, readiness and liveness probes, the Dockerfile's HEALTHCHECK), by GET or HEAD.
+PROBE_PATHS = frozenset({"/health"})
+PROBE_METHODS = frozenset({b"GET", b"HEAD"})
+# A probe sends its head as it connects; a reserved slot waits this long for it (not header_timeout_s: a silent
+# connection must not hold a slot of the reserve for long).
+PROBE_HEAD_TIMEOUT_S = 1.0
+# Reserved slots one peer address may hold at once: the kubelet's readiness and liveness probes of a pod can
+# overlap (its startup probe runs alone, before them); Docker's HEALTHCHECK runs one at a time.
+PROBE_SLOTS_PER_PEER = 2
+
+
+class ProbeReserve:
+    """The connection slots past `max_connections` that only health probes may use: at most `slots` connections
+    at once, at most `per_peer` of them from one peer address. One per server (`uvicorn_config`), shared by its
+    connections; connections in it are not among the server's `connections` (max_connections counts the others).
+    Runs on the event loop only.
+
+    >>> reserve = ProbeReserve(3, per_peer=2)
+    >>> [reserve.take("10.0.0.1") for _ in range(3)], reserve.take("10.0.0.2"), reserve.take("10.0.0.3")
+    ([True, True, False], True, False)
+    >>> reserve.give_back("10.0.0.1"); reserve.take("10.0.0.3")
+    True
+    """
+
+    def __init__(self, slots: int, per_peer: int = PROBE_SLOTS_PER_PEER) -> None:
+        self.slots, self.per_peer = slots, per_peer
+        self._held: dict[str, int] = {}  # peer address -> slots it holds (absent: none)
+
+    @property
+    def held(self) -> int:
+        """Slots in use."""
+        return sum(self._held.values())
+
+    def take(self, peer: str) -> bool:
+        """A slot for a connection from `peer`; False when the reserve or the peer's share of it is full."""
+        mine = self._held.get(peer, 0)
+        if mine >= self.per_peer or self.held >= self.slots:
+            return False
+        self._held[peer] = mine + 1
+        return True
+
+    def give_back(self, peer: str) -> None:
+        """Free one slot `take(peer)` gave."""
+        left = self._held[peer] - 1
+        if left:
+            self._held[peer] = left
+        else:
+            del self._held[peer]
 
 
 class _HeadRefused(Exception):
@@ -73,11 +132,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
         *,
         settings: Settings,
+        reserve: ProbeReserve,
         on_refused: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._limits = settings
+        self._reserve = reserve
         self._on_refused = on_refused
+        self._reserved: str | None = None  # the peer whose reserved slot this connection holds (None: none)
         self._head_deadline: asyncio.TimerHandle | None = None  # while a head is awaited
         self._body_deadline: asyncio.TimerHandle | None = None  # while a body is read
         self._in_head = True  # the bytes arriving belong to a request head
@@ -91,21 +153,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # ---- connection ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        limit = self._limits.max_connections
-        if len(self.connections) >= limit:
-            self.transport = transport
-            self._turned_away = True
-            message = f"the server has as many open connections as it accepts ({limit}: max_connections); retry shortly"
-            self._refuse(503, message, "too_many_connections", answer=True)
-            return
-        super().connection_made(transport)
-        self._head_deadline = self.loop.call_later(self._limits.header_timeout_s, self._head_too_slow)
+        head_timeout = self._limits.header_timeout_s
+        if len(self.connections) >= self._limits.max_connections:
+            peer = _peer_address(transport)
+            if not self._reserve.take(peer):
+                self.transport = transport
+                self._turned_away = True
+                self._refuse(503, self._too_many(), "too_many_connections", answer=True)
+                return
+            super().connection_made(transport)
+            self.connections.discard(self)  # in the reserve, not among the connections max_connections counts
+            self._reserved = peer
+            head_timeout = min(head_timeout, PROBE_HEAD_TIMEOUT_S)
+        else:
+            super().connection_made(transport)
+        self._head_deadline = self.loop.call_later(head_timeout, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._head_deadline, self._body_deadline):
             if timer is not None:
                 timer.cancel()
         self._head_deadline = self._body_deadline = None
+        self._leave_reserve()
         if not self._turned_away:
             super().connection_lost(exc)
 
@@ -151,11 +220,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._reserved is not None and not self._is_probe():
+            self._refusal = (503, self._too_many(), "too_many_connections")
+            raise _HeadRefused
         self._in_head = False
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
         super().on_headers_complete()
+        if self._reserved is not None and self.cycle is not None:
+            self.cycle.keep_alive = False  # one probe per reserved slot: the answer closes the connection
         # Cancelled at once by on_message_complete when the request has no body.
         self._body_deadline = self.loop.call_later(self._limits.body_timeout_s, self._body_too_slow)
 
@@ -167,6 +241,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes = True, 0
 
     # ---- limits -------------------------------------------------------------------------------
+
+    def _too_many(self) -> str:
+        limit = self._limits.max_connections
+        return (f"the server has as many open connections as it accepts ({limit}: max_connections; past it only "
+                f"GET /health is answered); retry shortly")
+
+    def _is_probe(self) -> bool:
+        """Whether the head just parsed asks what a connection in the reserve may ask (PROBE_PATHS)."""
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        return self.parser.get_method() in PROBE_METHODS and urllib.parse.unquote(path) in PROBE_PATHS
+
+    def _leave_reserve(self) -> None:
+        if self._reserved is not None:
+            self._reserve.give_back(self._reserved)
+            self._reserved = None
 
     def _count_head(self, size: int) -> None:
         self._head_size += size
@@ -216,6 +305,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._lingering = True
         self._in_head = False
+        self._leave_reserve()  # refused: only draining now, its slot is free for a probe
         for timer in (self._head_deadline, self._body_deadline):
             if timer is not None:
                 timer.cancel()
@@ -252,9 +342,18 @@ def _peer(transport: asyncio.Transport) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "client"
 
 
+def _peer_address(transport: asyncio.Transport) -> str:
+    """The peer's address without its port (what `ProbeReserve` shares slots by); "local" for a Unix socket."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "local"
+
+
 def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
-    """uvicorn's Config for `app` (made by `create_app`) with `GuardedHttpProtocol` and no WebSocket
-    upgrades (no route takes one); `options` are uvicorn's (host, port, log_level, ...)."""
+    """uvicorn's Config for `app` (made by `create_app`) with `GuardedHttpProtocol` (its connections share one
+    `ProbeReserve` of `probe_connections` slots) and no WebSocket upgrades (no route takes one); `options` are
+    uvicorn's (host, port, log_level, ...)."""
     state = app.state.specula
-    protocol = functools.partial(GuardedHttpProtocol, settings=state.settings, on_refused=state.observe_error)
+    reserve = ProbeReserve(state.settings.probe_connections)
+    protocol = functools.partial(GuardedHttpProtocol, settings=state.settings, reserve=reserve,
+                                 on_refused=state.observe_error)
     return uvicorn.Config(app, http=protocol, ws="none", **options)  # type: ignore[arg-type]
