@@ -57,6 +57,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from server.api import redaction
 from server.api.errors import APIError
 from server.config import Settings
 
@@ -356,4 +357,6 @@ def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     reserve = ProbeReserve(state.settings.probe_connections)
     protocol = functools.partial(GuardedHttpProtocol, settings=state.settings, reserve=reserve,
                                  on_refused=state.observe_error)
-    return uvicorn.Config(app, http=protocol, ws="none", **options)  # type: ignore[arg-type]
+    config = uvicorn.Config(app, http=protocol, ws="none", **options)  # type: ignore[arg-type]
+    redaction.install()  # after uvicorn configured its loggers: their handlers mask credentials in URLs
+    return config
