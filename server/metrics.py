@@ -1,6 +1,7 @@
 """Prometheus collectors for one server, fed from the engine's per-step stats.
 
-This is the only module that imports `prometheus_client`. One `Metrics` object owns its own
+This module and vllm_metrics.py (the series under vLLM's names) are the only ones that import
+`prometheus_client`. One `Metrics` object owns its own
 `CollectorRegistry` (no module globals), so tests and several servers in one process don't collide.
 
 Who calls what (all methods are thread-safe; the worker thread and the event loop may both call):
@@ -51,6 +52,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.types import FallbackReason, FinishedSequence, FinishReason, StepResult
+from server.vllm_metrics import VllmSeries
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 FALLBACK_REASONS: tuple[str, ...] = get_args(FallbackReason)
@@ -65,33 +67,6 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
 # Prompt tokens one step computes: 0 (decoding only) up to max_num_batched_tokens (CPU 256, GPU 2048 by default).
 PREFILL_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-# vLLM's labels on its series: the served model and the engine's index (one engine per server here: "0").
-VLLM_LABELS = ("model_name", "engine")
-# vLLM's bucket bounds (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same here.
-VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                    40.0, 80.0)
-VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                        240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
-    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's bounds for token counts of a request).
-
-    >>> buckets_1_2_5(100)
-    (1, 2, 5, 10, 20, 50, 100)
-    """
-    out: list[int] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_value:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
-
-
 class Metrics:
     """All Prometheus collectors of one server.
 
@@ -243,7 +218,7 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        self.vllm = _VllmSeries(r, model, max_model_len, k)
+        self.vllm = VllmSeries(r, model, max_model_len, k)
         Info("specula_speculation", "Server speculation configuration.", registry=r).info(
             {"model": model, "target": target, "draft": draft or "", "method": method, "k": str(k)}
         )
@@ -375,129 +350,6 @@ def merge_expositions(bodies: Iterable[bytes | str]) -> tuple[bytes, str]:
                 merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             merged.samples.extend(fam.samples)
     return generate_latest(_Families(list(families.values()))), CONTENT_TYPE_LATEST
-
-
-class _VllmSeries:
-    """The series vLLM exports, under vLLM's names, types, labels and bounds (see the module doc).
-
-    `vllm:spec_decode_num_drafts` counts verify passes that checked at least one draft token (vLLM's
-    `observe_draft`: one per request per step that drafted), so mean accepted length = 1 + accepted / drafts
-    and the acceptance at position j = accepted_per_pos{position=j} / drafts, as vLLM's dashboards compute them.
-    Per-request figures are per sequence (a choice), as vLLM counts each of a request's n sequences;
-    `vllm:request_max_num_generation_tokens` once per API request, over its sequences.
-    """
-
-    def __init__(self, r: CollectorRegistry, model: str, max_model_len: int, k: int) -> None:
-        """`k`: the server's draft tokens per step; positions 0..k-1 are exported from the start (as vLLM does)."""
-        values = (model, "0")
-        self.values = values
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, VLLM_LABELS, registry=r).labels(*values)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, VLLM_LABELS, registry=r).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(*values)
-
-        lengths = buckets_1_2_5(max_model_len)
-        self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting for admission.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
-        self.drafts = counter("vllm:spec_decode_num_drafts", "Verify passes that checked draft tokens.")
-        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-        self.accepted_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            [*VLLM_LABELS, "position"],
-            registry=r,
-        )
-        for pos in range(k):
-            self.accepted_per_pos.labels(*values, str(pos))
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (per step, as emitted).")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache.")
-        self.request_success = Counter(
-            "vllm:request_success",
-            "Finished requests by finish reason.",
-            [*VLLM_LABELS, "finished_reason"],
-            registry=r,
-        )
-        for reason in FINISH_REASONS:
-            self.request_success.labels(*values, reason)
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", VLLM_TTFT_BUCKETS)
-        self.inter_token = histogram(
-            "vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.", VLLM_ITL_BUCKETS
-        )
-        self.time_per_output_token = histogram(  # vLLM's older name for the same observations
-            "vllm:time_per_output_token_seconds",
-            "Time between consecutive outputs of a request (vllm:inter_token_latency_seconds).",
-            VLLM_ITL_BUCKETS,
-        )
-        self.request_time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Per request: (e2e latency - time to first token) / (generated tokens - 1).",
-            VLLM_ITL_BUCKETS,
-        )
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", VLLM_LATENCY_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", VLLM_LATENCY_BUCKETS)
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds", "First scheduled to last token.", VLLM_LATENCY_BUCKETS
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "First scheduled to first token.", VLLM_LATENCY_BUCKETS
-        )
-        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.", VLLM_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", lengths)
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", lengths
-        )
-        self.request_max_generation = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Per API request: the most tokens one of its sequences generated.",
-            lengths,
-        )
-        self.request_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "The max_tokens of each request.", lengths
-        )
-
-    def observe_draft(self, draft_tokens: int, accepted_tokens: int) -> None:
-        if draft_tokens <= 0:
-            return
-        self.drafts.inc()
-        self.draft_tokens.inc(draft_tokens)
-        self.accepted_tokens.inc(accepted_tokens)
-        for pos in range(accepted_tokens):
-            self.accepted_per_pos.labels(*self.values, str(pos)).inc()
-
-    def observe_prefix_cache(self, queries: int, hits: int) -> None:
-        self.prefix_cache_queries.inc(queries)
-        self.prefix_cache_hits.inc(hits)
-
-    def observe_request(self, done: FinishedSequence) -> None:
-        self.prompt_tokens.inc(done.stats.prompt_tokens)
-        self.request_success.labels(*self.values, done.finish_reason).inc()
-        self.e2e.observe(done.e2e_s)
-        self.queue.observe(done.queue_s)
-        self.inference.observe(done.inference_s)
-        self.prefill.observe(done.prefill_s)
-        self.decode.observe(done.decode_s)
-        self.request_time_per_output_token.observe(done.time_per_output_token_s)
-        self.request_prompt_tokens.observe(done.stats.prompt_tokens)
-        self.request_generation_tokens.observe(done.stats.completion_tokens)
-        self.request_max_tokens.observe(done.max_tokens)
-        if done.request_max_generated is not None:
-            self.request_max_generation.observe(done.request_max_generated)
-
-    def set_load(self, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_cache_usage)
 
 
 class _Labelled:

@@ -103,8 +103,8 @@ def test_merged_exposition_keeps_each_replica_and_each_family_once() -> None:
 def test_vllm_histograms_have_vllms_bounds_and_the_pairs_agree() -> None:
     """Bounds as vllm/v1/metrics/loggers.py sets them; each vllm: figure equals its specula_ twin (the same
     calls feed both), and the phases come from the sequence's own timestamps."""
-    from server.metrics import VLLM_ITL_BUCKETS, VLLM_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS, buckets_1_2_5
     from server.types import RequestStats
+    from server.vllm_metrics import VLLM_ITL_BUCKETS, VLLM_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS, buckets_1_2_5
     from tests.metrics_helpers import finished
 
     m = Metrics(model="tiny", target="t", draft=None, method="ngram", k=4, methods=("none", "ngram"),

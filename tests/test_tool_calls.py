@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from server.api.app import create_app
+from server.api.chat_schemas import ChatMessage, ToolDefinition
 from server.api.chat_template import render_messages, supports_tools
 from server.api.errors import APIError
-from server.api.schemas import ChatMessage, ToolDefinition
 from server.api.tool_calls import ToolCallParser, parse_whole
 from server.config import Settings
 from tests.live_server import serve_app

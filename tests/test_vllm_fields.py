@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from server.api.body_policy import REFUSED
 from server.api.prompts import ModelInfo, chat_prompt_ids, completion_prompt_ids
-from server.api.schemas import REFUSED, ChatCompletionRequest, CompletionRequest
+from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.types import ServingLimits
 from tests.api_helpers import MODEL, running_app, sse_json
 from tests.scripted_engine import ScriptedEngine

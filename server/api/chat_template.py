@@ -18,8 +18,9 @@ import json
 from typing import Any
 
 from server.api import client_json
+from server.api.body_policy import lone_surrogate_in_json
+from server.api.chat_schemas import ChatMessage, ToolDefinition
 from server.api.errors import bad_request
-from server.api.schemas import ChatMessage, ToolDefinition, lone_surrogate_in_json
 from server.api.tool_calls import CLOSE, OPEN
 
 FALLBACK_INTRO = (

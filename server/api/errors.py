@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.schemas import REFUSED
+from server.api.body_policy import REFUSED
 from server.request_log import capped
 from server.request_stream import EngineError, QueueFull, RequestRejected, ShuttingDown
 

@@ -13,9 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.api.chat_schemas import ChatMessage, ToolDefinition
 from server.api.chat_template import render_messages
 from server.api.errors import APIError, bad_request
-from server.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition, _GenerationBody
+from server.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationBody
 from server.api.tool_calls import CLOSE
 from server.request_log import capped
 from server.types import GenerationRequest, SamplingParams, ServingLimits, SpeculationParams

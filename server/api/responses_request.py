@@ -21,7 +21,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from server.api.schemas import ChatCompletionRequest, SpeculationOptions, _Body
+from server.api.body_policy import _Body
+from server.api.schemas import ChatCompletionRequest, SpeculationOptions
 
 
 class ContentPart(_Body):

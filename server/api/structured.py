@@ -32,14 +32,10 @@ import llguidance
 import llguidance.gbnf_to_lark
 
 from server.api import client_json
+from server.api.body_policy import lone_surrogate_in_json
+from server.api.chat_schemas import NamedToolChoice, ToolDefinition
 from server.api.errors import bad_request
-from server.api.schemas import (
-    ChatCompletionRequest,
-    NamedToolChoice,
-    ToolDefinition,
-    _GenerationBody,
-    lone_surrogate_in_json,
-)
+from server.api.schemas import ChatCompletionRequest, _GenerationBody
 from server.api.tool_calls import CLOSE, OPEN
 
 ToolFormat = Literal["tagged", "bare"]

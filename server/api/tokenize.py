@@ -20,9 +20,11 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
+from server.api.body_policy import _Body
+from server.api.chat_schemas import ChatMessage, ToolDefinition
 from server.api.errors import bad_request
 from server.api.prompts import ChatTemplateCall, ModelInfo, check_model, encode, render_chat
-from server.api.schemas import TEMPLATE_CALL_PARAMETERS, ChatMessage, ToolDefinition, _Body
+from server.api.schemas import TEMPLATE_CALL_PARAMETERS
 
 
 class TokenizeRequest(_Body):
