@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.model import cpu_kernels
+from server.model import cpu_kernels, kernel_build
 from server.model.quantized import Q4Linear, Q8Linear, unpack_nibbles
 
 build = cpu_kernels.library.__wrapped__  # the uncached builder: each call builds or finds a library anew
@@ -42,8 +42,8 @@ def test_a_library_is_built_once_per_source_compiler_and_cpu_and_then_reused(tmp
     stamp = built[0].stat().st_mtime_ns
     assert build() is not None
     assert list(tmp_path.glob("kernels-*.so")) == built and built[0].stat().st_mtime_ns == stamp
-    identity = cpu_kernels._cpu_identity()
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: identity.replace("model name", "model name: another"))
+    identity = kernel_build._cpu_identity()
+    monkeypatch.setattr(kernel_build, "_cpu_identity", lambda: identity.replace("model name", "model name: another"))
     assert build() is not None
     assert len(list(tmp_path.glob("kernels-*.so"))) == 2  # never loads a library built for other flags
 
@@ -192,7 +192,7 @@ def test_a_damaged_library_is_rebuilt_and_the_start_serves_the_same_blocks(tmp_p
     again = _start(tmp_path)
     assert again == healthy  # the blocks on the same kernels, the same products
     rebuilt = [p for p in tmp_path.glob("kernels-*.so") if p.is_file() and not p.is_symlink()]
-    assert len(rebuilt) == 1 and cpu_kernels._digest(rebuilt[0]) == rebuilt[0].stem.rsplit("-", 1)[1]
+    assert len(rebuilt) == 1 and kernel_build._digest(rebuilt[0]) == rebuilt[0].stem.rsplit("-", 1)[1]
     assert _start(tmp_path) == healthy  # and the next start loads the rebuilt file
 
 

@@ -7,7 +7,9 @@ group's sum of x, group after group: the scale and minimum applied once per grou
 operations in the same order whatever rows share the call and however many threads split the outputs, so a row's
 result is the same bits alone or in any batch (tests check it). Kinds (csrc/specula.h): Q4 (4-bit values: Q4_0,
 Q4_1, Q4_K), Q8 (int8 values: Q8_0, Q5_0), Q8 with a minimum (Q5_1, Q5_K), Q8 with scales per 16 inputs (Q6_K),
-float16 weights (`Tiles.f16`, an fp16 table as the LM head).
+Q5 (5-bit values with or without a minimum, on int8 activations: Q5_0, Q5_1, Q5_K in five eighths of a byte a
+weight, the same products as the Q8 kinds' for the same values), float16 weights (`Tiles.f16`, an fp16 table as
+the LM head).
 
 Where the host lacks AVX-512 a product is bound by float arithmetic, not bytes, and Q4 and Q8 blocks take int8
 activations (`int8_activations`; `SPECULA_INT8_ACTIVATIONS=0` / `1` decides; the minimum and per-16 kinds always
@@ -26,41 +28,29 @@ instruction sets). `kernels.c` is built once per instruction set (`ISA_FLAGS`: `
 best (`host_isa`) is loaded; tests build and run a named one (`library("avx2")`). `make lint` compiles both with
 warnings as errors.
 
-Built with the host's C compiler (`CC`, default `cc`; `FLAGS` plus the instruction set's) into `kernels/` under the
-server's `cache_dir` (`~/.cache/specula/kernels/` by default; `SPECULA_KERNEL_DIR` wins) as
-`kernels-<isa>-<key>-<digest>.so`: the key hashes the sources, the compiler, the flags and this CPU's model and
-flags (a library built for another CPU is never loaded), the digest the library's own bytes. A library is loaded
-only when its bytes match the digest its name gives: a truncated, overwritten, empty or unreadable file (a full
-disk, an interrupted copy of the cache volume) would crash the process when loaded (SIGBUS, SIGSEGV), so it is
-removed and built again (in a temporary directory, renamed into place: atomic). A directory that cannot be written
-builds into a private temporary directory instead (every start builds again; about 2 s). OpenMP resolves to the
-libgomp torch already loaded, so both share one thread pool; a call uses torch's current thread count. The library
-is checked against a reference product once when loaded. Any failure (no compiler, no AVX2, a wrong probe) leaves
-`library()` None and quantized.py on torch's kernel, and `problem()` says why (`/health` lists `kernels` under
-`degraded`); `SPECULA_CPU_KERNELS=0` asks for that on purpose.
+Built and cached by kernel_build.py (keyed by sources, compiler, flags and CPU; checked against its digest;
+damaged files built again). The library is checked against a reference product once when loaded. Any failure
+(no compiler, no AVX2, a wrong probe) leaves `library()` None and quantized.py on torch's kernel, and `problem()`
+says why (`/health` lists `kernels` under `degraded`); `SPECULA_CPU_KERNELS=0` asks for that on purpose.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from server.model.kernel_build import CSRC, ISA_FLAGS, _build, _cpu_identity, host_isa, lint
+
 log = logging.getLogger(__name__)
 
 TILE = 16  # outputs a tile holds (one 512-bit vector of float32)
-CSRC = Path(__file__).with_name("csrc")  # the C sources: specula.h (kinds, structs), kernels.c, one header per ISA
 
 
 def _kinds() -> dict[str, int]:
@@ -69,106 +59,13 @@ def _kinds() -> dict[str, int]:
 
 
 _KINDS = _kinds()
-KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_F16 = (_KINDS[k] for k in (
-    "KIND_Q4", "KIND_Q4_INT8", "KIND_Q8", "KIND_Q8_INT8", "KIND_Q8M_INT8", "KIND_Q8G16_INT8", "KIND_F16"))
-INT8_KINDS = (KIND_Q4_INT8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8)  # kinds on int8 activations
+KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_Q5M_INT8, KIND_Q5_INT8, KIND_F16 = (
+    _KINDS[k] for k in ("KIND_Q4", "KIND_Q4_INT8", "KIND_Q8", "KIND_Q8_INT8", "KIND_Q8M_INT8", "KIND_Q8G16_INT8",
+                        "KIND_Q5M_INT8", "KIND_Q5_INT8", "KIND_F16"))
+# kinds on int8 activations
+INT8_KINDS = (KIND_Q4_INT8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_Q5M_INT8, KIND_Q5_INT8)
+Q5_LAYOUT = (KIND_Q5M_INT8, KIND_Q5_INT8)  # 5-bit values: Q4's nibbles and a plane of fifth bits per group
 Q8_LAYOUT = (KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8)  # kinds whose tiles hold 4 inputs' values side by side
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra",
-         "-Wno-psabi")
-# the instruction sets kernels.c is built for, each with what it adds to FLAGS; the host's best one is loaded
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
-             "avx2": ("-mno-avx512f", "-mavx2", "-mfma", "-mf16c")}
-_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}}
-
-
-def _cpu_identity() -> str:
-    """This CPU's model and feature flags (a library built with -march=native runs only where they match)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-        return "\n".join(wanted) or platform.processor()
-    except OSError:
-        return platform.processor()
-
-
-def host_isa() -> str | None:
-    """The best instruction set of `ISA_FLAGS` this CPU runs (None: neither, no kernels here)."""
-    flags = set(next((line.split(":", 1)[1] for line in _cpu_identity().splitlines() if line.startswith("flags")),
-                     "").split())
-    return next((isa for isa, needs in _ISA_NEEDS.items() if needs <= flags), None)
-
-
-def _sources() -> list[Path]:
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
-
-
-def _key(compiler: str, isa: str) -> str:
-    """What a library's bytes depend on: the sources, the compiler and its version, the flags, this CPU."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [p.read_text() for p in _sources()] + [compiler, version, *FLAGS, *ISA_FLAGS[isa], platform.machine(),
-                                                   _cpu_identity()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def _find(directory: Path, stem: str) -> Path | None:
-    """A library `<stem>-<digest>.so` under `directory` whose bytes have the digest its name gives. Any other such
-    file (truncated, overwritten, unreadable: a full disk, an interrupted copy of the cache) is removed where it
-    can be and never loaded: loading damaged bytes crashes the process (SIGBUS, SIGSEGV)."""
-    for path in sorted(directory.glob(f"{stem}-*.so")):
-        try:
-            if _digest(path) == path.stem.rsplit("-", 1)[1]:
-                return path
-        except OSError as err:
-            log.warning("the kernel library %s is unreadable (%s): building it again", path, err)
-            continue
-        log.warning("the kernel library %s does not match its digest (damaged): building it again", path)
-        with contextlib.suppress(OSError):
-            path.unlink()
-    return None
-
-
-def _compile(compiler: str, isa: str, work: Path) -> Path:
-    built = work / "kernels.so"
-    done = subprocess.run([compiler, *FLAGS, *ISA_FLAGS[isa], f"-I{CSRC}", "-o", str(built), str(CSRC / "kernels.c")],
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling the kernels ({isa}) failed: {done.stderr.strip()[-500:]}")
-    return built
-
-
-def _build(directory: Path, isa: str) -> Path:
-    """The library for `isa` under `directory`, found by its key and checked against its digest, or built there
-    (in a temporary directory beside it, renamed into place: atomic, and a concurrent build renames the same bytes
-    over it). A directory that cannot be written builds into a private temporary one instead (every start builds
-    again, with a warning) rather than giving up the kernels."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C compiler {compiler!r}")
-    stem = f"kernels-{isa}-{_key(compiler, isa)}"
-    if directory.is_dir() and (found := _find(directory, stem)) is not None:
-        return found
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(dir=directory, prefix=".build-"))
-    except OSError as err:
-        private = Path(tempfile.mkdtemp(prefix="specula-kernels-"))
-        log.warning("the kernel directory %s cannot be written (%s): building into %s for this process only",
-                    directory, err, private)
-        built = _compile(compiler, isa, private)
-        target = private / f"{stem}-{_digest(built)}.so"
-        os.replace(built, target)
-        return target
-    try:
-        built = _compile(compiler, isa, work)
-        target = directory / f"{stem}-{_digest(built)}.so"
-        os.replace(built, target)
-        return target
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -308,6 +205,26 @@ class Tiles:
         return cls(KIND_Q8, qt.view(torch.uint8), _tiled(s, t), torch.zeros(1), n, lib)  # m is never read for Q8
 
     @classmethod
+    def q5(cls, q: torch.Tensor, s: torch.Tensor, lib: ctypes.CDLL, m: torch.Tensor | None = None) -> Tiles:
+        """5-bit values on int8 activations, five eighths of a byte a weight: q [N, K] in [0, 31] with m [N, K/32],
+        w = s q + m (Q5_1, Q5_K: `KIND_Q5M_INT8`), or q in [-16, 15] without, w = s q (Q5_0: `KIND_Q5_INT8`, held
+        as q + 16); s [N, K/32]. The same products, bit for bit, as `q8` of the same values (csrc/int8.h)."""
+        n, k = q.shape
+        low, high = (0, 31) if m is not None else (-16, 15)
+        if q.numel() and not (low <= int(q.min()) and int(q.max()) <= high):
+            raise ValueError(f"5-bit tiles take values in [{low}, {high}], not [{int(q.min())}, {int(q.max())}]")
+        q, s, m_padded = _pad(q, s, m if m is not None else s[:, :0])
+        t, g = q.shape[0] // TILE, k // 32
+        u = (q.to(torch.int16) + (16 if m is None else 0)).to(torch.uint8).view(t, TILE, k).transpose(1, 2)
+        quads = (u & 15).reshape(t, k // 4, 4, TILE)  # [tiles, u, e, j], as `q4` packs them
+        nibbles = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(t, g, 256)
+        fifth = (u >> 4).reshape(t, g, 8, 4, TILE).permute(0, 1, 4, 3, 2)  # [tiles, group, j, e, quad]
+        bits = (fifth.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)  # [t, g, 16, 4]
+        packed = torch.cat([nibbles, bits.reshape(t, g, 64)], dim=2).reshape(t, g * 320)
+        kind, mins = (KIND_Q5M_INT8, _tiled(m_padded, t)) if m is not None else (KIND_Q5_INT8, torch.zeros(1))
+        return cls(kind, packed.contiguous(), _tiled(s, t), mins, n, lib, in_features=k)
+
+    @classmethod
     def f16(cls, w: torch.Tensor, lib: ctypes.CDLL) -> Tiles:
         """w [N, K] float16 values (K a multiple of 32), multiplied as they are: no scale, nothing rounded but the
         float32 sums, which run as the block kinds' do (a row's result the same bits in any batch)."""
@@ -324,6 +241,20 @@ class Tiles:
         what a table's lookups read once the tiles alone hold it."""
         if self.kind == KIND_F16:
             return tile_rows(self.q.view(torch.float16), ids)
+        if self.kind in Q5_LAYOUT:  # per group: [u, 32 bytes] nibbles, then [2 halves, 32 bytes] fifth bits
+            groups = self.q.view(self.tiles, -1, 320)[ids // TILE]  # [n, G, 320]
+            lane = (ids % TILE)[:, None, None, None]
+            byte = 4 * (lane % 8) + torch.arange(4)  # [n, 1, 1, 4]: input e of the lane's output in a quad
+            nib = groups[:, :, :256].view(len(ids), -1, 8, 32).long()  # [n, G, u, 32]
+            nib = torch.take_along_dim(nib, byte.expand(-1, nib.shape[1], 8, -1), dim=3)
+            nib = torch.where(lane >= 8, nib >> 4, nib & 15)
+            bits = groups[:, :, 256:].view(len(ids), -1, 2, 32).long()  # [n, G, half, 32]
+            half = (lane >= 8).long().expand(-1, bits.shape[1], 1, 32)
+            bits = torch.take_along_dim(bits, half, dim=2)  # [n, G, 1, 32]
+            bits = torch.take_along_dim(bits, byte.expand(-1, bits.shape[1], -1, -1), dim=3)  # [n, G, 1, 4]
+            fifth = (bits >> torch.arange(8)[None, None, :, None]) & 1  # [n, G, u, 4]
+            u = nib + 16 * fifth - (16 if self.kind == KIND_Q5_INT8 else 0)
+            return u.to(torch.int8).reshape(len(ids), self.in_features)
         q = self.q.view(torch.int8)
         if self.kind in Q8_LAYOUT:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
             quads = q.view(self.tiles, self.in_features // 4, TILE, 4)
@@ -349,8 +280,9 @@ class Tiles:
 
 
 def scratch_per_row(k: int) -> int:
-    """Floats of scratch a product over k inputs needs per row (`prepare_row`: group sums, int8 scales and values)."""
-    return k // 32 * 2 + k // 4
+    """Floats of scratch a product over k inputs needs per row (`prepare_row`: group sums, int8 scales, values and
+    their sums; csrc/int8.h's `scratch_floats`)."""
+    return k // 32 * 3 + k // 4
 
 
 def int8_activations() -> bool:
@@ -408,9 +340,11 @@ def _probe(lib: ctypes.CDLL) -> bool:
     scaled4, scaled8 = s.repeat_interleave(32, 1) * q4, s.repeat_interleave(32, 1) * q8
     scaled5, scaled16 = s.repeat_interleave(32, 1) * q5, s16.repeat_interleave(16, 1) * q8
     w4, w5 = scaled4 + m.repeat_interleave(32, 1), scaled5 + m.repeat_interleave(32, 1)
+    scaled50 = s.repeat_interleave(32, 1) * (q5 - 16)  # Q5_0's
     for tiles, w, scaled in (*((Tiles.q4(q4, s, m, lib, int8=i8), w4, scaled4) for i8 in (False, True)),
                              *((Tiles.q8(q8, s, lib, int8=i8), scaled8, scaled8) for i8 in (False, True)),
                              (Tiles.q8(q5, s, lib, m=m), w5, scaled5), (Tiles.q8(q8, s16, lib), scaled16, scaled16),
+                             (Tiles.q5(q5, s, lib, m=m), w5, scaled5), (Tiles.q5(q5 - 16, s, lib), scaled50, scaled50),
                              (Tiles.f16(f16, lib), f16, None)):
         want = x.double() @ w.double().t()
         rounded = tiles.kind in INT8_KINDS
@@ -418,19 +352,6 @@ def _probe(lib: ctypes.CDLL) -> bool:
         if not ((tiles(x).double() - want).abs() <= slack + 1e-5 * float(want.abs().max())).all():
             return False
     return True
-
-
-def lint() -> list[str]:
-    """Compile csrc/kernels.c for every instruction set with warnings as errors (`make lint`); the failures' output."""
-    compiler = os.environ.get("CC", "cc")
-    failures = []
-    for isa, flags in ISA_FLAGS.items():
-        with tempfile.TemporaryDirectory() as work:
-            done = subprocess.run([compiler, *FLAGS, *flags, "-Werror", f"-I{CSRC}", "-o", f"{work}/k.so",
-                                   str(CSRC / "kernels.c")], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            failures.append(f"{isa}: {done.stderr.strip()}")
-    return failures
 
 
 if __name__ == "__main__":

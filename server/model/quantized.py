@@ -307,10 +307,22 @@ class Q8Linear(QuantLinear):
     def _supported(self) -> bool:
         return has_int4_kernel() and self.plain
 
+    def five_bits(self) -> bool:
+        """Whether its values fit the 5-bit tiles on int8 activations (`cpu_kernels.Tiles.q5`: Q5_1 and Q5_K, which
+        run on int8 activations everywhere, and Q5_0 where the host takes int8 activations): groups of 32 and
+        values in [0, 31] beside a minimum, in [-16, 15] without."""
+        if self.group != GROUP or not self.qweight.numel():
+            return False
+        if self.mins is None and not cpu_kernels.int8_activations():
+            return False
+        low, high = int(self.qweight.min()), int(self.qweight.max())
+        return 0 <= low and high <= 31 if self.mins is not None else -16 <= low and high <= 15
+
     def _build(self) -> Kernel:
         lib = cpu_kernels.library()
-        if lib is not None:  # float32 in and out, w = d q (+ m)
-            tiles = cpu_kernels.Tiles.q8(self.qweight, self.scales, lib, m=self.mins).with_bias(self.bias)
+        if lib is not None:  # float32 in and out, w = d q (+ m); 5-bit values in 5-bit tiles (the same products)
+            maker = cpu_kernels.Tiles.q5 if self.five_bits() else cpu_kernels.Tiles.q8
+            tiles = maker(self.qweight, self.scales, lib, m=self.mins).with_bias(self.bias)
             self._int8 = tiles.kind in cpu_kernels.INT8_KINDS
             return tiles
         u = self.qweight.to(torch.int32) + 128  # [out, in] in [0, 255]

@@ -1,5 +1,5 @@
-/* Products on int8 activations (AVX2 instructions, which AVX-512 hosts have too): kinds KIND_Q4_INT8 and
-   KIND_Q8_INT8. */
+/* Products on int8 activations (AVX2 instructions, which AVX-512 hosts have too): kinds KIND_Q4_INT8, the Q8
+   kinds (9-11) and the Q5 kinds (12, 13). */
 /* Q4 products on int8 activations (kind 5, KIND_Q4_INT8 in Python; AVX2 instructions, which AVX-512 hosts have
    too). Each row's activations are rounded to int8 per group of 32 (`quantize_row`: dx = max|x| / 127, xq = x / dx
    to nearest even), then _mm256_maddubs_epi16 multiplies a tile's 4 values (q[k..k+3][j]) of 8 outputs by the
@@ -7,7 +7,12 @@
    Q4_1 x Q8_1 dot product does). Per group: summed in 16 bits (exact, `group_q4i`), each output's two lanes added
    in 32 bits, then y += (s dx) t + m xs in float32, with xs the float sum of the group's inputs (group_sums, as
    kind 4 uses it). All of it per row: a row's result is the same bits in any batch. */
-static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
+/* Floats of scratch a product over K inputs needs per row (`prepare_row`): group sums and int8 scales [K/32] each,
+   int8 values [K] bytes, their integer sums per group [K/32]. */
+static inline int64_t scratch_floats(int64_t K) { return K / 32 * 3 + K / 4; }
+
+/* Row x's int8 form per group of 32: scales dx [K/32], values xq [K], and the values' sums sx [K/32] (exact). */
+static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq, int32_t* sx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < K / 32; g++) {
@@ -26,6 +31,9 @@ static void quantize_row(const float* x, int64_t K, float* dx, int8_t* xq) {
     for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256((__m256i*)(xq + g * 32), _mm256_permutevar8x32_epi32(packed, order));
+    int32_t total = 0;
+    for (int i = 0; i < 32; i++) total += xq[g * 32 + i];
+    sx[g] = total;
   }
 }
 
@@ -186,4 +194,98 @@ static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const flo
     _mm256_storeu_ps(y + r * ldy, acc[0]);
     _mm256_storeu_ps(y + r * ldy + 8, acc[1]);
   }
+}
+
+/* Q5 products on int8 activations (kinds 12 and 13, KIND_Q5M_INT8 and KIND_Q5_INT8): 5-bit values u in [0, 31],
+   five eighths of a byte a weight where the Q8 tiles spend one. Per group of 32 inputs a tile holds 320 bytes: the
+   low 4 bits of each value as a Q4 tile holds them (256 bytes: per 4 inputs u, byte 4j + e holding input 4u + e of
+   output j in its low nibble and of output j + 8 in its high), then the fifth bits, 32 bytes for outputs 0-7 and 32
+   for outputs 8-15, bit u of byte 4j + e being the fifth bit of input 4u + e (Tiles.q5). Kind 12 is w = s u + m
+   (Q5_1, Q5_K), kind 13 w = s (u - 16) (Q5_0). _mm256_maddubs_epi16 multiplies u by a row's int8 inputs, summed in
+   16 bits over 4 quads (at most 4 x 2 x 31 x 127 = 31,496: exact) and then in 32 bits, so t = sum u xq exactly;
+   kind 13 takes 16 times the group's sum of xq off it (`quantize_row`'s sx), which leaves sum (u - 16) xq: the
+   integers and then the float steps of the Q8 tiles' kinds 10 and 9 for the same weights, the same bits. */
+
+/* The fifth bits of quad u (bit u of each byte of b) at bit 4, u a constant where it is inlined. */
+static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i b, int u) {
+  const __m256i v = u < 4 ? _mm256_slli_epi16(b, 4 - u) : u > 4 ? _mm256_srli_epi16(b, u - 4) : b;
+  return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+/* R rows' 32-bit sums t = sum u xq over one tile's group qg for its 16 outputs (lo[r]: 0-7, hi[r]: 8-15). */
+static inline __attribute__((always_inline)) void group_q5i(const int R, const uint8_t* qg, const int8_t* xp,
+                                                            int64_t ldx, __m256i* lo, __m256i* hi) {
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i bl = _mm256_loadu_si256((const __m256i*)(qg + 256));
+  const __m256i bh = _mm256_loadu_si256((const __m256i*)(qg + 288));
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 2
+  for (int half = 0; half < 2; half++) {
+    __m256i l16[3], h16[3];
+    #pragma GCC unroll 4
+    for (int e = 0; e < 4; e++) {
+      const int u = 4 * half + e;
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qg + u * 32));
+      const __m256i wl = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bit(bl, u));
+      const __m256i wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bit(bh, u));
+      for (int r = 0; r < R; r++) {
+        const __m256i x = quad(xp + r * ldx + 4 * u);
+        const __m256i pl = _mm256_maddubs_epi16(wl, x), ph = _mm256_maddubs_epi16(wh, x);
+        l16[r] = e ? _mm256_add_epi16(l16[r], pl) : pl;
+        h16[r] = e ? _mm256_add_epi16(h16[r], ph) : ph;
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(l16[r], ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(h16[r], ones));
+    }
+  }
+}
+
+/* Group g of R rows from row r0 on (R a constant where it is inlined): acc = y so far (0 at g = 0), then
+   acc += (s dx) t (+ m xs for kind 12), as tile_q8i does it for kinds 9 and 10. */
+static inline __attribute__((always_inline)) void rows_q5i(const int R, int kind, int64_t r0, int64_t g, int64_t M,
+                                                           int64_t K, const uint8_t* q, const float* s,
+                                                           const float* m, const float* xs, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  const float* dx = xs + M * G;
+  const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
+  const int32_t* sx = (const int32_t*)(xs + 2 * M * G + M * K / 4);
+  __m256i lo[3], hi[3];
+  group_q5i(R, q + g * 320, xq + r0 * K + g * 32, K, lo, hi);
+  const __m256 s0 = _mm256_loadu_ps(s + g * 16), s1 = _mm256_loadu_ps(s + g * 16 + 8);
+  for (int r = 0; r < R; r++) {
+    const int64_t row = r0 + r;
+    float* yr = y + row * ldy;
+    if (kind == KIND_Q5_INT8) {
+      const __m256i c = _mm256_set1_epi32(16 * sx[row * G + g]);
+      lo[r] = _mm256_sub_epi32(lo[r], c);
+      hi[r] = _mm256_sub_epi32(hi[r], c);
+    }
+    __m256 acc0 = g ? _mm256_loadu_ps(yr) : _mm256_setzero_ps(), acc1 = g ? _mm256_loadu_ps(yr + 8) : _mm256_setzero_ps();
+    const __m256 d = _mm256_set1_ps(dx[row * G + g]);
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(s0, d), _mm256_cvtepi32_ps(lo[r]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(s1, d), _mm256_cvtepi32_ps(hi[r]), acc1);
+    if (kind == KIND_Q5M_INT8) {
+      const __m256 sum = _mm256_set1_ps(xs[row * G + g]);
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc1);
+    }
+    _mm256_storeu_ps(yr, acc0);
+    _mm256_storeu_ps(yr + 8, acc1);
+  }
+}
+
+/* One tile's 16 outputs for all M rows, kinds 12 and 13 (xs as `prepare_row` leaves it): each group in blocks of up
+   to 3 rows, one unpacking of the weights for a block, the sums left in y between groups (exact float32 stores:
+   the same operations per row for any M). */
+static void tile_q5i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
+                     const float* xs, float* y, int64_t ldy) {
+  for (int64_t g = 0; g < K / 32; g++)
+    for (int64_t r0 = 0; r0 < M; r0 += 3) {
+      const int64_t n = M - r0;
+      if (n >= 3) rows_q5i(3, kind, r0, g, M, K, q, s, m, xs, y, ldy);
+      else if (n == 2) rows_q5i(2, kind, r0, g, M, K, q, s, m, xs, y, ldy);
+      else rows_q5i(1, kind, r0, g, M, K, q, s, m, xs, y, ldy);
+    }
 }

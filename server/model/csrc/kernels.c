@@ -35,26 +35,32 @@ static void group_sums(const float* x, int64_t K, float* xs) {
   }
 }
 
-/* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q8 one, F16 two (16 outputs each). */
+/* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q5 five eighths, Q8 one, F16 two (16 outputs
+   each). */
 static inline int64_t tile_bytes(int64_t kind, int64_t K) {
+  if (kind == KIND_Q5M_INT8 || kind == KIND_Q5_INT8) return K / 32 * 320;
   return kind == KIND_Q4 || kind == KIND_Q4_INT8 ? K / 2 * 16 : kind == KIND_F16 ? K * 32 : K * 16;  /* Q8 kinds */
 }
 
 /* Scale rows of a tile over K inputs: one per group (16 inputs for KIND_Q8G16_INT8, else 32). */
 static inline int64_t scale_rows(int64_t kind, int64_t K) { return kind == KIND_Q8G16_INT8 ? K / 16 : K / 32; }
 
-static inline int needs_sums(int kind) { return kind == KIND_Q4 || kind == KIND_Q4_INT8 || kind == KIND_Q8M_INT8; }
+static inline int needs_sums(int kind) {
+  return kind == KIND_Q4 || kind == KIND_Q4_INT8 || kind == KIND_Q8M_INT8 || kind == KIND_Q5M_INT8;
+}
 static inline int needs_int8(int kind) {
-  return kind == KIND_Q4_INT8 || (kind >= KIND_Q8_INT8 && kind <= KIND_Q8G16_INT8);
+  return kind == KIND_Q4_INT8 || (kind >= KIND_Q8_INT8 && kind <= KIND_Q5_INT8);
 }
 
 /* What a product needs of row r of x [M, K] (every row's, before any tile): its group sums xs [M, K/32] (the
-   minimum's term: `sums`) and, on int8 activations (`ints`), its scales after them [M, K/32] and its int8 values
-   after those [M, K] bytes. */
+   minimum's term: `sums`) and, on int8 activations (`ints`), its scales after them [M, K/32], its int8 values
+   after those [M, K] bytes and their sums per group after those [M, K/32] int32 (`scratch_floats` a row). */
 static void prepare_row(int sums, int ints, const float* x, int64_t M, int64_t K, float* xs, int64_t r) {
   const int64_t G = K / 32;
   if (sums) group_sums(x + r * K, K, xs + r * G);
-  if (ints) quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K);
+  if (ints)
+    quantize_row(x + r * K, K, xs + M * G + r * G, (int8_t*)(xs + 2 * M * G) + r * K,
+                 (int32_t*)(xs + 2 * M * G + M * K / 4) + r * G);
 }
 
 /* One tile's outputs for all M rows, by kind, then its bias (if any). */
@@ -66,6 +72,7 @@ static inline void tile_of(const struct weights* w, int64_t t, const float* x, i
   const float* m = w->m + t * (K / 32) * 16;
   if (w->kind == KIND_Q4_INT8) tile_q4i(M, K, q, s, m, xs, y, ldy);
   else if (w->kind >= KIND_Q8_INT8 && w->kind <= KIND_Q8G16_INT8) tile_q8i(w->kind, M, K, q, s, m, xs, y, ldy);
+  else if (w->kind == KIND_Q5M_INT8 || w->kind == KIND_Q5_INT8) tile_q5i(w->kind, M, K, q, s, m, xs, y, ldy);
   else tile(w->kind, x, M, K, q, s, m, xs, y, ldy);
   if (w->bias)
     for (int64_t r = 0; r < M; r++) store16(y + r * ldy, load16(y + r * ldy) + load16(w->bias + t * 16));
@@ -362,9 +369,9 @@ void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n
   float* gu = o + N * wide;
   float* act = gu + N * D->gu_ld;
   const int64_t widest = D->inter > qd ? (D->inter > H ? D->inter : H) : (qd > H ? qd : H);
-  float* xs = act + N * D->inter;  /* [N, widest / 32 * 2 + widest / 4]: `prepare_row`'s */
+  float* xs = act + N * D->inter;  /* [N, scratch_floats(widest)]: `prepare_row`'s */
   /* per thread: attend_block's sc [QBLOCK][group][KCHUNK + 16] and kb [32][d] */
-  float* scores = xs + N * (widest / 32 * 2 + widest / 4);
+  float* scores = xs + N * scratch_floats(widest);
   int32_t* count = live + N * Lk;
   int64_t* block = first + N + 1;  /* attention's query blocks: block b is tokens block[b] .. block[b + 1] - 1 */
   int64_t n_items = 0;

@@ -15,6 +15,8 @@ enum specula_kind {
   KIND_Q8_INT8 = 9,    /* the same weights on int8 activations */
   KIND_Q8M_INT8 = 10,  /* int8 values, w = s q + m per group of 32, int8 activations (Q5_1, Q5_K) */
   KIND_Q8G16_INT8 = 11,  /* int8 values, w = s q per group of 16, int8 activations (Q6_K) */
+  KIND_Q5M_INT8 = 12,  /* 5-bit values u, w = s u + m per group of 32, int8 activations (Q5_1, Q5_K) */
+  KIND_Q5_INT8 = 13,   /* 5-bit values u = q + 16, w = s q per group of 32, int8 activations (Q5_0) */
   KIND_F16 = 16        /* float16 weights as they are (no scale), float32 activations */
 };
 
