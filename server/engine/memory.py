@@ -49,7 +49,7 @@ PARTS = ("weights", "kv_cache", "prefix_cache", "proposers", "activations", "run
 
 # The probe's shapes: small, as every operation runs Python while it is measured (the bytes scale per token)
 PROBE_PREFILL = 32  # tokens of one row's prefill
-PROBE_ROWS, PROBE_WIDTH = 2, 9  # a verify pass of rows x (8 drafts + 1)
+PROBE_ROWS, PROBE_WIDTH = 2, 3  # a verify pass of rows x (2 drafts + 1): bytes scale with positions (per position)
 # The most expensive sampling path per position: penalties (token counts), temperature, top-k and top-p (a
 # sort of the vocabulary)
 PROBE_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1,

@@ -65,6 +65,7 @@ KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KI
 # kinds on int8 activations
 INT8_KINDS = (KIND_Q4_INT8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_Q5M_INT8, KIND_Q5_INT8)
 Q5_LAYOUT = (KIND_Q5M_INT8, KIND_Q5_INT8)  # 5-bit values: Q4's nibbles and a plane of fifth bits per group
+Q5_TILES_AT_ONCE = 256  # tiles `Tiles.q5` lays out at a time (4,096 outputs)
 Q8_LAYOUT = (KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8)  # kinds whose tiles hold 4 inputs' values side by side
 
 
@@ -215,14 +216,21 @@ class Tiles:
             raise ValueError(f"5-bit tiles take values in [{low}, {high}], not [{int(q.min())}, {int(q.max())}]")
         q, s, m_padded = _pad(q, s, m if m is not None else s[:, :0])
         t, g = q.shape[0] // TILE, k // 32
-        u = (q.to(torch.int16) + (16 if m is None else 0)).to(torch.uint8).view(t, TILE, k).transpose(1, 2)
-        quads = (u & 15).reshape(t, k // 4, 4, TILE)  # [tiles, u, e, j], as `q4` packs them
-        nibbles = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(t, g, 256)
-        fifth = (u >> 4).reshape(t, g, 8, 4, TILE).permute(0, 1, 4, 3, 2)  # [tiles, group, j, e, quad]
-        bits = (fifth.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)  # [t, g, 16, 4]
-        packed = torch.cat([nibbles, bits.reshape(t, g, 64)], dim=2).reshape(t, g * 320)
+        packed = torch.empty(t, g, 320, dtype=torch.uint8)
+        for a in range(0, t, Q5_TILES_AT_ONCE):  # a slice of tiles at a time: the temporaries stay small
+            b = min(t, a + Q5_TILES_AT_ONCE)
+            u = q[a * TILE : b * TILE].to(torch.int8).view(torch.uint8)  # Q5_0's q + 16 wraps to [0, 31]
+            u = (u + 16 if m is None else u).view(b - a, TILE, k).transpose(1, 2)
+            quads = (u & 15).reshape(b - a, k // 4, 4, TILE)  # [tiles, u, e, j], as `q4` packs them
+            packed[a:b, :, :256] = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(b - a, g, 256)
+            fifth = (u >> 4).reshape(b - a, g, 8, 4, TILE).permute(0, 1, 4, 3, 2)  # [tiles, group, j, e, quad]
+            bits = fifth[..., 0].clone()
+            for quad in range(1, 8):
+                bits |= fifth[..., quad] << quad
+            packed[a:b, :, 256:] = bits.reshape(b - a, g, 64)  # byte 4j + e of a half: bit u from quad u
+        packed = packed.view(t, g * 320)
         kind, mins = (KIND_Q5M_INT8, _tiled(m_padded, t)) if m is not None else (KIND_Q5_INT8, torch.zeros(1))
-        return cls(kind, packed.contiguous(), _tiled(s, t), mins, n, lib, in_features=k)
+        return cls(kind, packed, _tiled(s, t), mins, n, lib, in_features=k)
 
     @classmethod
     def f16(cls, w: torch.Tensor, lib: ctypes.CDLL) -> Tiles:

@@ -169,6 +169,7 @@ class TableHead(nn.Module):
             lib = cpu_kernels.library() if table.qweight.device.type == "cpu" else None
             if lib is not None:
                 table.tiles = cpu_kernels.Tiles.q8(table.qweight, table.scales, lib)
+                _packed_from(table)  # the blocks' file pages: lookups read the tiles from now on (`BlockTable.rows`)
                 return table.tiles
             weight = table.dequantize().half()  # fbgemm's fp16 GEMM below, or F.linear
         else:
