@@ -17,10 +17,11 @@ from torch import nn
 from server.config import Settings
 from server.model import cpu_kernels
 from server.model.attention import WIDE, use_gqa_attention
+from server.model.fusion import fused
 from server.model.loading import load_model, resolve_weights
 from server.model.prefix_cache import BLOCK, PrefixCache
 from server.model.quantize import quantize_linears
-from server.model.quantized import GROUP, Int8Linear, Q4Linear, Q8Linear, fused, has_int4_kernel, output_error_bound
+from server.model.quantized import GROUP, Int8Linear, Q4Linear, Q8Linear, has_int4_kernel, output_error_bound
 from server.model.runner import ModelRunner
 from server.model.tables import BlockTable, Fp16Table, TableHead
 from server.model.weights_cache import entry_path

@@ -29,7 +29,7 @@ does not reproduce `F.linear` on a probe) keeps `F.linear`.
 
 A model whose linear layers are held quantized (quantized.py: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors, or `int8`
 weights) multiplies through those layers' own weight-only kernels instead; q, k and v, and gate and up, each
-run as one call of the kernel over their weights side by side (`quantized.fused`): the same sums, a third of
+run as one call of the kernel over their weights side by side (`fusion.fused`): the same sums, a third of
 the calls. Its LM head (`TableHead`) gives fp32 logits from fp16 weights.
 
 What the layers do is the family's `Spec` (server/model/families/): which norms and where, q/k norms, biases,
@@ -58,8 +58,9 @@ from server.model.decoder import rms_norm as _rms_norm
 from server.model.decoder import rotate as _rotate
 from server.model.decoder import signed_sin as _signed
 from server.model.families.base import Spec
+from server.model.fusion import fused
 from server.model.memory import drop_file_pages
-from server.model.quantized import QuantLinear, fused
+from server.model.quantized import QuantLinear
 from server.model.tables import TableHead
 
 # transformers' decoder classes (by name, so a model type transformers does not ship here needs no import) whose
@@ -204,7 +205,7 @@ _FUSED = (0, 1, 2, 4, 5)  # the projections (`_projections` order) a `_Fused` la
 
 @dataclass(frozen=True)
 class _Fused:
-    """A quantized layer's q, k, v and gate, up projections, each set as one kernel (`quantized.fused`)."""
+    """A quantized layer's q, k, v and gate, up projections, each set as one kernel (`fusion.fused`)."""
 
     qkv: Callable[[torch.Tensor], torch.Tensor]  # [..., hidden] -> [..., q + k + v]
     qkv_sizes: tuple[int, int, int]
