@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from server.model.kernel_build import CSRC, ISA_FLAGS, _build, _cpu_identity, host_isa, lint
+from server.model.kernel_build import CSRC, ISA_FLAGS, build_library, cpu_identity, host_isa, lint
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
     default = _directory or Path.home() / ".cache" / "specula" / "kernels"
     directory = Path(os.environ.get("SPECULA_KERNEL_DIR") or default)
     try:
-        path = _build(directory, isa)
+        path = build_library(directory, isa)
         lib = _load(path)
         if not _probe(lib):
             raise RuntimeError("the kernels' probe product differs from the reference")
@@ -302,7 +302,7 @@ def int8_activations() -> bool:
         return False
     if setting in ("1", "true", "yes", "on"):
         return True
-    return " avx512f" not in _cpu_identity()
+    return " avx512f" not in cpu_identity()
 
 
 def activation_error(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ libgomp torch already loaded, so both share one thread pool; a call uses torch's
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -35,8 +36,10 @@ ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 _ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}}
 
 
-def _cpu_identity() -> str:
-    """This CPU's model and feature flags (a library built with -march=native runs only where they match)."""
+@functools.cache
+def cpu_identity() -> str:
+    """This CPU's model and feature flags (a library built with -march=native runs only where they match); read
+    once: every quantized layer asks (`cpu_kernels.int8_activations`), and /proc/cpuinfo grows with the cores."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
@@ -47,7 +50,7 @@ def _cpu_identity() -> str:
 
 def host_isa() -> str | None:
     """The best instruction set of `ISA_FLAGS` this CPU runs (None: neither, no kernels here)."""
-    flags = set(next((line.split(":", 1)[1] for line in _cpu_identity().splitlines() if line.startswith("flags")),
+    flags = set(next((line.split(":", 1)[1] for line in cpu_identity().splitlines() if line.startswith("flags")),
                      "").split())
     return next((isa for isa, needs in _ISA_NEEDS.items() if needs <= flags), None)
 
@@ -60,7 +63,7 @@ def _key(compiler: str, isa: str) -> str:
     """What a library's bytes depend on: the sources, the compiler and its version, the flags, this CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [p.read_text() for p in _sources()] + [compiler, version, *FLAGS, *ISA_FLAGS[isa], platform.machine(),
-                                                   _cpu_identity()]
+                                                   cpu_identity()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -85,16 +88,24 @@ def _find(directory: Path, stem: str) -> Path | None:
     return None
 
 
-def _compile(compiler: str, isa: str, work: Path) -> Path:
+def _compiler_run(compiler: str, isa: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """csrc/kernels.c compiled for `isa` into `out` (FLAGS, the instruction set's, then `extra`)."""
+    return subprocess.run([compiler, *FLAGS, *ISA_FLAGS[isa], *extra, f"-I{CSRC}", "-o", str(out),
+                           str(CSRC / "kernels.c")], capture_output=True, text=True, timeout=300)
+
+
+def _compile_into(compiler: str, isa: str, work: Path, directory: Path, stem: str) -> Path:
+    """The library built in `work`, renamed into `directory` as `<stem>-<digest>.so` (atomic)."""
     built = work / "kernels.so"
-    done = subprocess.run([compiler, *FLAGS, *ISA_FLAGS[isa], f"-I{CSRC}", "-o", str(built), str(CSRC / "kernels.c")],
-                          capture_output=True, text=True, timeout=300)
+    done = _compiler_run(compiler, isa, built)
     if done.returncode != 0:
         raise RuntimeError(f"compiling the kernels ({isa}) failed: {done.stderr.strip()[-500:]}")
-    return built
+    target = directory / f"{stem}-{_digest(built)}.so"
+    os.replace(built, target)
+    return target
 
 
-def _build(directory: Path, isa: str) -> Path:
+def build_library(directory: Path, isa: str) -> Path:
     """The library for `isa` under `directory`, found by its key and checked against its digest, or built there
     (in a temporary directory beside it, renamed into place: atomic, and a concurrent build renames the same bytes
     over it). A directory that cannot be written builds into a private temporary one instead (every start builds
@@ -112,15 +123,9 @@ def _build(directory: Path, isa: str) -> Path:
         private = Path(tempfile.mkdtemp(prefix="specula-kernels-"))
         log.warning("the kernel directory %s cannot be written (%s): building into %s for this process only",
                     directory, err, private)
-        built = _compile(compiler, isa, private)
-        target = private / f"{stem}-{_digest(built)}.so"
-        os.replace(built, target)
-        return target
+        return _compile_into(compiler, isa, private, private, stem)
     try:
-        built = _compile(compiler, isa, work)
-        target = directory / f"{stem}-{_digest(built)}.so"
-        os.replace(built, target)
-        return target
+        return _compile_into(compiler, isa, work, directory, stem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -129,10 +134,9 @@ def lint() -> list[str]:
     """Compile csrc/kernels.c for every instruction set with warnings as errors (`make lint`); the failures' output."""
     compiler = os.environ.get("CC", "cc")
     failures = []
-    for isa, flags in ISA_FLAGS.items():
+    for isa in ISA_FLAGS:
         with tempfile.TemporaryDirectory() as work:
-            done = subprocess.run([compiler, *FLAGS, *flags, "-Werror", f"-I{CSRC}", "-o", f"{work}/k.so",
-                                   str(CSRC / "kernels.c")], capture_output=True, text=True, timeout=300)
+            done = _compiler_run(compiler, isa, Path(work) / "k.so", "-Werror")
         if done.returncode != 0:
             failures.append(f"{isa}: {done.stderr.strip()}")
     return failures
