@@ -63,6 +63,13 @@ class VllmSeries:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(*values)
 
+        def by(name: str, doc: str, label: str, keys: list[str]) -> Counter:
+            """A counter with one more label, each of `keys` exported (at 0) from the start."""
+            family = Counter(name, doc, [*VLLM_LABELS, label], registry=r)
+            for key in keys:
+                family.labels(*values, key)
+            return family
+
         lengths = buckets_1_2_5(max_model_len)
         self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting for admission.")
@@ -70,28 +77,16 @@ class VllmSeries:
         self.drafts = counter("vllm:spec_decode_num_drafts", "Verify passes that checked draft tokens.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-        self.accepted_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            [*VLLM_LABELS, "position"],
-            registry=r,
-        )
-        for pos in range(k):
-            self.accepted_per_pos.labels(*values, str(pos))
+        self.accepted_per_pos = by("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   "Accepted tokens per draft position.", "position", [str(pos) for pos in range(k)])
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (per step, as emitted).")
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache.")
-        self.request_success = Counter(
-            "vllm:request_success",
-            "Finished requests by finish reason.",
-            [*VLLM_LABELS, "finished_reason"],
-            registry=r,
-        )
-        for reason in FINISH_REASONS:
-            self.request_success.labels(*values, reason)
+        self.request_success = by("vllm:request_success", "Finished requests by finish reason.", "finished_reason",
+                                  list(FINISH_REASONS))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", VLLM_TTFT_BUCKETS)
         self.inter_token = histogram(
             "vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.", VLLM_ITL_BUCKETS
