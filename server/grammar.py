@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
+
+from server.grammar_vocab import token_view
 
 
 class GrammarError(ValueError):
@@ -34,9 +35,9 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """Builds matchers for one tokenizer. The llguidance view of the tokenizer costs a third of a second to
-    build on 2 cores (half a second with the slicer), holding the GIL, so it is made once: at start-up
-    (`warm`) or on the first constrained request."""
+    """Builds matchers for one tokenizer. llguidance's view of the tokenizer (grammar_vocab.py) costs a fraction
+    of a second to build, holding the GIL, so it is made once: at start-up (`warm`) or on the first constrained
+    request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Collection[int], *, slicer: bool = True) -> None:
         """`vocab_size`: the width of the target's logits (masks are that wide; ids beyond the
@@ -55,8 +56,7 @@ class Grammars:
         """Build the tokenizer view now (the server does at start-up, so no request waits for it)."""
         if self._ll is None:  # ids past the tokenizer's (padded logits) exist for the matcher but never match
             n_vocab = self.vocab_size if self.vocab_size > len(self._tokenizer) else None
-            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=n_vocab, eos_token=self._eos,
-                                                    slices=self._slices)
+            self._ll = token_view(self._tokenizer, n_vocab, self._eos, self._slices)  # grammar_vocab.py
 
     def state(self, grammar: str) -> GrammarState:
         self.warm()
