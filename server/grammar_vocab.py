@@ -41,8 +41,8 @@ def _byte_level(tokenizer) -> bool:
     decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
     if decoder.get("type") != "ByteLevel":
         return False
-    before = [json.loads(part.__getstate__()) for part in (backend.pre_tokenizer, backend.normalizer) if part is not None]
-    text = json.dumps(before)
+    parts = (backend.pre_tokenizer, backend.normalizer)
+    text = json.dumps([json.loads(part.__getstate__()) for part in parts if part is not None])
     return '"add_prefix_space": true' not in text and '"Prepend"' not in text
 
 
