@@ -66,3 +66,26 @@ def test_a_q5_layer_serves_from_five_bit_tiles_and_a_q8_layer_does_not(monkeypat
     assert torch.equal(layer(x), cpu_kernels.Tiles.q8(q0, s0, lib, int8=True)(x))
     wide = Q8Linear.quantize(torch.randn(48, 128))  # Q8_0: values to +-127
     assert wide.kernel().kind == cpu_kernels.KIND_Q8_INT8
+
+
+@pytest.mark.parametrize("scales", ["per-32", "per-32-with-minimum", "per-16"])
+def test_the_q8_tiles_row_blocks_give_a_row_the_same_bits_alone_and_within_the_products_bound(scales):
+    """The Q8 tiles (kinds 9-11: Q8_0, Q5_1/Q5_K as int8, Q6_K's scales per 16) multiply up to 4 rows a block: a row
+    alone, in 2, 3, 4, 5 or 9 rows gives the same bits, and the products are the dequantized weights' within the
+    int8 activations' rounding."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 256
+    q = torch.randint(-127, 128, (n, k), generator=g)
+    s = torch.rand(n, k // (16 if scales == "per-16" else 32), generator=g) * 0.02
+    m = -torch.rand(n, k // 32, generator=g) * 0.3 if scales == "per-32-with-minimum" else None
+    tiles = cpu_kernels.Tiles.q8(q, s, lib, int8=True, m=m)
+    x = torch.randn(9, k, generator=g)
+    together = tiles(x)
+    for rows in (1, 2, 3, 4, 5):
+        for start in range(0, 9 - rows + 1, 2):
+            assert torch.equal(tiles(x[start:start + rows]), together[start:start + rows])
+    w = q.double() * s.double().repeat_interleave(k // s.shape[1], dim=1)
+    if m is not None:
+        w = w + m.double().repeat_interleave(32, dim=1)
+    exact = x.double() @ w.t()
+    assert (together.double() - exact).abs().max() < 0.02 * exact.abs().max()

@@ -128,71 +128,83 @@ static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, con
 /* Q8 products on int8 activations (kind 9, KIND_Q8_INT8): per 4 inputs k..k+3 a tile holds 64 bytes, for each of
    its 16 outputs j the 4 values q[k..k+3][j] side by side. _mm256_maddubs_epi16 multiplies |q| by xq given q's
    sign (llama.cpp's trick: at most 2 x 128 x 127 in 16 bits, exact), _mm256_madd_epi16 adds each output's two
-   halves in 32 bits: 32 multiply-adds in five instructions. Summed over the group (exact), then y += (s dx) t. */
-static inline void group_q8i(const uint8_t* q, const int8_t* xp, float dx, const float* s, __m256* acc) {
+   halves in 32 bits. Summed over the group (exact), then y += (s dx) t. */
+#define Q8_ROWS 4 /* rows a block: one load and |q| of the weights for up to 4 rows (1.1-1.2x 1 row at a time) */
+
+/* R rows' 32-bit sums over quads u0..u1-1 of one tile's group q (lo[r]: outputs 0-7, hi[r]: 8-15), R a constant
+   where it is inlined: the weights loaded and their absolute values taken once for the R rows. */
+static inline __attribute__((always_inline)) void quads_q8i(const int R, const uint8_t* q, const int8_t* xp,
+                                                            int64_t ldx, int u0, int u1, __m256i* lo, __m256i* hi) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-  for (int u = 0; u < 8; u++) {
-    const __m256i x = quad(xp + 4 * u);
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int u = u0; u < u1; u++) {
     const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
     const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
-    const __m256i pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a));
-    const __m256i pb = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(x, b));
-    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pa, ones));
-    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(pb, ones));
+    const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
+    for (int r = 0; r < R; r++) {
+      const __m256i x = quad(xp + r * ldx + 4 * u);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(x, a)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(x, b)), ones));
+    }
   }
+}
+
+/* acc += (s dx) t for both halves of 16 outputs. */
+static inline void scale_q8i(__m256i lo, __m256i hi, float dx, const float* s, __m256* acc) {
   const __m256 d = _mm256_set1_ps(dx);
   acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]);
   acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
 }
 
-/* The Q8 sums of half a group (inputs 16 h .. 16 h + 15) for a tile's 16 outputs, in 32 bits: the per-16 scales
-   of KIND_Q8G16_INT8 (Q6_K) apply to each half apart. */
-static inline void half_q8i(const uint8_t* q, const int8_t* xp, int h, __m256i* lo, __m256i* hi) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  *lo = _mm256_setzero_si256(), *hi = _mm256_setzero_si256();
-  for (int u = 4 * h; u < 4 * h + 4; u++) {
-    const __m256i x = quad(xp + 4 * u);
-    const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
-    const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
-    *lo = _mm256_add_epi32(*lo, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(x, a)), ones));
-    *hi = _mm256_add_epi32(*hi, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(x, b)), ones));
-  }
-}
-
-/* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), by kind: 9 (w = s q
-   per group of 32), 10 (w = s q + m per group of 32: y += (s dx) t + m xs, as kind 5), 11 (w = s q per group of
-   16: each half's sum scaled by its own s, y += (s_0 dx) t_0 + (s_1 dx) t_1; s [K/16][16]). A row's sums kept in
-   registers over the groups, the same operations per row for any M. */
-static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
-                     const float* xs, float* y, int64_t ldy) {
+/* R rows from row r0 on (R a constant where it is inlined), every group, by kind: 9 (w = s q per group of 32), 10
+   (w = s q + m per group of 32: y += (s dx) t + m xs, as kind 5), 11 (w = s q per group of 16: each half's sum
+   scaled by its own s, y += (s_0 dx) t_0 + (s_1 dx) t_1; s [K/16][16]). Each row's sums in registers over the
+   groups: the same operations per row for any R and M. */
+static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind, int64_t r0, int64_t M, int64_t K,
+                                                           const uint8_t* q, const float* s, const float* m,
+                                                           const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
   const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
-  for (int64_t r = 0; r < M; r++) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t g = 0; g < G; g++) {
-      const int8_t* xp = xq + r * K + g * 32;
-      if (kind == 11) {
-        const __m256 d = _mm256_set1_ps(dx[r * G + g]);
-        for (int h = 0; h < 2; h++) {
-          __m256i lo, hi;
-          half_q8i(q + g * 512, xp, h, &lo, &hi);
-          const float* sh = s + g * 32 + h * 16;
-          acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sh), d), _mm256_cvtepi32_ps(lo), acc[0]);
-          acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sh + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
-        }
-        continue;
+  __m256 acc[Q8_ROWS][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* qg = q + g * 512;
+    const int8_t* xp = xq + r0 * K + g * 32;
+    __m256i lo[Q8_ROWS], hi[Q8_ROWS];
+    if (kind == KIND_Q8G16_INT8) {
+      for (int h = 0; h < 2; h++) {
+        quads_q8i(R, qg, xp, K, 4 * h, 4 * h + 4, lo, hi);
+        for (int r = 0; r < R; r++) scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], s + g * 32 + h * 16, acc[r]);
       }
-      group_q8i(q + g * 512, xp, dx[r * G + g], s + g * 16, acc);
-      if (kind == 10) {
-        const __m256 sum = _mm256_set1_ps(xs[r * G + g]);
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc[0]);
-        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc[1]);
+      continue;
+    }
+    quads_q8i(R, qg, xp, K, 0, 8, lo, hi);
+    for (int r = 0; r < R; r++) {
+      scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], s + g * 16, acc[r]);
+      if (kind == KIND_Q8M_INT8) {
+        const __m256 sum = _mm256_set1_ps(xs[(r0 + r) * G + g]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc[r][1]);
       }
     }
-    _mm256_storeu_ps(y + r * ldy, acc[0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[1]);
+  }
+  for (int r = 0; r < R; r++) {
+    _mm256_storeu_ps(y + (r0 + r) * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + (r0 + r) * ldy + 8, acc[r][1]);
+  }
+}
+
+/* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11, in blocks
+   of up to Q8_ROWS rows. */
+static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
+                     const float* xs, float* y, int64_t ldy) {
+  for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
+    const int64_t n = M - r0;
+    if (n >= 4) rows_q8i(4, kind, r0, M, K, q, s, m, xs, y, ldy);
+    else if (n == 3) rows_q8i(3, kind, r0, M, K, q, s, m, xs, y, ldy);
+    else if (n == 2) rows_q8i(2, kind, r0, M, K, q, s, m, xs, y, ldy);
+    else rows_q8i(1, kind, r0, M, K, q, s, m, xs, y, ldy);
   }
 }
 
