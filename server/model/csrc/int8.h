@@ -196,12 +196,13 @@ static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind
 }
 
 /* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11, in blocks
-   of up to Q8_ROWS rows. */
+   of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). */
+_Static_assert(Q8_ROWS == 4, "tile_q8i calls rows_q8i for 4, 3, 2 and 1 rows");
 static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
                      const float* xs, float* y, int64_t ldy) {
   for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
     const int64_t n = M - r0;
-    if (n >= 4) rows_q8i(4, kind, r0, M, K, q, s, m, xs, y, ldy);
+    if (n >= Q8_ROWS) rows_q8i(Q8_ROWS, kind, r0, M, K, q, s, m, xs, y, ldy);
     else if (n == 3) rows_q8i(3, kind, r0, M, K, q, s, m, xs, y, ldy);
     else if (n == 2) rows_q8i(2, kind, r0, M, K, q, s, m, xs, y, ldy);
     else rows_q8i(1, kind, r0, M, K, q, s, m, xs, y, ldy);
