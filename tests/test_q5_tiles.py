@@ -1,5 +1,6 @@
-"""The 5-bit tiles (Q5_0, Q5_1, Q5_K on int8 activations): five eighths of a byte a weight where the Q8 tiles spend
-one, and the same products bit for bit, so a file's greedy text does not change with the layout."""
+"""The 5-bit tiles (Q5_0, Q5_1, Q5_K on int8 activations) and the 6-bit ones (Q6_K): five eighths and three quarters
+of a byte a weight where the Q8 tiles spend one, and the same products bit for bit, so a file's greedy text does not
+change with the layout."""
 
 import pytest
 import torch
@@ -89,3 +90,35 @@ def test_the_q8_tiles_row_blocks_give_a_row_the_same_bits_alone_and_within_the_p
         w = w + m.double().repeat_interleave(32, dim=1)
     exact = x.double() @ w.t()
     assert (together.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("two_level", ["1", "0"])
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (7, 1024)])
+def test_six_bit_tiles_give_the_q8_tiles_bits_alone_and_in_any_batch(n, k, two_level, monkeypatch):
+    """Q6_K's values (in [-32, 31], a scale per 16 inputs) in 6-bit tiles: three quarters of the Q8 tiles' bytes, the
+    same bits as the Q8 tiles of the same weights for every row count, a row's bits the same alone and in a batch,
+    and the values read back (table lookups read them from the head's tiles)."""
+    monkeypatch.setenv("SPECULA_TWO_LEVEL_SCALES", two_level)
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-32, 32, (n, k), generator=g)
+    q[0, :3] = torch.tensor([-32, 31, 0])  # both ends of the range
+    d = (torch.rand(n, k // 256, generator=g) * 0.01).half().float()
+    s = d.repeat_interleave(16, 1) * torch.randint(-128, 128, (n, k // 16), generator=g)
+    six = cpu_kernels.Tiles.q8(q, s, lib)
+    eight = cpu_kernels.Tiles.q8(q, s, lib, six_bits=False)
+    assert six.kind == cpu_kernels.KIND_Q6_INT8 and eight.kind == cpu_kernels.KIND_Q8G16_INT8
+    assert six.q.numel() * 4 == eight.q.numel() * 3
+    ids = torch.arange(n)
+    assert torch.equal(six.values(ids), q.to(torch.int8)) and torch.equal(eight.values(ids), q.to(torch.int8))
+    assert torch.equal(six.group_scales(ids), s)
+    x = torch.randn(9, k, generator=g)
+    alone = six(x[:1])
+    for rows in (1, 2, 3, 4, 5, 9):
+        got = six(x[:rows])
+        assert torch.equal(got, eight(x[:rows])), rows
+        assert torch.equal(got[:1], alone), rows
+
+
+def test_values_past_six_bits_keep_the_q8_tiles():
+    q = torch.full((16, 256), 40)
+    assert cpu_kernels.Tiles.q8(q, torch.ones(16, 16), lib).kind == cpu_kernels.KIND_Q8G16_INT8

@@ -55,7 +55,7 @@ _i64 = ctypes.c_int64
 
 class _Weights(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("tiles", _i64), ("K", _i64), ("kind", ctypes.c_int32), ("unused", ctypes.c_int32)]
+                ("tiles", _i64), ("K", _i64), ("kind", ctypes.c_int32), ("scales", ctypes.c_int32)]
 
 
 class _Product(ctypes.Structure):
@@ -83,7 +83,7 @@ ACT = {"silu": 0, "gelu_tanh": 1}  # dims.act
 def _weights(tiles: Tiles) -> _Weights:
     bias = tiles.bias.data_ptr() if tiles.bias is not None else None
     return _Weights(tiles.q.data_ptr(), tiles.s.data_ptr(), tiles.m.data_ptr(), bias, tiles.tiles, tiles.in_features,
-                    tiles.kind, 0)
+                    tiles.kind, tiles.scales)
 
 
 def _product(parts: list[Tiles]) -> _Product:

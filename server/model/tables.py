@@ -98,7 +98,7 @@ class BlockTable(nn.Module):
     def _from_tiles(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hidden] (as floats) and d [n, hidden/32] of rows `ids`, read from the tiles [T, K, 16] / [T, G, 16]."""
         tiles = self.tiles
-        return tiles.values(ids).float(), cpu_kernels.tile_rows(tiles.s, ids)
+        return tiles.values(ids).float(), tiles.group_scales(ids)
 
     def release(self) -> list[torch.Tensor]:
         """Drop the table's own blocks once the head kernel's tiles hold the same values (lookups read those):

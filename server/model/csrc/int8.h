@@ -44,6 +44,21 @@ static inline __m256i quad(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+/* Group g's 16 scales of a tile's s (or m), s0 for outputs 0-7 and s1 for 8-15: float32 [G][16] (two 0), or in two
+   levels (two SCALES_TWO_LEVEL, specula.h; 2^lg groups a super-block of 256 inputs): d * sub, exact in float32. */
+static inline __attribute__((always_inline)) void scales16(int two, int lg, const float* s, int64_t g, __m256* s0,
+                                                           __m256* s1) {
+  if (!two) {
+    *s0 = _mm256_loadu_ps(s + g * 16);
+    *s1 = _mm256_loadu_ps(s + g * 16 + 8);
+    return;
+  }
+  const float* d = s + (g >> lg) * (16 + (4 << lg));
+  const __m128i sub = _mm_loadu_si128((const __m128i*)(d + 16) + (g & ((1 << lg) - 1)));
+  *s0 = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+  *s1 = _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sub, 8))));
+}
+
 /* The int8 products of R rows' groups with one tile's group (R a constant where it is inlined; 3 rows keep their
    6 sums and the weights in AVX2's 16 registers, 4 spilled two to the stack). Per 4 inputs u a tile holds 32
    bytes, byte 4j + e holding q[4u + e][j] (low nibble) and q[4u + e][j + 8] (high) (Tiles.q4). One unpacking of
@@ -66,20 +81,20 @@ static inline __attribute__((always_inline)) void group_q4i(const int R, const u
 
 /* A group's integer sums into float32: each output's two 16-bit lanes added in 32 bits (exact), then
    acc += (s dx) t + m xs for both halves of 16 outputs. */
-static inline void scale_q4i(__m256i lo, __m256i hi, float dx, float xs, const float* s, const float* m,
+static inline void scale_q4i(__m256i lo, __m256i hi, float dx, float xs, const __m256* s, const __m256* m,
                              __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 d = _mm256_set1_ps(dx), sum = _mm256_set1_ps(xs);
   const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones));
   const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones));
-  acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(m), sum, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), t0, acc[0]));
-  acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sum,
-                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), t1, acc[1]));
+  acc[0] = _mm256_fmadd_ps(m[0], sum, _mm256_fmadd_ps(_mm256_mul_ps(s[0], d), t0, acc[0]));
+  acc[1] = _mm256_fmadd_ps(m[1], sum, _mm256_fmadd_ps(_mm256_mul_ps(s[1], d), t1, acc[1]));
 }
 
-/* Group g of R rows from row r0 on (R a constant where it is inlined), their sums so far in y. */
+/* Group g of R rows from row r0 on (R a constant where it is inlined), their sums so far in y; s and m the group's
+   scales and minimums (scales16). */
 static inline __attribute__((always_inline)) void rows_q4i(const int R, int64_t r0, int64_t g, int64_t M, int64_t K,
-                                                           const uint8_t* q, const float* s, const float* m,
+                                                           const uint8_t* q, const __m256* s, const __m256* m,
                                                            const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
@@ -90,7 +105,7 @@ static inline __attribute__((always_inline)) void rows_q4i(const int R, int64_t 
     float* yr = y + (r0 + r) * ldy;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     if (g) acc[0] = _mm256_loadu_ps(yr), acc[1] = _mm256_loadu_ps(yr + 8);
-    scale_q4i(lo[r], hi[r], dx[(r0 + r) * G + g], xs[(r0 + r) * G + g], s + g * 16, m + g * 16, acc);
+    scale_q4i(lo[r], hi[r], dx[(r0 + r) * G + g], xs[(r0 + r) * G + g], s, m, acc);
     _mm256_storeu_ps(yr, acc[0]);
     _mm256_storeu_ps(yr + 8, acc[1]);
   }
@@ -99,9 +114,10 @@ static inline __attribute__((always_inline)) void rows_q4i(const int R, int64_t 
 /* One tile's 16 outputs for all M rows, kind 5: xs holds the rows' group sums [M, K/32], then their scales dx
    [M, K/32], then their int8 values [M, K] (`prepare_row`). One row (a decoding step) keeps its sums in registers
    over the groups; more rows take each group in blocks of up to 3 rows, one unpacking of the weights for a block,
-   and leave their sums in y between groups: the same operations per row either way. */
-static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, const float* xs,
-                     float* y, int64_t ldy) {
+   and leave their sums in y between groups: the same operations per row either way. two: the scales' form
+   (scales16). */
+static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, int two,
+                     const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   if (M == 1) {
     const float* dx = xs + G;
@@ -109,20 +125,27 @@ static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, con
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < G; g++) {
       __m256i lo, hi;
+      __m256 sg[2], mg[2];
       group_q4i(1, q + g * 256, xq + g * 32, K, &lo, &hi);
-      scale_q4i(lo, hi, dx[g], xs[g], s + g * 16, m + g * 16, acc);
+      scales16(two, 3, s, g, sg, sg + 1);
+      scales16(two, 3, m, g, mg, mg + 1);
+      scale_q4i(lo, hi, dx[g], xs[g], sg, mg, acc);
     }
     _mm256_storeu_ps(y, acc[0]);
     _mm256_storeu_ps(y + 8, acc[1]);
     return;
   }
-  for (int64_t g = 0; g < G; g++)
+  for (int64_t g = 0; g < G; g++) {
+    __m256 sg[2], mg[2];
+    scales16(two, 3, s, g, sg, sg + 1);
+    scales16(two, 3, m, g, mg, mg + 1);
     for (int64_t r0 = 0; r0 < M; r0 += 3) {
       const int64_t n = M - r0;
-      if (n >= 3) rows_q4i(3, r0, g, M, K, q, s, m, xs, y, ldy);
-      else if (n == 2) rows_q4i(2, r0, g, M, K, q, s, m, xs, y, ldy);
-      else rows_q4i(1, r0, g, M, K, q, s, m, xs, y, ldy);
+      if (n >= 3) rows_q4i(3, r0, g, M, K, q, sg, mg, xs, y, ldy);
+      else if (n == 2) rows_q4i(2, r0, g, M, K, q, sg, mg, xs, y, ldy);
+      else rows_q4i(1, r0, g, M, K, q, sg, mg, xs, y, ldy);
     }
+  }
 }
 
 /* Q8 products on int8 activations (kind 9, KIND_Q8_INT8): per 4 inputs k..k+3 a tile holds 64 bytes, for each of
@@ -150,18 +173,55 @@ static inline __attribute__((always_inline)) void quads_q8i(const int R, const u
 }
 
 /* acc += (s dx) t for both halves of 16 outputs. */
-static inline void scale_q8i(__m256i lo, __m256i hi, float dx, const float* s, __m256* acc) {
+static inline void scale_q8i(__m256i lo, __m256i hi, float dx, const __m256* s, __m256* acc) {
   const __m256 d = _mm256_set1_ps(dx);
-  acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s), d), _mm256_cvtepi32_ps(lo), acc[0]);
-  acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8), d), _mm256_cvtepi32_ps(hi), acc[1]);
+  acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(s[0], d), _mm256_cvtepi32_ps(lo), acc[0]);
+  acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(s[1], d), _mm256_cvtepi32_ps(hi), acc[1]);
+}
+
+/* Q6 tiles (kind 14, KIND_Q6_INT8): 6-bit values u = q + 32 in [0, 63], three quarters of a byte a weight where the
+   Q8 tiles spend one. Per group of 32 inputs a tile holds 384 bytes: the low 4 bits of each value as a Q4 tile holds
+   them (256 bytes), then the top 2 bits in four planes of 32 bytes, [outputs 0-7, 8-15][quads 0-3, 4-7]: bits 2i and
+   2i + 1 of byte 4j + e of a plane are the top bits of input 4u + e (u = 4 h + i) of its output j (Tiles.q6). A quad's
+   32 bytes of q = u - 32 per half of the outputs, rebuilt in registers, then multiplied as quads_q8i multiplies the
+   Q8 tiles' (|q| by xq given q's sign): the same integers, so the same bits as kind 11 for the same weights. */
+
+/* The top bits of quad 4h + i from plane p at bits 4 and 5, i a constant where it is inlined. */
+static inline __attribute__((always_inline)) __m256i top_bits(__m256i p, int i) {
+  const __m256i v = i < 2 ? _mm256_slli_epi16(p, 4 - 2 * i) : i > 2 ? _mm256_srli_epi16(p, 2 * i - 4) : p;
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+
+/* R rows' 32-bit sums over quads 4h..4h+3 (the first or second 16 inputs of group qg) of one Q6 tile's 16 outputs
+   (lo[r]: outputs 0-7, hi[r]: 8-15), as quads_q8i sums the Q8 tiles'. */
+static inline __attribute__((always_inline)) void quads_q6i(const int R, const uint8_t* qg, int h, const int8_t* xp,
+                                                            int64_t ldx, __m256i* lo, __m256i* hi) {
+  const __m256i low = _mm256_set1_epi8(15), off = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);
+  const __m256i pl = _mm256_loadu_si256((const __m256i*)(qg + 256 + h * 32));
+  const __m256i ph = _mm256_loadu_si256((const __m256i*)(qg + 320 + h * 32));
+  for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {
+    const int u = 4 * h + i;
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qg + u * 32));
+    const __m256i a = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low), top_bits(pl, i)), off);
+    const __m256i b = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                      top_bits(ph, i)), off);
+    const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
+    for (int r = 0; r < R; r++) {
+      const __m256i x = quad(xp + r * ldx + 4 * u);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(x, a)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(x, b)), ones));
+    }
+  }
 }
 
 /* R rows from row r0 on (R a constant where it is inlined), every group, by kind: 9 (w = s q per group of 32), 10
-   (w = s q + m per group of 32: y += (s dx) t + m xs, as kind 5), 11 (w = s q per group of 16: each half's sum
-   scaled by its own s, y += (s_0 dx) t_0 + (s_1 dx) t_1; s [K/16][16]). Each row's sums in registers over the
-   groups: the same operations per row for any R and M. */
+   (w = s q + m per group of 32: y += (s dx) t + m xs, as kind 5), 11 and 14 (w = s q per group of 16: each half's
+   sum scaled by its own s, y += (s_0 dx) t_0 + (s_1 dx) t_1; s [K/16][16]). Each row's sums in registers over the
+   groups: the same operations per row for any R and M. two: the scales' form (scales16). */
 static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind, int64_t r0, int64_t M, int64_t K,
-                                                           const uint8_t* q, const float* s, const float* m,
+                                                           const uint8_t* q, const float* s, const float* m, int two,
                                                            const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
@@ -169,23 +229,28 @@ static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind
   __m256 acc[Q8_ROWS][2];
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
-    const uint8_t* qg = q + g * 512;
+    const uint8_t* qg = q + g * (kind == KIND_Q6_INT8 ? 384 : 512);
     const int8_t* xp = xq + r0 * K + g * 32;
     __m256i lo[Q8_ROWS], hi[Q8_ROWS];
-    if (kind == KIND_Q8G16_INT8) {
+    __m256 sg[2], mg[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  /* mg: read by kind 10 only */
+    if (kind == KIND_Q8G16_INT8 || kind == KIND_Q6_INT8) {
       for (int h = 0; h < 2; h++) {
-        quads_q8i(R, qg, xp, K, 4 * h, 4 * h + 4, lo, hi);
-        for (int r = 0; r < R; r++) scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], s + g * 32 + h * 16, acc[r]);
+        if (kind == KIND_Q6_INT8) quads_q6i(R, qg, h, xp, K, lo, hi);
+        else quads_q8i(R, qg, xp, K, 4 * h, 4 * h + 4, lo, hi);
+        scales16(two, 4, s, 2 * g + h, sg, sg + 1);
+        for (int r = 0; r < R; r++) scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], sg, acc[r]);
       }
       continue;
     }
     quads_q8i(R, qg, xp, K, 0, 8, lo, hi);
+    scales16(two, 3, s, g, sg, sg + 1);
+    if (kind == KIND_Q8M_INT8) scales16(two, 3, m, g, mg, mg + 1);
     for (int r = 0; r < R; r++) {
-      scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], s + g * 16, acc[r]);
+      scale_q8i(lo[r], hi[r], dx[(r0 + r) * G + g], sg, acc[r]);
       if (kind == KIND_Q8M_INT8) {
         const __m256 sum = _mm256_set1_ps(xs[(r0 + r) * G + g]);
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(mg[0], sum, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(mg[1], sum, acc[r][1]);
       }
     }
   }
@@ -195,17 +260,17 @@ static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind
   }
 }
 
-/* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11, in blocks
-   of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). */
+/* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11 and 14, in
+   blocks of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). */
 _Static_assert(Q8_ROWS == 4, "tile_q8i calls rows_q8i for 4, 3, 2 and 1 rows");
-static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
+static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, int two,
                      const float* xs, float* y, int64_t ldy) {
   for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
     const int64_t n = M - r0;
-    if (n >= Q8_ROWS) rows_q8i(Q8_ROWS, kind, r0, M, K, q, s, m, xs, y, ldy);
-    else if (n == 3) rows_q8i(3, kind, r0, M, K, q, s, m, xs, y, ldy);
-    else if (n == 2) rows_q8i(2, kind, r0, M, K, q, s, m, xs, y, ldy);
-    else rows_q8i(1, kind, r0, M, K, q, s, m, xs, y, ldy);
+    if (n >= Q8_ROWS) rows_q8i(Q8_ROWS, kind, r0, M, K, q, s, m, two, xs, y, ldy);
+    else if (n == 3) rows_q8i(3, kind, r0, M, K, q, s, m, two, xs, y, ldy);
+    else if (n == 2) rows_q8i(2, kind, r0, M, K, q, s, m, two, xs, y, ldy);
+    else rows_q8i(1, kind, r0, M, K, q, s, m, two, xs, y, ldy);
   }
 }
 
@@ -256,17 +321,16 @@ static inline __attribute__((always_inline)) void group_q5i(const int R, const u
 }
 
 /* Group g of R rows from row r0 on (R a constant where it is inlined): acc = y so far (0 at g = 0), then
-   acc += (s dx) t (+ m xs for kind 12), as tile_q8i does it for kinds 9 and 10. */
+   acc += (s dx) t (+ m xs for kind 12), as tile_q8i does it for kinds 9 and 10; s and m the group's (scales16). */
 static inline __attribute__((always_inline)) void rows_q5i(const int R, int kind, int64_t r0, int64_t g, int64_t M,
-                                                           int64_t K, const uint8_t* q, const float* s,
-                                                           const float* m, const float* xs, float* y, int64_t ldy) {
+                                                           int64_t K, const uint8_t* q, const __m256* s,
+                                                           const __m256* m, const float* xs, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const float* dx = xs + M * G;
   const int8_t* xq = (const int8_t*)(xs + 2 * M * G);
   const int32_t* sx = (const int32_t*)(xs + 2 * M * G + M * K / 4);
   __m256i lo[3], hi[3];
   group_q5i(R, q + g * 320, xq + r0 * K + g * 32, K, lo, hi);
-  const __m256 s0 = _mm256_loadu_ps(s + g * 16), s1 = _mm256_loadu_ps(s + g * 16 + 8);
   for (int r = 0; r < R; r++) {
     const int64_t row = r0 + r;
     float* yr = y + row * ldy;
@@ -277,12 +341,12 @@ static inline __attribute__((always_inline)) void rows_q5i(const int R, int kind
     }
     __m256 acc0 = g ? _mm256_loadu_ps(yr) : _mm256_setzero_ps(), acc1 = g ? _mm256_loadu_ps(yr + 8) : _mm256_setzero_ps();
     const __m256 d = _mm256_set1_ps(dx[row * G + g]);
-    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(s0, d), _mm256_cvtepi32_ps(lo[r]), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(s1, d), _mm256_cvtepi32_ps(hi[r]), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(s[0], d), _mm256_cvtepi32_ps(lo[r]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(s[1], d), _mm256_cvtepi32_ps(hi[r]), acc1);
     if (kind == KIND_Q5M_INT8) {
       const __m256 sum = _mm256_set1_ps(xs[row * G + g]);
-      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16), sum, acc0);
-      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * 16 + 8), sum, acc1);
+      acc0 = _mm256_fmadd_ps(m[0], sum, acc0);
+      acc1 = _mm256_fmadd_ps(m[1], sum, acc1);
     }
     _mm256_storeu_ps(yr, acc0);
     _mm256_storeu_ps(yr + 8, acc1);
@@ -292,13 +356,17 @@ static inline __attribute__((always_inline)) void rows_q5i(const int R, int kind
 /* One tile's 16 outputs for all M rows, kinds 12 and 13 (xs as `prepare_row` leaves it): each group in blocks of up
    to 3 rows, one unpacking of the weights for a block, the sums left in y between groups (exact float32 stores:
    the same operations per row for any M). */
-static void tile_q5i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m,
+static void tile_q5i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, int two,
                      const float* xs, float* y, int64_t ldy) {
-  for (int64_t g = 0; g < K / 32; g++)
+  for (int64_t g = 0; g < K / 32; g++) {
+    __m256 sg[2], mg[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  /* mg: read by kind 12 only */
+    scales16(two, 3, s, g, sg, sg + 1);
+    if (kind == KIND_Q5M_INT8) scales16(two, 3, m, g, mg, mg + 1);
     for (int64_t r0 = 0; r0 < M; r0 += 3) {
       const int64_t n = M - r0;
-      if (n >= 3) rows_q5i(3, kind, r0, g, M, K, q, s, m, xs, y, ldy);
-      else if (n == 2) rows_q5i(2, kind, r0, g, M, K, q, s, m, xs, y, ldy);
-      else rows_q5i(1, kind, r0, g, M, K, q, s, m, xs, y, ldy);
+      if (n >= 3) rows_q5i(3, kind, r0, g, M, K, q, sg, mg, xs, y, ldy);
+      else if (n == 2) rows_q5i(2, kind, r0, g, M, K, q, sg, mg, xs, y, ldy);
+      else rows_q5i(1, kind, r0, g, M, K, q, sg, mg, xs, y, ldy);
     }
+  }
 }

@@ -35,21 +35,27 @@ static void group_sums(const float* x, int64_t K, float* xs) {
   }
 }
 
-/* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q5 five eighths, Q8 one, F16 two (16 outputs
-   each). */
+/* Bytes of one tile's values over K inputs: Q4 half a byte a weight, Q5 five eighths, Q6 three quarters, Q8 one, F16
+   two (16 outputs each). */
 static inline int64_t tile_bytes(int64_t kind, int64_t K) {
   if (kind == KIND_Q5M_INT8 || kind == KIND_Q5_INT8) return K / 32 * 320;
+  if (kind == KIND_Q6_INT8) return K / 32 * 384;
   return kind == KIND_Q4 || kind == KIND_Q4_INT8 ? K / 2 * 16 : kind == KIND_F16 ? K * 32 : K * 16;  /* Q8 kinds */
 }
 
-/* Scale rows of a tile over K inputs: one per group (16 inputs for KIND_Q8G16_INT8, else 32). */
-static inline int64_t scale_rows(int64_t kind, int64_t K) { return kind == KIND_Q8G16_INT8 ? K / 16 : K / 32; }
+/* Floats of a tile's scales over K inputs (mins: `mins` set): float32, one row of 16 per group (16 inputs for
+   KIND_Q8G16_INT8's scales, else 32), or in two levels (specula.h): 16 floats and a group's 16 int8s (4 floats) per
+   super-block of 256 inputs and group. */
+static inline int64_t scale_floats(const struct weights* w, int mins) {
+  const int64_t groups = (w->kind == KIND_Q8G16_INT8 || w->kind == KIND_Q6_INT8) && !mins ? w->K / 16 : w->K / 32;
+  return w->scales == SCALES_TWO_LEVEL ? w->K / 256 * 16 + groups * 4 : groups * 16;
+}
 
 static inline int needs_sums(int kind) {
   return kind == KIND_Q4 || kind == KIND_Q4_INT8 || kind == KIND_Q8M_INT8 || kind == KIND_Q5M_INT8;
 }
 static inline int needs_int8(int kind) {
-  return kind == KIND_Q4_INT8 || (kind >= KIND_Q8_INT8 && kind <= KIND_Q5_INT8);
+  return kind == KIND_Q4_INT8 || (kind >= KIND_Q8_INT8 && kind <= KIND_Q6_INT8);
 }
 
 /* What a product needs of row r of x [M, K] (every row's, before any tile): its group sums xs [M, K/32] (the
@@ -66,14 +72,16 @@ static void prepare_row(int sums, int ints, const float* x, int64_t M, int64_t K
 /* One tile's outputs for all M rows, by kind, then its bias (if any). */
 static inline void tile_of(const struct weights* w, int64_t t, const float* x, int64_t M, const float* xs, float* y,
                            int64_t ldy) {
-  const int64_t K = w->K, sb = scale_rows(w->kind, K) * 16;
+  const int64_t K = w->K;
+  const int two = w->scales == SCALES_TWO_LEVEL;
   const uint8_t* q = w->q + t * tile_bytes(w->kind, K);
-  const float* s = w->s + t * sb;
-  const float* m = w->m + t * (K / 32) * 16;
-  if (w->kind == KIND_Q4_INT8) tile_q4i(M, K, q, s, m, xs, y, ldy);
-  else if (w->kind >= KIND_Q8_INT8 && w->kind <= KIND_Q8G16_INT8) tile_q8i(w->kind, M, K, q, s, m, xs, y, ldy);
-  else if (w->kind == KIND_Q5M_INT8 || w->kind == KIND_Q5_INT8) tile_q5i(w->kind, M, K, q, s, m, xs, y, ldy);
-  else tile(w->kind, x, M, K, q, s, m, xs, y, ldy);
+  const float* s = w->s + t * scale_floats(w, 0);
+  const float* m = w->m + t * scale_floats(w, 1);
+  if (w->kind == KIND_Q4_INT8) tile_q4i(M, K, q, s, m, two, xs, y, ldy);
+  else if ((w->kind >= KIND_Q8_INT8 && w->kind <= KIND_Q8G16_INT8) || w->kind == KIND_Q6_INT8)
+    tile_q8i(w->kind, M, K, q, s, m, two, xs, y, ldy);
+  else if (w->kind == KIND_Q5M_INT8 || w->kind == KIND_Q5_INT8) tile_q5i(w->kind, M, K, q, s, m, two, xs, y, ldy);
+  else tile(w->kind, x, M, K, q, s, m, xs, y, ldy);  /* float32 activations: float32 scales only */
   if (w->bias)
     for (int64_t r = 0; r < M; r++) store16(y + r * ldy, load16(y + r * ldy) + load16(w->bias + t * 16));
 }
@@ -135,11 +143,11 @@ static void gemm_in(const struct product* p, const float* x, int64_t M, float* x
 }
 
 /* y [M, tiles * 16] = x [M, K] times the tiles' weights: q [tiles][K/2 or K][16] bytes (F16: [tiles][K][16]
-   float16; the int8-activation kinds in their own order, Tiles.q4 / q8), s and m [tiles][K/group][16] float32 (m
-   read only by the kinds with a minimum). */
-void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
+   float16; the int8-activation kinds in their own order, Tiles.q4 / q8), s and m [tiles][K/group][16] float32 or in
+   two levels (`scales`: specula.h; m read only by the kinds with a minimum). */
+void block_gemm(int kind, int scales, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                 const float* m, float* xs, float* y, int64_t tiles, int threads) {
-  const struct product p = {{{q, s, m, NULL, tiles, K, kind, 0}}, 1};
+  const struct product p = {{{q, s, m, NULL, tiles, K, kind, scales}}, 1};
   #pragma omp parallel num_threads(threads)
   gemm_in(&p, x, M, xs, y, tiles * 16);
 }

@@ -17,13 +17,19 @@ enum specula_kind {
   KIND_Q8G16_INT8 = 11,  /* int8 values, w = s q per group of 16, int8 activations (Q6_K) */
   KIND_Q5M_INT8 = 12,  /* 5-bit values u, w = s u + m per group of 32, int8 activations (Q5_1, Q5_K) */
   KIND_Q5_INT8 = 13,   /* 5-bit values u = q + 16, w = s q per group of 32, int8 activations (Q5_0) */
+  KIND_Q6_INT8 = 14,   /* 6-bit values u = q + 32, w = s q per group of 16, int8 activations (Q6_K) */
   KIND_F16 = 16        /* float16 weights as they are (no scale), float32 activations */
 };
 
-/* One linear layer's tiles: q the values, s (and m) [tiles][K / group][16] float32, bias [tiles * 16] or NULL. */
+/* One linear layer's tiles: q the values, s (and m) per tile [K / group][16] float32 (scales SCALES_F32), or in two
+   levels (SCALES_TWO_LEVEL, int8 kinds only; K a multiple of 256): per super-block of 256 inputs 16 float32 d, then
+   its groups' int8 sub-scales [256 / group][16], a group's scales d * sub (exact in float32: the file's d sc as
+   ggml computes it, so the same bits; the K-quants' own form, 2.7x fewer bytes than float32 per group). bias
+   [tiles * 16] or NULL. */
+enum specula_scales { SCALES_F32 = 0, SCALES_TWO_LEVEL = 1 };
 struct weights {
   const uint8_t* q; const float* s; const float* m; const float* bias;
-  int64_t tiles, K; int32_t kind, unused;
+  int64_t tiles, K; int32_t kind, scales;
 };
 /* Up to 3 layers that read one input (q, k, v; gate, up), their outputs side by side in one row of
    sum(tiles) * 16 floats: one preparation of the input and one split of all their tiles between threads. */
@@ -53,7 +59,7 @@ struct dims {
 
 /* The struct sizes this library was built with, in order: weights, product, layer, dims. */
 void specula_abi(int64_t* sizes);
-void block_gemm(int kind, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
+void block_gemm(int kind, int scales, const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s,
                 const float* m, float* xs, float* y, int64_t tiles, int threads);
 void decoder_forward(const struct dims* D, const struct layer* layers, int64_t n_layers, void* const* keys,
                      void* const* values, int64_t cap, float* x, int64_t N, const float* cos, const float* ssin,
