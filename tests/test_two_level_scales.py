@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.model import cpu_kernels
+from server.model import cpu_kernels, tile_scales
 from server.model.gguf_blocks import decode
 from server.model.gguf_weights import _layer
 from tests import kquants
@@ -47,14 +47,14 @@ def test_k_quant_tiles_hold_two_level_scales_with_the_same_bits_in_any_batch(kin
 
 def test_scales_with_no_two_level_form_stay_float32():
     s = torch.rand(2, 8, 16) * 0.1  # arbitrary float32 scales: no one d of which all are small integer multiples
-    assert cpu_kernels.two_level(s, 8) is None
-    assert cpu_kernels.two_level(torch.rand(2, 12, 16), 8) is None  # not whole super-blocks (K = 384)
+    assert tile_scales.two_level(s, 8) is None
+    assert tile_scales.two_level(torch.rand(2, 12, 16), 8) is None  # not whole super-blocks (K = 384)
     d = torch.rand(2, 1, 16).half().float()
-    exact = cpu_kernels.two_level(d * torch.randint(-128, 128, (2, 8, 16)).float(), 8)
+    exact = tile_scales.two_level(d * torch.randint(-128, 128, (2, 8, 16)).float(), 8)
     assert exact is not None
     too_wide = d * torch.randint(-128, 128, (2, 8, 16)).float()
     too_wide[0, 0, 0] = d[0, 0, 0] * 1000  # a multiple past int8
-    assert cpu_kernels.two_level(too_wide, 8) is None
+    assert tile_scales.two_level(too_wide, 8) is None
 
 
 @needs_kernels

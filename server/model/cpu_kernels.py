@@ -46,7 +46,9 @@ from pathlib import Path
 
 import torch
 
+from server.model import tile_layouts
 from server.model.kernel_build import CSRC, ISA_FLAGS, build_library, cpu_identity, host_isa, lint
+from server.model.tile_scales import SCALES_F32, SCALES_TWO_LEVEL, group_scales, two_level, two_level_scales
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,6 @@ def _kinds() -> dict[str, int]:
 
 
 _KINDS = _kinds()
-SCALES_F32, SCALES_TWO_LEVEL = 0, 1  # csrc/specula.h's enum specula_scales: the form of a tile's scales
 _NAMES = ("KIND_Q4", "KIND_Q4_INT8", "KIND_Q8", "KIND_Q8_INT8", "KIND_Q8M_INT8", "KIND_Q8G16_INT8", "KIND_Q5M_INT8",
           "KIND_Q5_INT8", "KIND_Q6_INT8", "KIND_F16")
 (KIND_Q4, KIND_Q4_INT8, KIND_Q8, KIND_Q8_INT8, KIND_Q8M_INT8, KIND_Q8G16_INT8, KIND_Q5M_INT8, KIND_Q5_INT8,
@@ -165,24 +166,22 @@ class Tiles:
             self._in_two_levels()
         self.bias: torch.Tensor | None = None  # [tiles * 16] float32, added to the outputs (`with_bias`)
 
+    @property
+    def _per_block(self) -> int:
+        """Scale groups a super-block of 256 inputs holds: 16 of 16 inputs (Q6_K's), else 8 of 32."""
+        return 16 if self.kind in GROUP16 else 8
+
     def _in_two_levels(self) -> None:
         """s (and m) in two levels where every super-block's scales are one float32 d times int8s, exactly
-        (`two_level`): a K-quant's own form (d sc), 2.7x fewer bytes than float32 per group; else as they are."""
-        group = 16 if self.kind in GROUP16 else 32
-        s = two_level(self.s, 256 // group)
+        (tile_scales.py): a K-quant's own form (d sc), 2.7x fewer bytes than float32 per group; else as they are."""
+        s = two_level(self.s, self._per_block)
         m = two_level(self.m, 8) if self.m.dim() == 3 else self.m
         if s is not None and m is not None:
             self.s, self.m, self.scales = s, m, SCALES_TWO_LEVEL
 
     def group_scales(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 scales of output rows `ids` ([n]) per group, [n, K / group]: what the kernels multiply by."""
-        s = self.s
-        if self.scales == SCALES_TWO_LEVEL:
-            per = 16 if self.kind in GROUP16 else 8
-            blocks = s.view(self.tiles, -1, 16 + 4 * per)  # [T, super-blocks, 16 d + per x 16 int8 as floats]
-            d = blocks[..., :16]  # [T, B, 16]
-            sub = blocks[..., 16:].contiguous().view(torch.int8).view(self.tiles, -1, per, TILE)
-            s = (d[:, :, None, :] * sub.float()).view(self.tiles, -1, TILE)
+        s = group_scales(self.s, self.tiles, self._per_block) if self.scales == SCALES_TWO_LEVEL else self.s
         return tile_rows(s, ids)
 
     def with_bias(self, bias: torch.Tensor | None) -> Tiles:
@@ -205,10 +204,7 @@ class Tiles:
         t = q.shape[0] // TILE
         qt = q.to(torch.uint8).view(t, TILE, k).transpose(1, 2)  # [tiles, K, 16]
         if int8_activations() if int8 is None else int8:
-            # per 4 inputs 4u..4u+3, 32 bytes: byte 4j + e = input 4u + e of output j (low) and of j + 8 (high)
-            quads = qt.reshape(t, k // 4, 4, TILE)  # [tiles, u, e, j]
-            packed = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(t, k // 2, TILE)
-            return cls(KIND_Q4_INT8, packed, _tiled(s, t), _tiled(m, t), n, lib, in_features=k)
+            return cls(KIND_Q4_INT8, tile_layouts.nibble_quads(qt), _tiled(s, t), _tiled(m, t), n, lib, in_features=k)
         packed = qt[:, 0::2] | (qt[:, 1::2] << 4)  # [tiles, K/2, 16]: inputs k (low) and k + 1 (high)
         return cls(KIND_Q4, packed, _tiled(s, t), _tiled(m, t), n, lib, in_features=k)
 
@@ -223,10 +219,10 @@ class Tiles:
         n, k = q.shape
         group16 = s.shape[1] == k // 16
         q, s, m_padded = _pad(q, s, m if m is not None else s[:, :0])
-        t = q.shape[0] // TILE
-        qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 16]
         if group16 and six_bits and (not q.numel() or (-32 <= int(q.min()) and int(q.max()) <= 31)):
             return cls.q6(q, s, n, k, lib)
+        t = q.shape[0] // TILE
+        qt = q.to(torch.int8).view(t, TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 16]
         if group16 or m is not None or (int8_activations() if int8 is None else int8):
             # per 4 inputs k..k+3: 16 x (q[k][j] .. q[k+3][j])
             quads = qt.view(t, k // 4, 4, TILE).transpose(2, 3).contiguous().view(torch.uint8).view(t, k, TILE)
@@ -251,13 +247,7 @@ class Tiles:
             b = min(t, a + Q5_TILES_AT_ONCE)
             u = q[a * TILE : b * TILE].to(torch.int8).view(torch.uint8)  # Q5_0's q + 16 wraps to [0, 31]
             u = (u + 16 if m is None else u).view(b - a, TILE, k).transpose(1, 2)
-            quads = (u & 15).reshape(b - a, k // 4, 4, TILE)  # [tiles, u, e, j], as `q4` packs them
-            packed[a:b, :, :256] = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(b - a, g, 256)
-            fifth = (u >> 4).reshape(b - a, g, 8, 4, TILE).permute(0, 1, 4, 3, 2)  # [tiles, group, j, e, quad]
-            bits = fifth[..., 0].clone()
-            for quad in range(1, 8):
-                bits |= fifth[..., quad] << quad
-            packed[a:b, :, 256:] = bits.reshape(b - a, g, 64)  # byte 4j + e of a half: bit u from quad u
+            packed[a:b] = tile_layouts.five_bits(u)
         packed = packed.view(t, g * 320)
         kind, mins = (KIND_Q5M_INT8, _tiled(m_padded, t)) if m is not None else (KIND_Q5_INT8, torch.zeros(1))
         return cls(kind, packed, _tiled(s, t), mins, n, lib, in_features=k)
@@ -265,21 +255,14 @@ class Tiles:
     @classmethod
     def q6(cls, q: torch.Tensor, s: torch.Tensor, n: int, k: int, lib: ctypes.CDLL) -> Tiles:
         """6-bit values q [tiles * 16, K] in [-32, 31] (padded), held as u = q + 32, with scales s [tiles * 16, K/16]:
-        w = s q per 16 inputs (Q6_K, `KIND_Q6_INT8`), three quarters of a byte a weight; the same products, bit for
-        bit, as the Q8 tiles' of the same values (csrc/int8.h). Per group of 32 inputs: the low 4 bits as `q4` packs
-        them (256 bytes), then four planes of 32 bytes [outputs 0-7, 8-15][quads 0-3, 4-7] of the top 2 bits, bits
-        2i and 2i + 1 of byte 4j + e holding quad 4h + i's input e of output j."""
+        w = s q per 16 inputs (Q6_K, `KIND_Q6_INT8`), three quarters of a byte a weight (tile_layouts.six_bits); the
+        same products, bit for bit, as the Q8 tiles' of the same values (csrc/int8.h)."""
         t, g = q.shape[0] // TILE, k // 32
         packed = torch.empty(t, g, 384, dtype=torch.uint8)
         for a in range(0, t, Q5_TILES_AT_ONCE):  # a slice of tiles at a time: the temporaries stay small
             b = min(t, a + Q5_TILES_AT_ONCE)
             u = (q[a * TILE : b * TILE].to(torch.int16) + 32).to(torch.uint8).view(b - a, TILE, k).transpose(1, 2)
-            quads = (u & 15).reshape(b - a, k // 4, 4, TILE)  # [tiles, u, e, j]
-            packed[a:b, :, :256] = (quads[..., :8] | (quads[..., 8:] << 4)).transpose(2, 3).reshape(b - a, g, 256)
-            top = (u >> 4).reshape(b - a, g, 2, 4, 4, 2, 8)  # [tiles, group, h, i, e, outputs 0-7 | 8-15, j]
-            top = top.permute(0, 1, 5, 2, 6, 4, 3)  # [tiles, group, half of the outputs, h, j, e, i]
-            planes = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
-            packed[a:b, :, 256:] = planes.reshape(b - a, g, 128)
+            packed[a:b] = tile_layouts.six_bits(u)
         return cls(KIND_Q6_INT8, packed.view(t, g * 384), _tiled(s, t), torch.zeros(1), n, lib, in_features=k)
 
     @classmethod
@@ -299,33 +282,11 @@ class Tiles:
         what a table's lookups read once the tiles alone hold it."""
         if self.kind == KIND_F16:
             return tile_rows(self.q.view(torch.float16), ids)
-        if self.kind in Q5_LAYOUT:  # per group: [u, 32 bytes] nibbles, then [2 halves, 32 bytes] fifth bits
-            groups = self.q.view(self.tiles, -1, 320)[ids // TILE]  # [n, G, 320]
-            lane = (ids % TILE)[:, None, None, None]
-            byte = 4 * (lane % 8) + torch.arange(4)  # [n, 1, 1, 4]: input e of the lane's output in a quad
-            nib = groups[:, :, :256].view(len(ids), -1, 8, 32).long()  # [n, G, u, 32]
-            nib = torch.take_along_dim(nib, byte.expand(-1, nib.shape[1], 8, -1), dim=3)
-            nib = torch.where(lane >= 8, nib >> 4, nib & 15)
-            bits = groups[:, :, 256:].view(len(ids), -1, 2, 32).long()  # [n, G, half, 32]
-            half = (lane >= 8).long().expand(-1, bits.shape[1], 1, 32)
-            bits = torch.take_along_dim(bits, half, dim=2)  # [n, G, 1, 32]
-            bits = torch.take_along_dim(bits, byte.expand(-1, bits.shape[1], -1, -1), dim=3)  # [n, G, 1, 4]
-            fifth = (bits >> torch.arange(8)[None, None, :, None]) & 1  # [n, G, u, 4]
-            u = nib + 16 * fifth - (16 if self.kind == KIND_Q5_INT8 else 0)
-            return u.to(torch.int8).reshape(len(ids), self.in_features)
-        if self.kind == KIND_Q6_INT8:  # per group: [u, 32 bytes] nibbles, then [half, h, 32 bytes] top bits
-            groups = self.q.view(self.tiles, -1, 384)[ids // TILE]  # [n, G, 384]
-            lane = (ids % TILE)[:, None, None, None]
-            byte = 4 * (lane % 8) + torch.arange(4)  # [n, 1, 1, 4]
-            nib = groups[:, :, :256].view(len(ids), -1, 8, 32).long()
-            nib = torch.take_along_dim(nib, byte.expand(-1, nib.shape[1], 8, -1), dim=3)
-            nib = torch.where(lane >= 8, nib >> 4, nib & 15)  # [n, G, u, 4]
-            planes = groups[:, :, 256:].view(len(ids), -1, 2, 2, 32).long()  # [n, G, half, h, 32]
-            half = (lane >= 8).long()[..., None].expand(-1, planes.shape[1], 1, 2, 32)
-            planes = torch.take_along_dim(planes, half, dim=2)[:, :, 0]  # [n, G, h, 32]
-            planes = torch.take_along_dim(planes, byte.expand(-1, planes.shape[1], 2, -1), dim=3)  # [n, G, h, 4]
-            top = (planes[:, :, :, None, :] >> (2 * torch.arange(4))[None, None, None, :, None]) & 3  # [n, G, h, i, 4]
-            u = nib + 16 * top.reshape(len(ids), -1, 8, 4)
+        if self.kind in Q5_LAYOUT:
+            u = tile_layouts.five_bits_read(self.q.view(self.tiles, -1, 320)[ids // TILE], ids)
+            return (u - (16 if self.kind == KIND_Q5_INT8 else 0)).to(torch.int8).reshape(len(ids), self.in_features)
+        if self.kind == KIND_Q6_INT8:
+            u = tile_layouts.six_bits_read(self.q.view(self.tiles, -1, 384)[ids // TILE], ids)
             return (u - 32).to(torch.int8).reshape(len(ids), self.in_features)
         q = self.q.view(torch.int8)
         if self.kind in Q8_LAYOUT:  # [T, K/4, 16, 4]: input 4u + e of output lane j at [u, j, e]
@@ -349,55 +310,6 @@ class Tiles:
         if self.tiles * TILE != self.out:
             y = y[:, : self.out]
         return y.view(*x.shape[:-1], self.out).to(x.dtype)
-
-
-def two_level_scales() -> bool:
-    """Whether int8-activation tiles keep their scales in two levels where they can (`Tiles`; the same bits, fewer
-    bytes): `SPECULA_TWO_LEVEL_SCALES=0` keeps float32 per group (for A/B measurement)."""
-    return os.environ.get("SPECULA_TWO_LEVEL_SCALES", "1").lower() not in ("0", "false", "no", "off")
-
-
-TWO_LEVEL_ROWS = 4096  # tiles `two_level` converts at a time (its temporaries: a few times their scales in int64)
-
-
-def two_level(s: torch.Tensor, per: int) -> torch.Tensor | None:
-    """Tiled scales s [T, G, 16] float32 in two levels (csrc/specula.h's SCALES_TWO_LEVEL): per tile and super-block
-    of `per` groups, 16 float32 d then [per][16] int8 sub-scales with d * sub == s exactly in float32; None where
-    some super-block has no such form (G not a multiple of `per`, or scales that are not one number's small
-    multiples). Exact by construction and checked: d is the gcd of the super-block's scales as dyadic rationals
-    (each s = mantissa 2^e), so every s / d is an integer; a K-quant's d sc gives d' = d gcd(sc) and s / d' = sc /
-    gcd(sc), within the int8 range its 6- or 8-bit sc had."""
-    tiles, groups, lanes = s.shape
-    if groups % per or not s.numel():
-        return None
-    blocks = groups // per
-    out = torch.empty(tiles, blocks, 16 + 4 * per)  # floats: 16 d, then per x 16 int8s in 4 x per floats
-    for a in range(0, tiles, TWO_LEVEL_ROWS):
-        b = min(tiles, a + TWO_LEVEL_ROWS)
-        part = s[a:b].view(b - a, blocks, per, lanes).transpose(2, 3).double()  # [t, B, 16, per]
-        mantissa, exponent = torch.frexp(part)
-        ints = (mantissa * 2.0**24).long()  # exact: a float32's 24-bit significand
-        exponent = exponent.long() - 24
-        nonzero = ints != 0
-        low = torch.where(nonzero, exponent, torch.iinfo(torch.int64).max).amin(-1, keepdim=True)
-        low = torch.where(nonzero.any(-1, keepdim=True), low, 0)
-        shift = torch.where(nonzero, exponent - low, 0)
-        if int(shift.max()) > 30:  # the super-block's scales span more than int8 multiples could
-            return None
-        ints = ints << shift  # every scale an integer multiple of 2^low
-        gcd = ints[..., 0].abs()
-        for i in range(1, per):
-            gcd = torch.gcd(gcd, ints[..., i])
-        sub = ints // gcd.clamp_min(1)[..., None]  # exact: gcd divides each
-        if sub.numel() and (int(sub.min()) < -128 or int(sub.max()) > 127):
-            return None
-        d = torch.ldexp(gcd.double(), low[..., 0]).float()  # [t, B, 16]: an integer below 2^55 times 2^low
-        sub8 = sub.to(torch.int8)
-        if not torch.equal(d[..., None] * sub8.float(), part.float()):
-            return None
-        out[a:b, :, :16] = d
-        out[a:b, :, 16:] = sub8.transpose(2, 3).contiguous().view(b - a, blocks, per * lanes).view(torch.float32)
-    return out.view(tiles, -1)
 
 
 def scratch_per_row(k: int) -> int:
