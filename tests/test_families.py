@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from server.model import checkpoints, cpu_kernels, decoder, families
+from server.model import checkpoints, decoder, families
 from server.model.attention import use_gqa_attention
 from server.model.lean_forward import LeanForward
 from server.model.loading import load_model
@@ -22,9 +22,9 @@ from server.model.quantized import Q4Linear, Q8Linear
 from server.model.runner import ModelRunner
 from server.model.tables import BlockTable
 from tests.gguf_fixtures import FAMILIES, as_file, hf_model, write_gguf
+from tests.kernel_marks import needs_kernels
 
 pytestmark = pytest.mark.slow  # seconds a model: `make test` runs them, `make test-fast` does not
-needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="the CPU block kernels do not build here")
 NAMES = list(FAMILIES)
 IDS = [5, 17, 40, 99, 120, 3, 77, 8, 9, 10, 11, 12, 200, 201, 7, 33]
 

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from server.model import cpu_kernels
+from tests.kernel_marks import needs_kernels
 from tests.test_cpu_kernels import _damage
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(cpu_kernels.library() is None and not os.environ.get("CI"),
-                                 reason="the CPU block kernels do not build here")]
+pytestmark = [pytest.mark.slow, needs_kernels]
 
 _START = """
 import json, sys

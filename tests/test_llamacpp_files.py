@@ -22,15 +22,16 @@ import httpx
 import pytest
 import torch
 
-from server.model import cpu_kernels, decoder
+from server.model import decoder
 from server.model.attention import use_gqa_attention
 from server.model.loading import load_model
 from server.model.quantized import Q4Linear, Q8Linear
 from server.model.runner import ModelRunner
 from tests.gguf_fixtures import FAMILIES, hf_model, write_gguf
+from tests.kernel_marks import needs_kernels
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp,
-              pytest.mark.skipif(cpu_kernels.library() is None, reason="the CPU block kernels do not build here")]
+              needs_kernels]
 
 PROMPT = [5, 17, 40, 99, 120, 3, 77, 8, 9, 10, 11, 12, 200, 201, 7, 33, 61, 62, 63, 64]
 

@@ -7,9 +7,10 @@ import torch
 
 from server.model import cpu_kernels
 from server.model.quantized import Q8Linear
+from tests.kernel_marks import needs_kernels
 
 lib = cpu_kernels.library()
-pytestmark = pytest.mark.skipif(lib is None, reason="no CPU block kernels on this host")
+pytestmark = needs_kernels
 
 
 def _weights(n: int, k: int, minimum: bool, seed: int):

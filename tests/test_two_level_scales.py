@@ -14,8 +14,7 @@ from server.model.gguf_blocks import decode
 from server.model.gguf_weights import _layer
 from tests import kquants
 from tests.gguf_fixtures import hf_model, write_gguf
-
-needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no CPU block kernels on this host")
+from tests.kernel_marks import needs_kernels
 
 
 def _tiles(kind: str, rows: int, k: int, seed: int, two_level: bool, monkeypatch) -> cpu_kernels.Tiles:
