@@ -260,11 +260,30 @@ static inline __attribute__((always_inline)) void rows_q8i(const int R, int kind
   }
 }
 
+/* A tile's scales (or minimums) in two levels as float32 [groups][16], each d * sub as scales16 makes it. */
+static void expand_scales(int lg, const float* s, int64_t groups, float* out) {
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 s0, s1;
+    scales16(SCALES_TWO_LEVEL, lg, s, g, &s0, &s1);
+    _mm256_storeu_ps(out + g * 16, s0);
+    _mm256_storeu_ps(out + g * 16 + 8, s1);
+  }
+}
+
 /* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11 and 14, in
-   blocks of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). */
+   blocks of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). Scales in two levels are made float32 once for
+   the tile when more than one block reads them (the same floats: the same bits). */
 _Static_assert(Q8_ROWS == 4, "tile_q8i calls rows_q8i for 4, 3, 2 and 1 rows");
 static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, int two,
                      const float* xs, float* y, int64_t ldy) {
+  if (two && M > Q8_ROWS) {
+    const int g16 = kind == KIND_Q8G16_INT8 || kind == KIND_Q6_INT8;
+    float sf[g16 ? K : K / 2], mf[kind == KIND_Q8M_INT8 ? K / 2 : 1];  /* [groups][16]: 64 KiB at K = 16,384 */
+    expand_scales(g16 ? 4 : 3, s, g16 ? K / 16 : K / 32, sf);
+    if (kind == KIND_Q8M_INT8) expand_scales(3, m, K / 32, mf);
+    tile_q8i(kind, M, K, q, sf, mf, SCALES_F32, xs, y, ldy);
+    return;
+  }
   for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
     const int64_t n = M - r0;
     if (n >= Q8_ROWS) rows_q8i(Q8_ROWS, kind, r0, M, K, q, s, m, two, xs, y, ldy);
