@@ -17,13 +17,13 @@ from server.model import cpu_kernels
 
 
 def buildable_here() -> bool:
-    """x86-64 with an instruction set the kernels have, a compiler, and SPECULA_CPU_KERNELS not off (or CI, which
-    installs the compiler and must not skip them)."""
+    """x86-64 with an instruction set the kernels have, then CI (which installs the compiler and must not skip
+    them), or a compiler here and SPECULA_CPU_KERNELS not off."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or cpu_kernels.host_isa() is None:
+        return False
     if os.environ.get("CI"):
         return True
     if os.environ.get("SPECULA_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
-        return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or cpu_kernels.host_isa() is None:
         return False
     return shutil.which(os.environ.get("CC", "cc")) is not None
 

@@ -272,11 +272,12 @@ static void expand_scales(int lg, const float* s, int64_t groups, float* out) {
 
 /* One tile's 16 outputs for all M rows on int8 activations (xs as for kind 5: `prepare_row`), kinds 9-11 and 14, in
    blocks of up to Q8_ROWS rows (the blocks of 4, 3, 2 and 1 below). Scales in two levels are made float32 once for
-   the tile when more than one block reads them (the same floats: the same bits). */
+   the tile when more than one block reads them (the same floats: the same bits; rows longer than 32,768 inputs
+   keep making them per block). */
 _Static_assert(Q8_ROWS == 4, "tile_q8i calls rows_q8i for 4, 3, 2 and 1 rows");
 static void tile_q8i(int kind, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* m, int two,
                      const float* xs, float* y, int64_t ldy) {
-  if (two && M > Q8_ROWS) {
+  if (two && M > Q8_ROWS && K <= 32768) {  /* on the stack: at most 128 KiB */
     const int g16 = kind == KIND_Q8G16_INT8 || kind == KIND_Q6_INT8;
     float sf[g16 ? K : K / 2], mf[kind == KIND_Q8M_INT8 ? K / 2 : 1];  /* [groups][16]: 64 KiB at K = 16,384 */
     expand_scales(g16 ? 4 : 3, s, g16 ? K / 16 : K / 32, sf);
