@@ -48,11 +48,10 @@ import torch
 
 from server.model import tile_layouts
 from server.model.kernel_build import CSRC, ISA_FLAGS, build_library, cpu_identity, host_isa, lint
+from server.model.tile_layouts import TILE  # outputs a tile holds (callers read cpu_kernels.TILE)
 from server.model.tile_scales import SCALES_F32, SCALES_TWO_LEVEL, group_scales, two_level, two_level_scales
 
 log = logging.getLogger(__name__)
-
-TILE = 16  # outputs a tile holds (one 512-bit vector of float32)
 
 
 def _kinds() -> dict[str, int]:

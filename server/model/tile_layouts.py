@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-TILE = 16  # outputs a tile holds (cpu_kernels.TILE)
+TILE = 16  # outputs a tile holds (one 512-bit vector of float32; cpu_kernels and tile_scales import it)
 
 
 def nibble_quads(u: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ import os
 
 import torch
 
+from server.model.tile_layouts import TILE
+
 SCALES_F32, SCALES_TWO_LEVEL = 0, 1  # csrc/specula.h's enum specula_scales: the form of a tile's scales
-TILE = 16  # outputs a tile holds (cpu_kernels.TILE)
 
 
 def two_level_scales() -> bool:

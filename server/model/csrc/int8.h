@@ -154,22 +154,27 @@ static void tile_q4i(int64_t M, int64_t K, const uint8_t* q, const float* s, con
    halves in 32 bits. Summed over the group (exact), then y += (s dx) t. */
 #define Q8_ROWS 4 /* rows a block: one load and |q| of the weights for up to 4 rows (1.1-1.2x 1 row at a time) */
 
+/* Quad u's signed weights a (outputs 0-7) and b (8-15) times R rows' 4 inputs, added to their 32-bit sums lo[r] and
+   hi[r] (R a constant where it is inlined): |a| and |b| taken once for the R rows. */
+static inline __attribute__((always_inline)) void quad_q8i(const int R, __m256i a, __m256i b, const int8_t* xp,
+                                                           int64_t ldx, int u, __m256i* lo, __m256i* hi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
+  for (int r = 0; r < R; r++) {
+    const __m256i x = quad(xp + r * ldx + 4 * u);
+    lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(x, a)), ones));
+    hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(x, b)), ones));
+  }
+}
+
 /* R rows' 32-bit sums over quads u0..u1-1 of one tile's group q (lo[r]: outputs 0-7, hi[r]: 8-15), R a constant
-   where it is inlined: the weights loaded and their absolute values taken once for the R rows. */
+   where it is inlined: the weights loaded once for the R rows. */
 static inline __attribute__((always_inline)) void quads_q8i(const int R, const uint8_t* q, const int8_t* xp,
                                                             int64_t ldx, int u0, int u1, __m256i* lo, __m256i* hi) {
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-  for (int u = u0; u < u1; u++) {
-    const __m256i a = _mm256_loadu_si256((const __m256i*)(q + u * 64));
-    const __m256i b = _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32));
-    const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
-    for (int r = 0; r < R; r++) {
-      const __m256i x = quad(xp + r * ldx + 4 * u);
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(x, a)), ones));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(x, b)), ones));
-    }
-  }
+  for (int u = u0; u < u1; u++)
+    quad_q8i(R, _mm256_loadu_si256((const __m256i*)(q + u * 64)), _mm256_loadu_si256((const __m256i*)(q + u * 64 + 32)),
+             xp, ldx, u, lo, hi);
 }
 
 /* acc += (s dx) t for both halves of 16 outputs. */
@@ -193,10 +198,10 @@ static inline __attribute__((always_inline)) __m256i top_bits(__m256i p, int i) 
 }
 
 /* R rows' 32-bit sums over quads 4h..4h+3 (the first or second 16 inputs of group qg) of one Q6 tile's 16 outputs
-   (lo[r]: outputs 0-7, hi[r]: 8-15), as quads_q8i sums the Q8 tiles'. */
+   (lo[r]: outputs 0-7, hi[r]: 8-15), rebuilt and then summed as the Q8 tiles' (quad_q8i). */
 static inline __attribute__((always_inline)) void quads_q6i(const int R, const uint8_t* qg, int h, const int8_t* xp,
                                                             int64_t ldx, __m256i* lo, __m256i* hi) {
-  const __m256i low = _mm256_set1_epi8(15), off = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15), off = _mm256_set1_epi8(32);
   const __m256i pl = _mm256_loadu_si256((const __m256i*)(qg + 256 + h * 32));
   const __m256i ph = _mm256_loadu_si256((const __m256i*)(qg + 320 + h * 32));
   for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -207,12 +212,7 @@ static inline __attribute__((always_inline)) void quads_q6i(const int R, const u
     const __m256i a = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low), top_bits(pl, i)), off);
     const __m256i b = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                                       top_bits(ph, i)), off);
-    const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
-    for (int r = 0; r < R; r++) {
-      const __m256i x = quad(xp + r * ldx + 4 * u);
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(x, a)), ones));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(x, b)), ones));
-    }
+    quad_q8i(R, a, b, xp, ldx, u, lo, hi);
   }
 }
 
