@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     # (half the bytes of float32 for float16). "auto": float16 where the weights are quantized (`as-file`,
     # `int8`: llama.cpp's default f16 cache), else the model's own dtype (server/model/kv_shape.py `kv_precision`).
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # Static-shape passes (server/model/static_step.py): "on" runs decode steps and verify passes at a few fixed
+    # shapes over a cache whose rows never move, replayed as CUDA graphs on a GPU; on a CPU the same buffers run
+    # eagerly, and a model the C decoder serves keeps it (every pass one call already). "off": every pass eager.
+    compile: Literal["off", "on"] = "off"
     # `draft`: a draft model for method `draft` (None = none: the method is then unavailable): a directory, hub id
     # or .gguf file sharing the target's tokenizer, or "target" = the target's own weights in `draft_dtype` (opt-in:
     # on CPU a copy of the target never pays, so the default speculates with the shipped draft head instead).

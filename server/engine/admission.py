@@ -23,8 +23,10 @@ from server.engine.sequence import Sequence
 from server.failsafe import OptionalParts
 from server.model import prefix_cache
 from server.model.kv_shape import KVShape, slots_for
+from server.model.lean_forward import LeanForward
 from server.model.memory import budget_bytes
 from server.model.runner import ModelRunner
+from server.model.static_step import StaticStep, row_buckets
 from server.speculation.budget import entering
 from server.speculation.planner import Planner
 from server.types import GenerationRequest
@@ -63,6 +65,28 @@ def kv_slots(
 def _reservation(request: GenerationRequest, slack: int) -> int:
     """The KV columns a row may need: its prompt, its max_tokens, and one step's columns (`row_slack`)."""
     return len(request.prompt_token_ids) + request.sampling.max_tokens + slack
+
+
+def pinned_columns(
+    settings: Settings, model: torch.nn.Module, slots: int | None, wanted: int, slack: int
+) -> int | None:
+    """Every row's columns in the target's cache where the `compile` setting runs its passes at static shapes
+    (static_step.py) and its forward allows it: a row's context and a step's columns (`wanted`), within the KV
+    budget split over the largest row bucket; None: the cache's columns move as it needs."""
+    if settings.compile != "on":
+        return None
+    why = StaticStep.refuses(LeanForward.of(model))
+    if why is not None:
+        log.info("compile=on: passes stay eager (%s)", why)
+        return None
+    if slots is None:
+        return wanted
+    columns = min(wanted, slots // row_buckets(settings.max_batch_size)[-1])
+    if columns < slack + 16:
+        raise ValueError(f"kv_cache_memory holds {slots} tokens: too few for {settings.max_batch_size} rows of "
+                         f"static-shape passes (compile=on) with {slack} columns of a step's each")
+    return columns
+
 
 
 class Admission:

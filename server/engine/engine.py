@@ -21,7 +21,7 @@ import time
 import torch
 
 from server.config import Settings
-from server.engine.admission import Admission, kv_slots, row_slack
+from server.engine.admission import Admission, kv_slots, pinned_columns, row_slack
 from server.engine.calibration import calibrate
 from server.engine.isolation import Isolation, describe, own_input
 from server.engine.memory import MemoryParts
@@ -37,6 +37,7 @@ from server.model.loading import LoadedModel, load_draft_like, load_model
 from server.model.memory import HeapTrimmer, budget_bytes, rss_bytes
 from server.model.quantized import activations
 from server.model.runner import ModelRunner
+from server.model.static_step import row_buckets
 from server.speculation.acceptance import AcceptanceModel
 from server.speculation.budget import StepBudget, attention_span
 from server.speculation.cost import CostModel, elapsed_since
@@ -99,8 +100,16 @@ class Engine:
         self.step_budget = StepBudget(settings.step_token_budget(self.device.type), attention_span(target.model.config))
         slack = row_slack(self.step_budget.tokens)
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
-        self.runner = ModelRunner(target.model, self.kv_slots, kv_dtype=self.kv_dtype)
         max_context = settings.max_model_len or target.max_context
+        # static-shape passes (static_step.py) need every row's columns pinned: the budget split into rows
+        columns = pinned_columns(settings, target.model, self.kv_slots, max_context + slack, slack)
+        if columns is not None:
+            self.kv_slots = row_buckets(settings.max_batch_size)[-1] * columns
+        self.runner = ModelRunner(target.model, self.kv_slots, kv_dtype=self.kv_dtype, kv_columns=columns)
+        if columns is not None:
+            widest = max(settings.num_speculative_tokens, settings.auto_max_speculative_tokens)
+            self.runner.use_static(settings.max_batch_size, widest + 1)
+            max_context = min(max_context, columns - slack)  # a row's columns hold its context and a step's
         if self.kv_slots is not None:  # one row alone must fit the budget, with a step's columns to spare
             max_context = min(max_context, self.kv_slots - slack)
         self.limits = ServingLimits(max_context=max_context, vocab_size=self.vocab_size, methods=self.planner.methods)
@@ -312,6 +321,10 @@ def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str =
         if freed:
             engine._trim_heap()
             log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)
+    if engine.runner.static is not None:  # CUDA graphs recorded now, before any request waits for one
+        started = time.perf_counter()
+        if captured := engine.runner.static.capture():
+            log.info("captured %d static-shape passes in %.1f s", captured, time.perf_counter() - started)
     # structured output's tokenizer view (~0.3 s), before the first request; after the drop above, so its build's
     # transient heap (~30 MiB) does not stack on the dense weights' (the start-up's peak RSS); that heap given back
     # (35 MiB of a 152k vocabulary's, Qwen2.5's, stayed resident without it)

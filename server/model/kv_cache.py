@@ -17,7 +17,10 @@ proportional to the context is copied per step. Joins, leaves and capacity chang
 columns inside the buffer (`relayout`). Without a budget the buffer grows (doubling, in columns and in
 rows: requests join one at a time) as needed. With
 a budget (`slots`: token slots, from `kv_cache_memory`) it is allocated and zeroed once, up front, and
-never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/admission.py).
+never grows: rows x capacity <= slots, which admission guarantees (`fits`; server/engine/admission.py). With pinned
+`columns` as well (static-shape steps, server/model/static_step.py) the capacity never changes either: every
+row has those columns, so a row's keys and values always sit at the same place of the same storage, whatever
+joins, leaves or compacts, and a pass captured once for R rows reads and writes the right memory ever after.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class BatchKV:
 
     def __init__(
         self, num_layers: int, device: torch.device, slots: int | None = None, shape: KVShape | None = None,
-        *, dtype: torch.dtype | None = None,
+        *, dtype: torch.dtype | None = None, columns: int | None = None,
     ) -> None:
         """`dtype`: what the buffers hold (`shape`'s when given; None: the first forward's). Narrower than the
         model computes (the `kv_cache_dtype` setting, kv_shape.py `kv_precision`), keys and values are rounded to
@@ -86,11 +89,15 @@ class BatchKV:
         self.cache = BatchCache(self, self.num_layers)  # kv_layers.py: transformers' view
         self.packing: Packing | None = None  # the running forward's packed layout (runner.py sets it)
         self._compactions = 0
+        # `columns`: every row's capacity, fixed (a budget of slots // columns rows of it); None: it moves
+        self.columns = columns
+        if columns is not None and (slots is None or not 0 < columns <= slots):
+            raise ValueError("pinned columns need a budget of at least one row of them")
         if slots is not None:
             if shape is None:
                 raise ValueError("a budgeted cache needs the model's KV shape")
-            self.capacity = slots
-            self.keep = torch.zeros(0, slots, dtype=torch.bool, device=self.device)
+            self.capacity = columns or slots
+            self.keep = torch.zeros(0, self.capacity, dtype=torch.bool, device=self.device)
             like = torch.empty(0, dtype=shape.dtype, device=device)
             for layer in self.cache.layers:
                 layer.allocate(shape.kv_heads, shape.head_dim, shape.value_dim, like, slots)
@@ -124,7 +131,7 @@ class BatchKV:
             self.compact()
         if self.length + width <= self.capacity:
             return
-        if self.slots is not None and self.length + width > self.slots // max(len(self), 1):
+        if self.slots is not None and self.length + width > self.row_columns(len(self)):
             self.compact()
         self._ensure_capacity(self.length + width)
 
@@ -159,7 +166,7 @@ class BatchKV:
     def add_rows(self, other: BatchKV) -> None:
         """Append `other`'s rows (prefilled separately, unbudgeted) to this batch: one copy of them."""
         rows = len(self) + len(other)
-        if self.slots is not None and max(self.length, other.length) > self.slots // rows:
+        if self.slots is not None and max(self.length, other.length) > self.row_columns(rows):
             self.compact()  # the batch's columns must fit the budget's share of each row
         length = max(self.length, other.length)
         capacity = self._capacity_for(length, rows)
@@ -343,8 +350,22 @@ class BatchKV:
             out.append(columns if 2 * len(columns) < cols else None)
         return out
 
+    def row_columns(self, rows: int) -> int:
+        """The most columns each of `rows` rows can have within the budget (the pinned columns, when pinned)."""
+        assert self.slots is not None, "an unbudgeted cache grows"
+        if self.columns is not None:
+            if rows * self.columns > self.slots:
+                raise KVBudgetExceeded(f"{rows} rows of {self.columns} columns exceed the cache's {self.slots} slots")
+            return self.columns
+        return self.slots // max(rows, 1)
+
     def _capacity_for(self, needed: int, rows: int) -> int:
-        """Columns per row for `rows` rows needing `needed` columns: doubling (amortised), within the budget."""
+        """Columns per row for `rows` rows needing `needed` columns: doubling (amortised), within the budget;
+        the pinned columns, when pinned."""
+        if self.columns is not None:
+            if needed > self.row_columns(rows):
+                raise KVBudgetExceeded(f"{needed} columns a row: over the cache's pinned {self.columns}")
+            return self.columns
         cap = self.capacity
         while cap < needed:
             cap *= 2

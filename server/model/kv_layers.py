@@ -22,6 +22,7 @@ class BatchKV(Protocol):
     capacity: int
     length: int
     slots: int | None
+    columns: int | None
     packing: Packing | None
     dtype: torch.dtype | None  # what the buffers hold (None: the first forward's dtype)
 
@@ -76,9 +77,9 @@ class BufferLayer(CacheLayerMixin):
 
     def allocate(self, heads: int, head_dim: int, value_dim: int, like: torch.Tensor, slots: int) -> None:
         """Zeroed flat buffers of `slots` tokens: a budget's resident at once (zeroed now), an unbudgeted cache's
-        pages as its forwards write them (`zeroed`)."""
+        and a pinned one's (its rows sized for a whole context each) pages as its forwards write them (`zeroed`)."""
         self.heads, self.head_dim, self.value_dim = heads, head_dim, value_dim
-        resident = self.owner.slots is not None
+        resident = self.owner.slots is not None and self.owner.columns is None
         self.key_store = zeroed(slots * heads * head_dim, like, resident=resident)
         self.value_store = zeroed(slots * heads * value_dim, like, resident=resident)
         self.is_initialized = True

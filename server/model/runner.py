@@ -25,6 +25,7 @@ from server.model.kv_shape import KVShape
 from server.model.lean_forward import LeanForward
 from server.model.memory import tensor_bytes
 from server.model.quantized import block_kernels
+from server.model.static_step import StaticStep
 
 Inputs = Sequence[Sequence[int]] | Sequence[torch.Tensor]  # per row: token ids, or embeddings [n_b, hidden]
 
@@ -91,8 +92,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, kv_slots: int | None = None, *, lean: bool = True,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed.
+                 kv_dtype: torch.dtype | None = None, kv_columns: int | None = None) -> None:
+        """`kv_slots`: the cache's budget in tokens (rows x columns), allocated now; None: grown as needed;
+        `kv_columns`: every row's columns, pinned (kv_cache.py; what static-shape passes need).
         `lean`: run Llama-family models through `LeanForward` (lean_forward.py; others always run
         transformers' forward); False runs transformers' forward for every model. `kv_dtype`: what its cache
         holds keys and values in (kv_shape.py `kv_precision`: narrower than the model, rounded when written;
@@ -116,10 +118,21 @@ class ModelRunner:
         if self.kv_dtype != self.dtype:  # keys and values rounded when written, read back widened: priced apart
             self.forward_kind += "+kv-" + str(self.kv_dtype).removeprefix("torch.")
         shape = self.kv_shape(model, self.kv_dtype) if kv_slots is not None else None
-        self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape, dtype=self.kv_dtype)
+        self.kv = BatchKV(model.config.num_hidden_layers, model.device, kv_slots, shape, dtype=self.kv_dtype,
+                          columns=kv_columns)
+        self.static: StaticStep | None = None  # static-shape passes (`use_static`), where the `compile` setting asks
         # the last join's working memory (`join`): its scratch cache and loaded prefixes in bytes, and the most
         # tokens one of its forwards computed
         self.join_bytes = self.join_tokens = 0
+
+    def use_static(self, max_rows: int, max_width: int) -> StaticStep | None:
+        """Run passes of up to `max_rows` rows x `max_width` tokens as static-shape passes (static_step.py) where
+        this runner's forward and pinned cache allow it; the step, or None (logged why not)."""
+        mask_dtype = torch.float64 if attends_wide(self.model) else self.dtype
+        self.static = StaticStep.build(self.call, self.kv, mask_dtype, max_rows, max_width, self.device)
+        if self.static is not None:
+            self.forward_kind += "+static"
+        return self.static
 
     def release_dense(self) -> int:
         """Drop the dense copies of the weights the lean forward multiplies reordered copies of (see
@@ -169,6 +182,8 @@ class ModelRunner:
         if not self.has_lm_head and logits:
             raise ValueError("this model has no LM head: ask for hidden states, not logits")
         kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
+        if self.static is not None and self.static.serves(inputs, batch, width, layers):
+            return self._static_forward(inputs, counts, width, logits, hidden, scored)
         pack = Packing.of(counts, self.device) if self.packs and min(counts) < width else None
         # the final hidden states: the lean forward returns them as `last_hidden_state`; transformers' causal LM
         # only among every layer's (which a step would then hold: 30 layers' worth per token)
@@ -224,6 +239,28 @@ class ModelRunner:
             width=width,
             pack=pack,
             logit_index=logit_index,
+        )
+
+    def _static_forward(self, inputs: Inputs, counts: list[int], width: int, logits: bool, hidden: bool,
+                        scored: Sequence[int] | None) -> ForwardOutput:
+        """`forward` as a static-shape pass (static_step.py): every row padded to `width`, the outputs of the
+        real rows, as an eager padded pass gives them."""
+        kv = self.kv
+        out = self.static.forward(inputs, counts, width)
+        kv.advance(counts, width)
+        index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
+        flat_logits = out.logits.reshape(-1, out.logits.shape[-1]).float() if logits else None
+        logit_index = None
+        if logits and scored is not None:
+            chosen = [rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True)]
+            take = torch.tensor([i for r in chosen for i in r], dtype=torch.long, device=self.device)
+            flat_logits = flat_logits.index_select(0, take)
+            starts = list(itertools.accumulate((len(r) for r in chosen), initial=0))
+            logit_index = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(starts))
+        return ForwardOutput(
+            flat_logits=flat_logits,
+            flat_hidden=out.hidden.reshape(-1, out.hidden.shape[-1]) if hidden else None,
+            flat_layers={}, index=index, width=width, pack=None, logit_index=logit_index,
         )
 
     def _head_keywords(self, logits: bool, take: torch.Tensor | None) -> dict:
@@ -300,6 +337,7 @@ class ModelRunner:
         hidden states (after the final norm) of the inputs it computed, [len(inputs[b]) - p_b, hidden],
         else None."""
         fresh = copy.copy(self)  # the same model over an empty cache of the new rows
+        fresh.static = None  # an unpinned scratch cache: its chunks run eagerly
         loaded = [kv[0].shape[2] for kv in prefixes or () if kv is not None]
         fresh.kv = self.kv.new_rows(request_ids, max([len(x) for x in inputs] + loaded, default=0))
         if prefixes is not None:

@@ -1,0 +1,243 @@
+"""Static-shape passes: decode steps and verify passes at a few fixed shapes, replayed (the `compile` setting).
+
+An eager forward costs its operations' dispatch on every pass: on a GPU, where a small model's kernels take
+microseconds, a step of SmolLM2-135M in bf16 took ~21-25 ms of Python and launches for ~20 us of attention. A
+CUDA graph records a pass's kernels once and replays them with one launch, but only for fixed shapes and fixed
+memory. So here a pass's shape is one of a few buckets: its rows padded up to 1, 2, 4, ... (`ROW_BUCKETS`, up to
+the batch's most rows) and its tokens per row padded to the widest row's, up to `max_width` (a verify pass's K + 1).
+Every per-pass input is copied into that bucket's own buffers (token ids, positions, the additive mask, the columns
+the pass writes); the cache is a `BatchKV` with pinned columns (kv_cache.py), whose rows never move in memory, and
+the pass attends over all of its columns (the mask hides the holes and the columns not written yet). A padded row
+is a row of the storage no request holds; padded tokens of a real row write columns that become holes, as an eager
+padded pass's do.
+
+Where the pass replays from (`mode`): on CUDA a `torch.cuda.CUDAGraph` per bucket, captured at start-up
+(`capture`, while `/health` says loading) or at a bucket's first use, in one memory pool; elsewhere the same
+function run on the same buffers each time (`eager`: what the CPU tests exercise, the padding, the buffers and the
+replay after rows leave or join, with nothing captured). On a CPU the C decoder (cpu_decoder.py) already runs every
+pass of a block-quantized model as one call, so a model it serves keeps it (`StaticStep.build` says why not).
+
+What a static pass cannot take runs eagerly, with the same cache: prompt chunks wider than `max_width`, more rows
+than the largest bucket, fed embeddings (a draft head's chain), every layer's features. The outputs are copies: a
+graph's own outputs are overwritten by its next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from server.model.lean_forward import LeanForward
+
+if TYPE_CHECKING:
+    from server.model.kv_cache import BatchKV
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def rows_bucket(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding `rows` rows (None: more than the largest)."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """The row buckets for a batch of up to `max_rows` rows: powers of two up to the first that holds them."""
+    top = rows_bucket(max_rows, ROW_BUCKETS)
+    if top is None:
+        raise ValueError(f"static-shape passes take up to {ROW_BUCKETS[-1]} rows, not {max_rows}")
+    return tuple(b for b in ROW_BUCKETS if b <= top)
+
+
+class _Columns:
+    """The cache as a static pass writes it: each layer's keys and values viewed [R, kv_heads, C, d] of the pinned
+    cache's storage, the pass's keys and values written at the columns in `cols` (a tensor, so one recorded pass
+    writes wherever a step's columns are), every column read (the mask decides which count)."""
+
+    def __init__(self, kv: BatchKV, rows: int, cols: torch.Tensor) -> None:
+        self.cols = cols
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        columns = kv.columns
+        for layer in kv.cache.layers:
+            h, d, dv = layer.heads, layer.head_dim, layer.value_dim
+            self.keys.append(layer.key_store[: rows * h * columns * d].view(rows, h, columns, d))
+            self.values.append(layer.value_store[: rows * h * columns * dv].view(rows, h, columns, dv))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, i: int, *args, **kwargs):
+        keys, values = self.keys[i], self.values[i]
+        computed = key_states.dtype
+        keys.index_copy_(2, self.cols, key_states.to(keys.dtype))  # a narrower cache: rounded to nearest
+        values.index_copy_(2, self.cols, value_states.to(values.dtype))
+        if keys.dtype != computed:
+            return keys.to(computed), values.to(computed)
+        return keys, values
+
+
+@dataclass(eq=False, repr=False)
+class _Bucket:
+    """One shape's buffers (inputs it reads, outputs it writes) and, on CUDA, its recorded graph."""
+
+    rows: int
+    width: int
+    ids: torch.Tensor  # [R, W] long
+    positions: torch.Tensor  # [R, W] long
+    mask: torch.Tensor  # [R, 1, W, C] additive
+    cols: torch.Tensor  # [W] long: the columns the pass writes
+    logits: torch.Tensor | None = None  # [R, W, vocab], set by the first run (a graph's own, replayed into)
+    hidden: torch.Tensor | None = None  # [R, W, hidden]
+    graph: object | None = None  # torch.cuda.CUDAGraph
+    replays: int = 0
+
+
+@dataclass
+class StaticOutput:
+    logits: torch.Tensor  # [rows, W, vocab]: copies of the real rows'
+    hidden: torch.Tensor  # [rows, W, hidden]
+
+
+@dataclass(eq=False, repr=False)
+class StaticStep:
+    """Passes of a runner's model over its pinned cache at the shapes `rows` x `widths` (see the module doc)."""
+
+    call: LeanForward
+    kv: BatchKV
+    dtype: torch.dtype  # the additive mask's (float64 where the model attends wide, as the runner's)
+    rows: tuple[int, ...]
+    max_width: int
+    mode: str  # "cuda-graph" or "eager"
+    buckets: dict[tuple[int, int], _Bucket] = field(default_factory=dict)
+    pool: object | None = None
+
+    @classmethod
+    def build(cls, call: object, kv: BatchKV, mask_dtype: torch.dtype, max_rows: int, max_width: int,
+              device: torch.device) -> StaticStep | None:
+        """The static passes of a runner's forward `call` over `kv`, or None (logged) where they cannot serve it."""
+        why = cls.refuses(call) or (None if kv.columns is not None else "the cache's columns are not pinned")
+        if why is not None:
+            log.info("compile=on: passes stay eager (%s)", why)
+            return None
+        mode = "cuda-graph" if device.type == "cuda" else "eager"
+        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode)
+        log.info("compile=on: static-shape passes (%s) for %s rows x 1-%d tokens over %d pinned columns", mode,
+                 "/".join(map(str, step.rows)), max_width, kv.columns)
+        return step
+
+    @staticmethod
+    def refuses(call: object) -> str | None:
+        """Why a runner's forward cannot run as static passes (None: it can)."""
+        if not isinstance(call, LeanForward):
+            return "the model runs transformers' forward"
+        if call.decoder is not None:
+            return "the C decoder runs every pass of this model as one call"
+        return None
+
+    def serves(self, inputs: object, batch: int, width: int, layers: tuple[int, ...]) -> bool:
+        """Whether a pass of `batch` rows feeding up to `width` token ids each runs here."""
+        if layers or width > self.max_width or rows_bucket(batch, self.rows) is None:
+            return False
+        if inputs and isinstance(inputs[0], torch.Tensor):  # fed embeddings
+            return False
+        return self.kv.length + width <= self.kv.columns
+
+    # ---- buffers ----------------------------------------------------------------------------------
+    def _bucket(self, rows: int, width: int) -> _Bucket:
+        key = (rows, width)
+        found = self.buckets.get(key)
+        if found is None:
+            device, columns = self.kv.device, self.kv.columns
+            found = self.buckets[key] = _Bucket(
+                rows, width,
+                ids=torch.zeros(rows, width, dtype=torch.long, device=device),
+                positions=torch.zeros(rows, width, dtype=torch.long, device=device),
+                mask=torch.zeros(rows, 1, width, columns, dtype=self.dtype, device=device),
+                cols=torch.arange(width, dtype=torch.long, device=device),
+            )
+        return found
+
+    def _fill(self, bucket: _Bucket, inputs, counts: list[int]) -> None:
+        """This pass's ids, positions, mask and columns into the bucket's buffers (rows past the batch's: padding
+        that attends its own column only)."""
+        kv, device = self.kv, self.kv.device
+        batch, (rows, width), length = len(counts), (bucket.rows, bucket.width), kv.length
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        for b, row in enumerate(inputs):
+            ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        steps = torch.arange(width)
+        positions = torch.zeros(rows, dtype=torch.long)
+        positions[:batch] = torch.tensor(kv.positions, dtype=torch.long)
+        bucket.ids.copy_(ids)
+        bucket.positions.copy_(positions[:, None] + steps[None, :])
+        bucket.cols.copy_(steps + length)
+        allowed = torch.zeros(rows, width, kv.columns, dtype=torch.bool, device=device)
+        allowed[:batch, :, :length] = kv.keep[:, None, :length]
+        on = torch.arange(width, device=device)
+        real = torch.zeros(rows, dtype=torch.long, device=device)
+        real[:batch] = torch.tensor(counts, dtype=torch.long, device=device)
+        causal = (on[None, :] <= on[:, None])[None] & (on[None, None, :] < real[:, None, None])  # [R, W, W]
+        allowed[:, :, length : length + width] = causal | torch.eye(width, dtype=torch.bool, device=device)[None]
+        bucket.mask.fill_(0.0).masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
+
+    # ---- running ----------------------------------------------------------------------------------
+    def _run(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.call(attention_mask=bucket.mask, position_ids=bucket.positions, input_ids=bucket.ids,
+                        cache=_Columns(self.kv, bucket.rows, bucket.cols))
+        return out.logits, out.last_hidden_state
+
+    def _record(self, bucket: _Bucket) -> None:
+        """Run the bucket's pass on its buffers (what they hold is computed for real) and, on CUDA, record it."""
+        if self.mode != "cuda-graph":
+            bucket.logits, bucket.hidden = self._run(bucket)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm: lazy initialisations and the allocator, off the capture
+            for _ in range(2):
+                self._run(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            bucket.logits, bucket.hidden = self._run(bucket)
+        bucket.graph = graph
+        graph.replay()  # the capture ran nothing: this pass's outputs and cache writes, for real
+
+    def capture(self) -> int:
+        """Record every bucket now, over the empty cache (the columns they write are holes nobody reads), so no
+        request waits for a capture; returns how many. On a CPU nothing is recorded: nothing to do."""
+        if self.mode != "cuda-graph":
+            return 0
+        assert not self.kv.rows, "buckets are captured over an empty cache"
+        for rows in self.rows:
+            for width in range(1, self.max_width + 1):
+                bucket = self._bucket(rows, width)
+                with torch.no_grad():
+                    self._record(bucket)
+        self.kv.keep.zero_()
+        return len(self.buckets)
+
+    @torch.no_grad()
+    def forward(self, inputs, counts: list[int], width: int) -> StaticOutput:
+        """One pass of the batch's rows feeding `inputs` (token ids, up to `width` each): the cache written at
+        its next `width` columns (the caller then `advance`s it, as after an eager pass)."""
+        batch = len(counts)
+        bucket = self._bucket(rows_bucket(batch, self.rows), width)
+        self._fill(bucket, inputs, counts)
+        if bucket.logits is None or (self.mode == "cuda-graph" and bucket.graph is None):
+            self._record(bucket)
+        elif bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            bucket.logits, bucket.hidden = self._run(bucket)
+        bucket.replays += 1
+        return StaticOutput(bucket.logits[:batch].clone(), bucket.hidden[:batch].clone())
+
+    @property
+    def passes(self) -> int:
+        """Passes run statically so far (every bucket's)."""
+        return sum(b.replays for b in self.buckets.values())
