@@ -31,12 +31,14 @@ def test_rows_pad_up_to_powers_of_two_up_to_the_batch_s_most():
         row_buckets(257)
 
 
-def _runners(model, columns: int = 96) -> tuple[ModelRunner, ModelRunner]:
-    """An eager runner and a static one (pinned columns, 4 rows at most: buckets 1, 2, 4) over the same model."""
+def _runners(model, full_span: bool = True, columns: int = 96) -> tuple[ModelRunner, ModelRunner]:
+    """An eager runner and a static one (pinned columns, 4 rows at most: buckets 1, 2, 4) over the same model;
+    `full_span`: its passes attend every pinned column, as a CUDA graph's do (else the power of two a step reaches)."""
     use_gqa_attention(model)  # as the engine does: the lean forward's attention
     eager = ModelRunner(model)
     static = ModelRunner(model, kv_slots=4 * columns, kv_columns=columns)
     assert static.use_static(max_rows=4, max_width=5) is not None
+    static.static.full_span = full_span
     return eager, static
 
 
@@ -49,8 +51,9 @@ def _same(a, b) -> None:
         torch.testing.assert_close(hidden_a, hidden_b, rtol=0, atol=2e-5)
 
 
-def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_joins_and_rollback(tiny_target):
-    eager, static = _runners(tiny_target.model)
+@pytest.mark.parametrize("full_span", [True, False], ids=["every-column", "columns-reached"])
+def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_joins_and_rollback(tiny_target, full_span):
+    eager, static = _runners(tiny_target.model, full_span)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     for runner in (eager, static):
         runner.join(["a", "b", "c"], prompts)
@@ -62,7 +65,7 @@ def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_join
     before = static.static.passes
     both([[20], [21], [22]])  # 3 rows: bucket 4, a padded row no request holds
     both([[23, 24, 25], [26], [27, 28, 29, 30, 31]])  # rows feeding 3, 1 and 5 tokens: padded to 5
-    assert static.static.passes == before + 2 and (4, 5) in static.static.buckets
+    assert static.static.passes == before + 2 and any(key[:2] == (4, 5) for key in static.static.buckets)
     for runner in (eager, static):  # drafts rejected: their columns become holes
         runner.rollback(0, 2)
         runner.rollback(2, 3)
@@ -78,8 +81,18 @@ def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_join
     assert static.kv.capacity == 96  # pinned: never moved
 
 
+def test_an_eager_static_pass_attends_more_columns_as_the_rows_reach_them(tiny_target):
+    eager, static = _runners(tiny_target.model, full_span=False)
+    for runner in (eager, static):
+        runner.join(["a", "b"], [list(range(100, 158)), [5, 6]])  # 58 columns used
+    for step in range(4):  # 58 + 5 fits 64 columns; later passes reach past them
+        feed = [[160 + step, 170, 171, 172, 173], [180 + step]]
+        _same(eager.forward(feed), static.forward(feed))
+    assert {key[2] for key in static.static.buckets} == {64, 96}  # 128 capped at the 96 pinned columns
+
+
 def test_passes_a_static_shape_cannot_take_run_eagerly_over_the_same_cache(tiny_target):
-    eager, static = _runners(tiny_target.model)
+    eager, static = _runners(tiny_target.model, full_span=False)
     for runner in (eager, static):
         runner.join(["a"], [[5, 6, 7]])
     before = static.static.passes

@@ -7,7 +7,8 @@ memory. So here a pass's shape is one of a few buckets: its rows padded up to 1,
 the batch's most rows) and its tokens per row padded to the widest row's, up to `max_width` (a verify pass's K + 1).
 Every per-pass input is copied into that bucket's own buffers (token ids, positions, the additive mask, the columns
 the pass writes); the cache is a `BatchKV` with pinned columns (kv_cache.py), whose rows never move in memory, and
-the pass attends over all of its columns (the mask hides the holes and the columns not written yet). A padded row
+a graph's pass attends over all of its columns (the mask hides the holes and the columns not written yet; an eager
+one over the power of two of them a step reaches, `span`, since eagerly every column attended costs). A padded row
 is a row of the storage no request holds; padded tokens of a real row write columns that become holes, as an eager
 padded pass's do.
 
@@ -56,17 +57,17 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
 class _Columns:
     """The cache as a static pass writes it: each layer's keys and values viewed [R, kv_heads, C, d] of the pinned
     cache's storage, the pass's keys and values written at the columns in `cols` (a tensor, so one recorded pass
-    writes wherever a step's columns are), every column read (the mask decides which count)."""
+    writes wherever a step's columns are), the first `span` columns read (the mask decides which count)."""
 
-    def __init__(self, kv: BatchKV, rows: int, cols: torch.Tensor) -> None:
+    def __init__(self, kv: BatchKV, rows: int, cols: torch.Tensor, span: int) -> None:
         self.cols = cols
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         columns = kv.columns
         for layer in kv.cache.layers:
             h, d, dv = layer.heads, layer.head_dim, layer.value_dim
-            self.keys.append(layer.key_store[: rows * h * columns * d].view(rows, h, columns, d))
-            self.values.append(layer.value_store[: rows * h * columns * dv].view(rows, h, columns, dv))
+            self.keys.append(layer.key_store[: rows * h * columns * d].view(rows, h, columns, d)[:, :, :span])
+            self.values.append(layer.value_store[: rows * h * columns * dv].view(rows, h, columns, dv)[:, :, :span])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, i: int, *args, **kwargs):
         keys, values = self.keys[i], self.values[i]
@@ -84,9 +85,10 @@ class _Bucket:
 
     rows: int
     width: int
+    span: int  # the columns attended: all the pinned ones where a graph replays, else those a step reaches
     ids: torch.Tensor  # [R, W] long
     positions: torch.Tensor  # [R, W] long
-    mask: torch.Tensor  # [R, 1, W, C] additive
+    mask: torch.Tensor  # [R, 1, W, span] additive
     cols: torch.Tensor  # [W] long: the columns the pass writes
     logits: torch.Tensor | None = None  # [R, W, vocab], set by the first run (a graph's own, replayed into)
     hidden: torch.Tensor | None = None  # [R, W, hidden]
@@ -110,7 +112,8 @@ class StaticStep:
     rows: tuple[int, ...]
     max_width: int
     mode: str  # "cuda-graph" or "eager"
-    buckets: dict[tuple[int, int], _Bucket] = field(default_factory=dict)
+    full_span: bool  # every pass attends every pinned column (what a graph needs; `span`)
+    buckets: dict[tuple[int, int, int], _Bucket] = field(default_factory=dict)
     pool: object | None = None
 
     @classmethod
@@ -122,7 +125,7 @@ class StaticStep:
             log.info("compile=on: passes stay eager (%s)", why)
             return None
         mode = "cuda-graph" if device.type == "cuda" else "eager"
-        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode)
+        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode, full_span=mode == "cuda-graph")
         log.info("compile=on: static-shape passes (%s) for %s rows x 1-%d tokens over %d pinned columns", mode,
                  "/".join(map(str, step.rows)), max_width, kv.columns)
         return step
@@ -145,16 +148,29 @@ class StaticStep:
         return self.kv.length + width <= self.kv.columns
 
     # ---- buffers ----------------------------------------------------------------------------------
+    def span(self, width: int) -> int:
+        """The columns a pass of `width` tokens attends: every pinned column where a graph replays (its shapes are
+        fixed), else the smallest power of two from 64 on that holds the columns used and the pass's (eagerly, a
+        step pays for every column it attends: all of them cost 0.7x the eager step's tokens/s on 2 CPU cores)."""
+        columns = self.kv.columns
+        if self.full_span:
+            return columns
+        span = 64
+        while span < self.kv.length + width:
+            span *= 2
+        return min(span, columns)
+
     def _bucket(self, rows: int, width: int) -> _Bucket:
-        key = (rows, width)
+        span = self.span(width)
+        key = (rows, width, span)
         found = self.buckets.get(key)
         if found is None:
-            device, columns = self.kv.device, self.kv.columns
+            device = self.kv.device
             found = self.buckets[key] = _Bucket(
-                rows, width,
+                rows, width, span,
                 ids=torch.zeros(rows, width, dtype=torch.long, device=device),
                 positions=torch.zeros(rows, width, dtype=torch.long, device=device),
-                mask=torch.zeros(rows, 1, width, columns, dtype=self.dtype, device=device),
+                mask=torch.zeros(rows, 1, width, span, dtype=self.dtype, device=device),
                 cols=torch.arange(width, dtype=torch.long, device=device),
             )
         return found
@@ -173,7 +189,7 @@ class StaticStep:
         bucket.ids.copy_(ids)
         bucket.positions.copy_(positions[:, None] + steps[None, :])
         bucket.cols.copy_(steps + length)
-        allowed = torch.zeros(rows, width, kv.columns, dtype=torch.bool, device=device)
+        allowed = torch.zeros(rows, width, bucket.span, dtype=torch.bool, device=device)
         allowed[:batch, :, :length] = kv.keep[:, None, :length]
         on = torch.arange(width, device=device)
         real = torch.zeros(rows, dtype=torch.long, device=device)
@@ -185,7 +201,7 @@ class StaticStep:
     # ---- running ----------------------------------------------------------------------------------
     def _run(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.call(attention_mask=bucket.mask, position_ids=bucket.positions, input_ids=bucket.ids,
-                        cache=_Columns(self.kv, bucket.rows, bucket.cols))
+                        cache=_Columns(self.kv, bucket.rows, bucket.cols, bucket.span))
         return out.logits, out.last_hidden_state
 
     def _record(self, bucket: _Bucket) -> None:
