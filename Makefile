@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve cluster test test-fast lint bench bench-peer bench-llamacpp soak soak-ci compat clean
+.PHONY: setup serve cluster test test-fast lint bench bench-peer bench-llamacpp soak soak-ci compat gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -70,6 +70,12 @@ soak-ci: $(STAMP)
 # COMPAT_ARGS="--url http://127.0.0.1:8000"); needs node and npm. docs/api.md, "Works with".
 compat: $(STAMP)
 	$(BIN)/python compat/run.py $(COMPAT_ARGS)
+
+# On a machine with a GPU, with its own CUDA torch (not the venv's CPU build): the GPU tests and the steps of
+# compile off and on, in one call within 10 minutes (bench/gpu_check.py; docs/bench.md "On a GPU")
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -185,3 +185,18 @@ def test_compile_on_limits_a_row_s_context_to_its_pinned_columns(tiny_target):
     columns = engine.runner.kv.columns
     assert columns is not None and engine.limits.max_context <= columns - 16
     assert engine.kv_slots == 8 * columns  # the default 8 rows, each with its columns
+
+
+def test_calibration_times_the_static_passes_the_engine_runs(tiny_engine_factory, tmp_path):
+    """Under compile=on the passes calibration prices are the engine's own static ones (on a GPU their replays cost
+    what eager passes do not), timed over its empty cache, which it leaves empty."""
+    from server.engine import calibration
+
+    engine = tiny_engine_factory(cache_dir=tmp_path, compile="on", max_model_len=128, num_speculative_tokens=2,
+                                 auto_max_speculative_tokens=3, max_batch_size=2)
+    static = engine.runner.static
+    assert static is not None and static.passes == 0
+    result = calibration.calibrate(engine.target, engine.runner, engine.planner.proposers, engine.cost,
+                                   engine.settings, 1e9)
+    assert result.complete and static.passes >= len(result.verify)
+    assert engine.runner.rows == [] and not engine.runner.kv.keep.any()

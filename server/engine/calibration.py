@@ -272,9 +272,12 @@ def sandwiched(
 def _time_verify(subject: Subject, rows: int, shapes: list[list[int]]) -> list[tuple[int, int, float]]:
     """(rows, tokens fed, seconds) of target passes over a scratch cache of `rows` rows with `CONTEXT`
     tokens each (the engine's own rows are untouched), row b feeding `shape[b]` tokens in each pass
-    (packed where rows feed unequal numbers, as the engine's passes are); every pass is rolled back."""
+    (packed where rows feed unequal numbers, as the engine's passes are); every pass is rolled back. Where the
+    engine's passes are static-shape ones (static_step.py: replayed graphs cost what eager passes do not), they are
+    timed on its own runner, while it holds no rows (at start-up), and its scratch rows leave it empty again."""
     target, device = subject.target, subject.target.device
-    runner = ModelRunner(target.model)
+    own = subject.runner
+    runner = own if own.static is not None and not own.rows else ModelRunner(target.model)
     ids = [f"calibration-{r}" for r in range(rows)]
     runner.join(ids, _scratch_tokens(target, rows, CONTEXT))
     fed_rows = _scratch_tokens(target, rows, max(n for shape in shapes for n in shape))

@@ -313,6 +313,11 @@ def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str =
         engine.parts.failed("kernels", RuntimeError(problem))
     log.info("the target's cache keeps keys and values in %s (kv_cache_dtype %s)", engine.kv_cache_dtype,
              settings.kv_cache_dtype)
+    # CUDA graphs recorded now, before any request waits for one, and before calibration times their replays
+    if engine.runner.static is not None:
+        started = time.perf_counter()
+        if captured := engine.runner.static.capture():
+            log.info("captured %d static-shape passes in %.1f s", captured, time.perf_counter() - started)
     if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
         engine.parts.call("calibration", calibrate, target, engine.runner, engine.planner.proposers, engine.cost,
                           settings, default=None)  # failing: learnt from traffic
@@ -321,10 +326,6 @@ def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str =
         if freed:
             engine._trim_heap()
             log.info("dropped %.0f MB of dense weights the packed kernels replace", freed / 2**20)
-    if engine.runner.static is not None:  # CUDA graphs recorded now, before any request waits for one
-        started = time.perf_counter()
-        if captured := engine.runner.static.capture():
-            log.info("captured %d static-shape passes in %.1f s", captured, time.perf_counter() - started)
     # structured output's tokenizer view (~0.3 s), before the first request; after the drop above, so its build's
     # transient heap (~30 MiB) does not stack on the dense weights' (the start-up's peak RSS); that heap given back
     # (35 MiB of a 152k vocabulary's, Qwen2.5's, stayed resident without it)

@@ -229,13 +229,16 @@ class StaticStep:
         if self.mode != "cuda-graph":
             return 0
         assert not self.kv.rows, "buckets are captured over an empty cache"
+        recorded = 0
         for rows in self.rows:
             for width in range(1, self.max_width + 1):
                 bucket = self._bucket(rows, width)
-                with torch.no_grad():
-                    self._record(bucket)
+                if bucket.graph is None:
+                    with torch.no_grad():
+                        self._record(bucket)
+                    recorded += 1
         self.kv.keep.zero_()
-        return len(self.buckets)
+        return recorded
 
     @torch.no_grad()
     def forward(self, inputs, counts: list[int], width: int) -> StaticOutput:
