@@ -48,6 +48,9 @@ class BatchSampling:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool  # presence, frequency or repetition: `probabilities` needs token counts
+    # `greedy` as the host knows it (the decisions below read this, not the tensor: on a GPU reading a tensor
+    # back waits for the device, and a step should read back only its verdict)
+    greedy_rows: tuple[bool, ...]
 
     @classmethod
     def from_params(
@@ -104,6 +107,7 @@ class BatchSampling:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             any_penalty=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
+            greedy_rows=tuple(p.greedy for p in params),
         )
 
     def at_positions(self, lengths: Sequence[int]) -> BatchSampling:
@@ -131,6 +135,7 @@ class BatchSampling:
             temperature=take(self.temperature), top_k=take(self.top_k), top_p=take(self.top_p),
             min_p=take(self.min_p), presence=take(self.presence), frequency=take(self.frequency),
             repetition=take(self.repetition), greedy=take(self.greedy),
+            greedy_rows=tuple(g for g, n in zip(self.greedy_rows, lengths, strict=True) for _ in range(n)),
             bias=spread(*self.bias) if self.bias is not None else None,  # type: ignore[arg-type]
             banned=spread(*self.banned) if self.banned is not None else None,  # type: ignore[arg-type]
             generated=take(self.generated) + step, min_tokens=take(self.min_tokens),
@@ -152,9 +157,9 @@ def probabilities(
     True everywhere for the others); p is 0 elsewhere.
     """
     logits = _controlled(logits, sampling, token_counts, allowed)
-    if bool(sampling.greedy.all()):
+    if all(sampling.greedy_rows):
         return torch.zeros_like(logits).scatter_(-1, _argmax(logits), 1.0)
-    greedy_ids = _argmax(logits) if bool(sampling.greedy.any()) else None
+    greedy_ids = _argmax(logits) if any(sampling.greedy_rows) else None
     logits = logits / sampling.temperature[:, None, None]
     if sampling.any_min_p:
         logits = _min_p(logits, sampling)
@@ -175,7 +180,7 @@ def greedy_tokens(
 ) -> torch.Tensor:
     """logits [batch, W, vocab] of rows that all decode greedily -> [batch, W]: the token `probabilities` puts all
     of its mass on at each position (the same controls first), without building that one-hot p."""
-    assert bool(sampling.greedy.all()), "every row must be greedy"
+    assert all(sampling.greedy_rows), "every row must be greedy"
     return _argmax(_controlled(logits, sampling, token_counts, allowed))[..., 0]
 
 

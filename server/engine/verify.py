@@ -102,7 +102,7 @@ class Verifier:
         counts = self._token_counts(kept, rows) if sampling.any_penalty else None
         allowed = self._allowed(kept, rows)  # constrained rows' grammars
         at = sampling.at_positions([r.k + 1 for r in rows])
-        greedy = sampling.greedy.tolist()
+        greedy = list(sampling.greedy_rows)
         gens = [s.generator for s in kept]
         if all(greedy) and all(r.rule is Rule.COMPARE for r in rows):  # p one-hot: its tokens are all it reads
             best = greedy_tokens(logits[:, None], at, _one(counts), _one(allowed))[:, 0].tolist()
