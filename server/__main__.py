@@ -24,8 +24,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
                    help="precision of the target's cached keys and values (default auto: float16 for quantized "
                         "weights, else the model's dtype)")
-    p.add_argument("--compile", default=None, choices=["off", "on"],
-                   help="static-shape passes, CUDA graphs on a GPU (default off)")
+    p.add_argument("--compile", default=None, choices=["auto", "on", "off"],
+                   help="static-shape passes, CUDA graphs on a GPU (auto: on a GPU only; default off)")
     p.add_argument("--draft-head", default=None, help='EAGLE-style head directory, "auto" (shipped) or "none"')
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                    help="the draft's dtype (default auto: the target as served for `target`, a GGUF's quantized "

@@ -84,7 +84,8 @@ class Settings(BaseSettings):
     # Static-shape passes (server/model/static_step.py): "on" runs decode steps and verify passes at a few fixed
     # shapes over a cache whose rows never move, replayed as CUDA graphs on a GPU; on a CPU the same buffers run
     # eagerly, and a model the C decoder serves keeps it (every pass one call already). "off": every pass eager.
-    compile: Literal["off", "on"] = "off"
+    # "auto": "on" on a GPU, "off" elsewhere (not the default until a GPU has measured it: docs/bench.md).
+    compile: Literal["auto", "on", "off"] = "off"
     # `draft`: a draft model for method `draft` (None = none: the method is then unavailable): a directory, hub id
     # or .gguf file sharing the target's tokenizer, or "target" = the target's own weights in `draft_dtype` (opt-in:
     # on CPU a copy of the target never pays, so the default speculates with the shipped draft head instead).

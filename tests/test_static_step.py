@@ -200,3 +200,9 @@ def test_calibration_times_the_static_passes_the_engine_runs(tiny_engine_factory
                                    engine.settings, 1e9)
     assert result.complete and static.passes >= len(result.verify)
     assert engine.runner.rows == [] and not engine.runner.kv.keep.any()
+
+
+def test_compile_auto_is_on_where_a_gpu_runs_the_model_only(tiny_target):
+    engine = Engine(tiny_target, None, Settings.load(compile="auto", max_model_len=128, draft_head="none"))
+    on_gpu = tiny_target.model.device.type == "cuda"
+    assert (engine.runner.static is not None) == on_gpu and (engine.runner.kv.columns is not None) == on_gpu

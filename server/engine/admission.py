@@ -71,13 +71,14 @@ def pinned_columns(
     settings: Settings, model: torch.nn.Module, slots: int | None, wanted: int, slack: int
 ) -> int | None:
     """Every row's columns in the target's cache where the `compile` setting runs its passes at static shapes
-    (static_step.py) and its forward allows it: a row's context and a step's columns (`wanted`), within the KV
-    budget split over the largest row bucket; None: the cache's columns move as it needs."""
-    if settings.compile != "on":
+    (static_step.py: `on`, or `auto` on a GPU) and its forward allows it: a row's context and a step's columns
+    (`wanted`), within the KV budget split over the largest row bucket; None: the cache's columns move as it
+    needs."""
+    if settings.compile == "off" or (settings.compile == "auto" and model.device.type != "cuda"):
         return None
     why = StaticStep.refuses(LeanForward.of(model))
     if why is not None:
-        log.info("compile=on: passes stay eager (%s)", why)
+        log.info("compile=%s: passes stay eager (%s)", settings.compile, why)
         return None
     if slots is None:
         return wanted
