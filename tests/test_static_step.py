@@ -31,14 +31,15 @@ def test_rows_pad_up_to_powers_of_two_up_to_the_batch_s_most():
         row_buckets(257)
 
 
-def _runners(model, full_span: bool = True, columns: int = 96) -> tuple[ModelRunner, ModelRunner]:
+def _runners(model, fixed: bool = True, columns: int = 96) -> tuple[ModelRunner, ModelRunner]:
     """An eager runner and a static one (pinned columns, 4 rows at most: buckets 1, 2, 4) over the same model;
-    `full_span`: its passes attend every pinned column, as a CUDA graph's do (else the power of two a step reaches)."""
+    `fixed`: its passes at a CUDA graph's fixed shapes (rows and tokens padded, every pinned column attended), else
+    at their own (a CPU server's)."""
     use_gqa_attention(model)  # as the engine does: the lean forward's attention
     eager = ModelRunner(model)
     static = ModelRunner(model, kv_slots=4 * columns, kv_columns=columns)
     assert static.use_static(max_rows=4, max_width=5) is not None
-    static.static.full_span = full_span
+    static.static.fixed = fixed
     return eager, static
 
 
@@ -51,9 +52,8 @@ def _same(a, b) -> None:
         torch.testing.assert_close(hidden_a, hidden_b, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("full_span", [True, False], ids=["every-column", "columns-reached"])
-def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_joins_and_rollback(tiny_target, full_span):
-    eager, static = _runners(tiny_target.model, full_span)
+def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_joins_and_rollback(tiny_target):
+    eager, static = _runners(tiny_target.model)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     for runner in (eager, static):
         runner.join(["a", "b", "c"], prompts)
@@ -81,18 +81,29 @@ def test_a_static_pass_gives_the_eager_pass_s_logits_through_padding_leaves_join
     assert static.kv.capacity == 96  # pinned: never moved
 
 
-def test_an_eager_static_pass_attends_more_columns_as_the_rows_reach_them(tiny_target):
-    eager, static = _runners(tiny_target.model, full_span=False)
+def test_on_a_cpu_a_static_pass_runs_at_its_own_shape_and_unequal_rows_stay_packed(tiny_target):
+    """Not fixed (a CPU server: nothing replays, padding would only cost): 3 rows run as 3, over the columns they reach
+    (more as they grow); rows feeding unequal numbers of tokens take the eager, packed pass."""
+    eager, static = _runners(tiny_target.model, fixed=False)
     for runner in (eager, static):
-        runner.join(["a", "b"], [list(range(100, 158)), [5, 6]])  # 58 columns used
-    for step in range(4):  # 58 + 5 fits 64 columns; later passes reach past them
-        feed = [[160 + step, 170, 171, 172, 173], [180 + step]]
+        runner.join(["a", "b", "c"], [list(range(100, 158)), [5, 6], [7]])
+    spans = set()
+    for step in range(4):
+        before = static.static.passes
+        feed = [[160 + step, 170, 171], [180 + step, 181, 182], [190, 191, 192]]
         _same(eager.forward(feed), static.forward(feed))
-    assert {key[2] for key in static.static.buckets} == {64, 96}  # 128 capped at the 96 pinned columns
+        assert static.static.passes == before + 1
+        spans.add(static.static.buckets[3, 3].span)  # 3 rows: no padded fourth
+        assert static.static.buckets[3, 3].span == static.kv.length  # the columns this pass reached, after it
+    assert len(spans) == 4 and (4, 3) not in static.static.buckets
+    before = static.static.passes
+    feed = [[200], [201, 202, 203], [204]]
+    _same(eager.forward(feed), static.forward(feed))
+    assert static.static.passes == before
 
 
 def test_passes_a_static_shape_cannot_take_run_eagerly_over_the_same_cache(tiny_target):
-    eager, static = _runners(tiny_target.model, full_span=False)
+    eager, static = _runners(tiny_target.model, fixed=False)
     for runner in (eager, static):
         runner.join(["a"], [[5, 6, 7]])
     before = static.static.passes
@@ -196,6 +207,7 @@ def test_calibration_times_the_static_passes_the_engine_runs(tiny_engine_factory
                                  auto_max_speculative_tokens=3, max_batch_size=2)
     static = engine.runner.static
     assert static is not None and static.passes == 0
+    static.fixed = True  # a GPU's shapes: every pass calibration times is one of them
     result = calibration.calibrate(engine.target, engine.runner, engine.planner.proposers, engine.cost,
                                    engine.settings, 1e9)
     assert result.complete and static.passes >= len(result.verify)

@@ -182,7 +182,7 @@ class ModelRunner:
         if not self.has_lm_head and logits:
             raise ValueError("this model has no LM head: ask for hidden states, not logits")
         kv.reserve(width)  # here, so every cache (target and drafts) keeps its holes bounded
-        if self.static is not None and self.static.serves(inputs, batch, width, layers):
+        if self.static is not None and self.static.serves(inputs, counts, layers):
             return self._static_forward(inputs, counts, width, logits, hidden, scored)
         pack = Packing.of(counts, self.device) if self.packs and min(counts) < width else None
         # the final hidden states: the lean forward returns them as `last_hidden_state`; transformers' causal LM

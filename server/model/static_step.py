@@ -7,16 +7,17 @@ memory. So here a pass's shape is one of a few buckets: its rows padded up to 1,
 the batch's most rows) and its tokens per row padded to the widest row's, up to `max_width` (a verify pass's K + 1).
 Every per-pass input is copied into that bucket's own buffers (token ids, positions, the additive mask, the columns
 the pass writes); the cache is a `BatchKV` with pinned columns (kv_cache.py), whose rows never move in memory, and
-a graph's pass attends over all of its columns (the mask hides the holes and the columns not written yet; an eager
-one over the power of two of them a step reaches, `span`, since eagerly every column attended costs). A padded row
+the pass attends over all of its columns (the mask hides the holes and the columns not written yet). A padded row
 is a row of the storage no request holds; padded tokens of a real row write columns that become holes, as an eager
 padded pass's do.
 
 Where the pass replays from (`mode`): on CUDA a `torch.cuda.CUDAGraph` per bucket, captured at start-up
-(`capture`, while `/health` says loading) or at a bucket's first use, in one memory pool; elsewhere the same
-function run on the same buffers each time (`eager`: what the CPU tests exercise, the padding, the buffers and the
-replay after rows leave or join, with nothing captured). On a CPU the C decoder (cpu_decoder.py) already runs every
-pass of a block-quantized model as one call, so a model it serves keeps it (`StaticStep.build` says why not).
+(`capture`, while `/health` says loading) or at a bucket's first use, in one memory pool. Elsewhere nothing
+replays, and padding would only cost (`fixed` off): a pass runs at its own rows, width and the columns it reaches,
+through the same buffers and cache writes, and passes whose rows feed unequal numbers of tokens stay eager (packed).
+The tests run the fixed shapes on the CPU too: the padding, the buffers and the replay after rows leave or join are
+what a graph relies on. On a CPU the C decoder (cpu_decoder.py) already runs every pass of a block-quantized model
+as one call, so a model it serves keeps it (`StaticStep.build` says why not).
 
 What a static pass cannot take runs eagerly, with the same cache: prompt chunks wider than `max_width`, more rows
 than the largest bucket, fed embeddings (a draft head's chain), every layer's features. The outputs are copies: a
@@ -85,7 +86,7 @@ class _Bucket:
 
     rows: int
     width: int
-    span: int  # the columns attended: all the pinned ones where a graph replays, else those a step reaches
+    span: int  # the columns attended: all the pinned ones where shapes are fixed, else those this pass reaches
     ids: torch.Tensor  # [R, W] long
     positions: torch.Tensor  # [R, W] long
     mask: torch.Tensor  # [R, 1, W, span] additive
@@ -112,8 +113,12 @@ class StaticStep:
     rows: tuple[int, ...]
     max_width: int
     mode: str  # "cuda-graph" or "eager"
-    full_span: bool  # every pass attends every pinned column (what a graph needs; `span`)
-    buckets: dict[tuple[int, int, int], _Bucket] = field(default_factory=dict)
+    # shapes fixed (what a graph needs): rows padded to a bucket, tokens to the widest row's, every pinned column
+    # attended. Not fixed (a CPU, where nothing replays): each pass at its own rows, width and columns reached,
+    # through the same buffers and cache writes; rows feeding unequal numbers of tokens are left to the eager path,
+    # which packs them (padded here, a pass of 8 rows feeding 1-5 tokens cost 1.8x the packed one on 2 cores)
+    fixed: bool
+    buckets: dict[tuple[int, int], _Bucket] = field(default_factory=dict)
     pool: object | None = None
 
     @classmethod
@@ -125,7 +130,7 @@ class StaticStep:
             log.info("compile=on: passes stay eager (%s)", why)
             return None
         mode = "cuda-graph" if device.type == "cuda" else "eager"
-        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode, full_span=mode == "cuda-graph")
+        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode, fixed=mode == "cuda-graph")
         log.info("compile=on: static-shape passes (%s) for %s rows x 1-%d tokens over %d pinned columns", mode,
                  "/".join(map(str, step.rows)), max_width, kv.columns)
         return step
@@ -139,40 +144,37 @@ class StaticStep:
             return "the C decoder runs every pass of this model as one call"
         return None
 
-    def serves(self, inputs: object, batch: int, width: int, layers: tuple[int, ...]) -> bool:
-        """Whether a pass of `batch` rows feeding up to `width` token ids each runs here."""
-        if layers or width > self.max_width or rows_bucket(batch, self.rows) is None:
+    def serves(self, inputs: object, counts: list[int], layers: tuple[int, ...]) -> bool:
+        """Whether a pass of rows feeding `counts` token ids runs here."""
+        width = max(counts)
+        if layers or width > self.max_width or rows_bucket(len(counts), self.rows) is None:
             return False
         if inputs and isinstance(inputs[0], torch.Tensor):  # fed embeddings
+            return False
+        if not self.fixed and min(counts) < width:
             return False
         return self.kv.length + width <= self.kv.columns
 
     # ---- buffers ----------------------------------------------------------------------------------
     def span(self, width: int) -> int:
-        """The columns a pass of `width` tokens attends: every pinned column where a graph replays (its shapes are
-        fixed), else the smallest power of two from 64 on that holds the columns used and the pass's (eagerly, a
-        step pays for every column it attends: all of them cost 0.7x the eager step's tokens/s on 2 CPU cores)."""
-        columns = self.kv.columns
-        if self.full_span:
-            return columns
-        span = 64
-        while span < self.kv.length + width:
-            span *= 2
-        return min(span, columns)
+        """The columns a pass of `width` tokens attends: every pinned column where the shapes are fixed, else the
+        columns used and the pass's (eagerly a pass pays for every column it attends: all of them cost 0.7x the
+        eager step's tokens/s on 2 CPU cores)."""
+        return self.kv.columns if self.fixed else self.kv.length + width
 
     def _bucket(self, rows: int, width: int) -> _Bucket:
-        span = self.span(width)
-        key = (rows, width, span)
-        found = self.buckets.get(key)
+        span, device = self.span(width), self.kv.device
+        found = self.buckets.get((rows, width))
         if found is None:
-            device = self.kv.device
-            found = self.buckets[key] = _Bucket(
+            found = self.buckets[rows, width] = _Bucket(
                 rows, width, span,
                 ids=torch.zeros(rows, width, dtype=torch.long, device=device),
                 positions=torch.zeros(rows, width, dtype=torch.long, device=device),
                 mask=torch.zeros(rows, 1, width, span, dtype=self.dtype, device=device),
                 cols=torch.arange(width, dtype=torch.long, device=device),
             )
+        elif found.span != span:  # not fixed: this pass's columns (a graph's never change)
+            found.span, found.mask = span, torch.zeros(rows, 1, width, span, dtype=self.dtype, device=device)
         return found
 
     def _fill(self, bucket: _Bucket, inputs, counts: list[int]) -> None:
@@ -245,7 +247,7 @@ class StaticStep:
         """One pass of the batch's rows feeding `inputs` (token ids, up to `width` each): the cache written at
         its next `width` columns (the caller then `advance`s it, as after an eager pass)."""
         batch = len(counts)
-        bucket = self._bucket(rows_bucket(batch, self.rows), width)
+        bucket = self._bucket(rows_bucket(batch, self.rows) if self.fixed else batch, width)
         self._fill(bucket, inputs, counts)
         if bucket.logits is None or (self.mode == "cuda-graph" and bucket.graph is None):
             self._record(bucket)
