@@ -24,7 +24,7 @@ from server.failsafe import OptionalParts
 from server.model import prefix_cache
 from server.model.kv_shape import KVShape, slots_for
 from server.model.lean_forward import LeanForward
-from server.model.memory import budget_bytes
+from server.model.memory import budget_bytes, free_bytes
 from server.model.runner import ModelRunner
 from server.model.static_step import StaticStep, row_buckets
 from server.speculation.budget import entering
@@ -68,26 +68,32 @@ def _reservation(request: GenerationRequest, slack: int) -> int:
 
 
 def pinned_columns(
-    settings: Settings, model: torch.nn.Module, slots: int | None, wanted: int, slack: int
+    settings: Settings, model: torch.nn.Module, slots: int | None, wanted: int, slack: int, per_token: int
 ) -> int | None:
     """Every row's columns in the target's cache where the `compile` setting runs its passes at static shapes
     (static_step.py: `on`, or `auto` on a GPU) and its forward allows it: a row's context and a step's columns
     (`wanted`), within the KV budget split over the largest row bucket; None: the cache's columns move as it
-    needs."""
+    needs. Without a budget on a GPU, where the pinned rows are allocated at once (`per_token` bytes a token),
+    more than the device has free is refused here, with what to set, rather than failing to allocate."""
     if settings.compile == "off" or (settings.compile == "auto" and model.device.type != "cuda"):
         return None
     why = StaticStep.refuses(LeanForward.of(model))
     if why is not None:
         log.info("compile=%s: passes stay eager (%s)", settings.compile, why)
         return None
+    rows = row_buckets(settings.max_batch_size)[-1]
     if slots is None:
+        need, free = rows * wanted * per_token, free_bytes(model.device)
+        if model.device.type == "cuda" and need > free:
+            raise ValueError(f"compile={settings.compile} pins {rows} rows of {wanted} tokens of KV cache "
+                             f"({need / 2**30:.1f} GiB), more than the device's {free / 2**30:.1f} GiB free: "
+                             "set kv_cache_memory, max_model_len or max_batch_size")
         return wanted
-    columns = min(wanted, slots // row_buckets(settings.max_batch_size)[-1])
+    columns = min(wanted, slots // rows)
     if columns < slack + 16:
         raise ValueError(f"kv_cache_memory holds {slots} tokens: too few for {settings.max_batch_size} rows of "
                          f"static-shape passes (compile=on) with {slack} columns of a step's each")
     return columns
-
 
 
 class Admission:

@@ -102,7 +102,8 @@ class Engine:
         self.kv_slots = kv_slots(settings, self.device, shapes, prefixes.budget_bytes if prefixes else 0, slack)
         max_context = settings.max_model_len or target.max_context
         # static-shape passes (static_step.py) need every row's columns pinned: the budget split into rows
-        columns = pinned_columns(settings, target.model, self.kv_slots, max_context + slack, slack)
+        columns = pinned_columns(settings, target.model, self.kv_slots, max_context + slack, slack,
+                                 shapes[0].bytes_per_token)
         if columns is not None:
             self.kv_slots = row_buckets(settings.max_batch_size)[-1] * columns
         self.runner = ModelRunner(target.model, self.kv_slots, kv_dtype=self.kv_dtype, kv_columns=columns)

@@ -142,6 +142,8 @@ class StaticStep:
             return "the model runs transformers' forward"
         if call.decoder is not None:
             return "the C decoder runs every pass of this model as one call"
+        if call.lm_head is None:
+            return "a model without an LM head (a draft head's decoder)"
         return None
 
     def serves(self, inputs: object, counts: list[int], layers: tuple[int, ...]) -> bool:
