@@ -342,7 +342,7 @@ FEW_ROWS = 8  # rows `tile_rows` reads one view at a time
 def tile_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` ([n]) of a matrix held in tiles of 16 rows, [T, C, 16, ...] (`Tiles.q` viewed as its values,
     `Tiles.s`): row i is lane i % 16 of tile i // 16, [n, C, ...]."""
-    if len(ids) <= FEW_ROWS:  # a step's lookups: a strided view per row, stacked (a third of the gather's time)
+    if 0 < len(ids) <= FEW_ROWS:  # a step's lookups: a strided view per row, stacked (a third of the gather's time)
         return torch.stack([tiled[i // TILE, :, i % TILE] for i in ids.tolist()])
     tile, lane = (ids // TILE)[:, None], (ids % TILE)[:, None]
     return tiled[tile, torch.arange(tiled.shape[1], device=tiled.device)[None], lane]
