@@ -18,7 +18,7 @@ from server.model.kv_cache import BatchKV
 from server.model.kv_layers import KVBudgetExceeded
 from server.model.runner import ModelRunner
 from server.model.static_step import row_buckets, rows_bucket
-from tests.engine_helpers import request, run_with_stats
+from tests.engine_helpers import FixedCosts, request, run_with_stats
 from tests.models import copying_head, write_tiny_gguf
 
 
@@ -148,8 +148,10 @@ def test_compile_on_keeps_every_method_s_greedy_text_while_static_passes_run(cyc
     draft = load_draft_like(target, "target", dtype="float32", cache_dir=None)
     texts = {}
     for mode in ("off", "on"):
+        # fixed step costs: `auto` drafts whatever the host's load makes of its timings
         engine = Engine(target, draft, Settings.load(device="cpu", draft_head=str(head), compile=mode,
-                                                     max_model_len=256))
+                                                     max_model_len=256),
+                        cost=FixedCosts(draft={"draft": 0.05, "eagle": 0.05}))
         assert (engine.runner.static is not None) == (mode == "on")
         for method in ("none", "ngram", "suffix", "eagle", "draft", "auto"):
             reqs = [request(f"{method}-{i}", prompt, method, 4, max_tokens=20) for i in range(batch)]
