@@ -20,8 +20,9 @@ what a graph relies on. On a CPU the C decoder (cpu_decoder.py) already runs eve
 as one call, so a model it serves keeps it (`StaticStep.build` says why not).
 
 What a static pass cannot take runs eagerly, with the same cache: prompt chunks wider than `max_width`, more rows
-than the largest bucket, fed embeddings (a draft head's chain), every layer's features. The outputs are copies, taken right
-after the replay: the graphs share one memory pool, so a graph's outputs may sit where another's replay works.
+than the largest bucket, fed embeddings (a draft head's chain), every layer's features. The outputs are copies,
+taken right after the replay: the graphs share one memory pool, so a graph's outputs may sit where another's
+replay works.
 """
 
 from __future__ import annotations
