@@ -60,8 +60,7 @@ def step_rates(target: str | None, rounds: int, max_tokens: int, device: str = "
     import torch
 
     from server.config import Settings
-    from server.engine.calibration import calibrate
-    from server.engine.engine import Engine, build_engine
+    from server.engine.engine import Engine, build_engine, price_passes
     from server.types import GenerationRequest, SamplingParams, SpeculationParams
 
     common = {"device": device, "target": target, "target_dtype": "bfloat16", "max_model_len": 2048}
@@ -75,10 +74,8 @@ def step_rates(target: str | None, rounds: int, max_tokens: int, device: str = "
     on = engines["on"] = Engine(first.target, None, settings)
     if on.runner.static is None:
         raise SystemExit("compile=on did not set up static passes here (the start-up log says why)")
-    captured = on.runner.static.capture()
-    print(f"compile=on: {captured} passes captured in {time.perf_counter() - started:.1f} s")
-    # priced as build_engine prices it: calibration times the captured passes' replays
-    on.parts.call("calibration", calibrate, on.target, on.runner, on.planner.proposers, on.cost, settings, default=None)
+    price_passes(on)  # as build_engine does: graphs recorded, then calibration times their replays
+    print(f"compile=on: passes captured and priced in {time.perf_counter() - started:.1f} s")
     tokenizer = first.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                               add_generation_prompt=True)) for p in PROMPTS]

@@ -291,6 +291,18 @@ def _eos_ids(model: LoadedModel) -> set[int]:
     return ids
 
 
+def price_passes(engine: Engine) -> None:
+    """Before the first request: the static-shape passes recorded (CUDA graphs, so no request waits for one), then
+    the step costs measured or read back where the settings calibrate (calibration.py), over those replays."""
+    if engine.runner.static is not None:
+        started = time.perf_counter()
+        if captured := engine.runner.static.capture():
+            log.info("captured %d static-shape passes in %.1f s", captured, time.perf_counter() - started)
+    if engine.settings.calibrate:
+        engine.parts.call("calibration", calibrate, engine.target, engine.runner, engine.planner.proposers,
+                          engine.cost, engine.settings, default=None)  # failing: learnt from traffic
+
+
 def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str = "own") -> Engine:
     """Load the configured target (and draft) and build the engine. Slow: loads weights. The models are the
     engine's alone: the dense weights its packed kernels were reordered from are dropped (CPU, oneDNN:
@@ -314,14 +326,7 @@ def build_engine(settings: Settings, *, keep_dense: bool = False, modules: str =
         engine.parts.failed("kernels", RuntimeError(problem))
     log.info("the target's cache keeps keys and values in %s (kv_cache_dtype %s)", engine.kv_cache_dtype,
              settings.kv_cache_dtype)
-    # CUDA graphs recorded now, before any request waits for one, and before calibration times their replays
-    if engine.runner.static is not None:
-        started = time.perf_counter()
-        if captured := engine.runner.static.capture():
-            log.info("captured %d static-shape passes in %.1f s", captured, time.perf_counter() - started)
-    if settings.calibrate:  # step costs measured (or read back) before the first request: calibration.py
-        engine.parts.call("calibration", calibrate, target, engine.runner, engine.planner.proposers, engine.cost,
-                          settings, default=None)  # failing: learnt from traffic
+    price_passes(engine)
     if not keep_dense:
         freed = engine.runner.release_dense() + engine.planner.release_dense()
         if freed:

@@ -154,6 +154,26 @@ class BatchKV:
             self._recent[b].extend(range(self.length, self.length + n))
         self.length += width
 
+    def visible(self, counts: list[int], width: int, rows: int | None = None, span: int | None = None) -> torch.Tensor:
+        """[rows, W, span] bool: the columns each of a forward's W new positions attends, row b feeding `counts[b]`
+        real tokens at columns [length, length + W): the row's live columns, its real new tokens up to itself, and
+        its own column (a padding query too, so no softmax row is empty). `rows` past the batch's (a static pass's
+        padding, static_step.py) see their own column only; `span` (default length + W) the columns covered."""
+        batch, length = len(self.rows), self.length
+        rows = batch if rows is None else rows
+        span = length + width if span is None else span
+        if width == 1 and rows == batch and span == length + 1:  # a step of one token a row: live columns and its own
+            own = torch.ones(batch, 1, dtype=torch.bool, device=self.device)
+            return torch.cat([self.keep[:, :length], own], dim=-1)[:, None]
+        allowed = torch.zeros(rows, width, span, dtype=torch.bool, device=self.device)
+        allowed[:batch, :, :length] = self.keep[:, None, :length]
+        steps = torch.arange(width, device=self.device)
+        real = torch.zeros(rows, dtype=torch.long, device=self.device)
+        real[:batch] = torch.tensor(counts, dtype=torch.long, device=self.device)
+        causal = (steps[None, :] <= steps[:, None])[None] & (steps[None, None, :] < real[:, None, None])  # [R, W, W]
+        allowed[:, :, length : length + width] = causal | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        return allowed
+
     # ---- rollback: the one place rejected tokens are undone --------------------------------------
     def rollback(self, row: int, num_tokens: int) -> None:
         """Forget row `row`'s last `num_tokens` live tokens: their columns become holes."""

@@ -128,8 +128,8 @@ class ModelRunner:
     def use_static(self, max_rows: int, max_width: int) -> StaticStep | None:
         """Run passes of up to `max_rows` rows x `max_width` tokens as static-shape passes (static_step.py) where
         this runner's forward and pinned cache allow it; the step, or None (logged why not)."""
-        mask_dtype = torch.float64 if attends_wide(self.model) else self.dtype
-        self.static = StaticStep.build(self.call, self.kv, mask_dtype, max_rows, max_width, self.device)
+        self.static = StaticStep.build(self.call, self.kv, self.mask_dtype, self.mask_fill, max_rows, max_width,
+                                       self.device)
         if self.static is not None:
             self.forward_kind += "+static"
         return self.static
@@ -200,10 +200,7 @@ class ModelRunner:
             index = pack.index()
         else:
             index = tuple(tuple(range(b * width, b * width + n)) for b, n in enumerate(counts))
-        logit_index, take = None, None
-        if logits and scored is not None:
-            logit_index = tuple(rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True))
-            take = torch.tensor([i for r in logit_index for i in r], device=self.device)  # the positions scored
+        take, logit_index = self._scored(index, scored) if logits and scored is not None else (None, None)
         extra = self._head_keywords(logits, take)
         if pack is not None:
             extra["packing"] = pack
@@ -225,12 +222,8 @@ class ModelRunner:
         final = (states[-1] if self.has_lm_head and not lean else out.last_hidden_state) if hidden else None
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [batch, W, ...] or [1, N, ...] -> [N, ...]
         flat_logits = flat(out.logits.float()) if logits else None
-        if logit_index is not None:
-            if not isinstance(self.call, LeanForward):  # transformers' forward scored every position
-                flat_logits = flat_logits.index_select(0, take)
-            # the scored positions come back in row order: renumber them
-            starts = list(itertools.accumulate((len(rows) for rows in logit_index), initial=0))
-            logit_index = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(starts))
+        if logit_index is not None and not isinstance(self.call, LeanForward):  # transformers' scored every position
+            flat_logits = flat_logits.index_select(0, take)
         return ForwardOutput(
             flat_logits=flat_logits,
             flat_hidden=flat(final) if final is not None else None,
@@ -252,16 +245,22 @@ class ModelRunner:
         flat_logits = out.logits.reshape(-1, out.logits.shape[-1]).float() if logits else None
         logit_index = None
         if logits and scored is not None:
-            chosen = [rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True)]
-            take = torch.tensor([i for r in chosen for i in r], dtype=torch.long, device=self.device)
+            take, logit_index = self._scored(index, scored)
             flat_logits = flat_logits.index_select(0, take)
-            starts = list(itertools.accumulate((len(r) for r in chosen), initial=0))
-            logit_index = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(starts))
         return ForwardOutput(
             flat_logits=flat_logits,
             flat_hidden=out.hidden.reshape(-1, out.hidden.shape[-1]) if hidden else None,
             flat_layers={}, index=index, width=width, pack=None, logit_index=logit_index,
         )
+
+    def _scored(self, index: tuple[tuple[int, ...], ...], scored: Sequence[int]
+                ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+        """Row b's last `scored[b]` fed positions: their flat indices in `index` (the LM head's rows, `take`), and
+        each row's of them as the head gives them back, in row order (`ForwardOutput.logit_index`)."""
+        chosen = [rows[len(rows) - s:] if s else () for rows, s in zip(index, scored, strict=True)]
+        take = torch.tensor([i for r in chosen for i in r], dtype=torch.long, device=self.device)
+        starts = list(itertools.accumulate((len(r) for r in chosen), initial=0))
+        return take, tuple(tuple(range(a, b)) for a, b in itertools.pairwise(starts))
 
     def _head_keywords(self, logits: bool, take: torch.Tensor | None) -> dict:
         """The forward's keywords for its LM head: none at all without logits (`LeanForward`; transformers'
@@ -296,29 +295,22 @@ class ModelRunner:
         return {"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)}
 
     def _attention_mask(self, counts: list[int], width: int) -> torch.Tensor:
-        """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self.
-
-        A padding query attends to its own column too, so no softmax row is empty (no NaNs anywhere,
-        even in hole columns that are never read).
-        """
-        kv = self.kv
-        batch, length = len(kv.rows), kv.length
-        if width == 1:  # a step of one token a row: the live old columns and its own
-            own = torch.ones(batch, 1, dtype=torch.bool, device=self.device)
-            allowed = torch.cat([kv.keep[:, :length], own], dim=-1)[:, None, None]  # [batch, 1, 1, length + 1]
-        else:
-            steps = torch.arange(width, device=self.device)
-            old = kv.keep[:, None, :length].expand(batch, width, length)  # [batch, W, length]
-            causal = steps[None, :] <= steps[:, None]  # [W, W]: key j visible to query i
-            real = steps[None, None, :] < torch.tensor(counts, device=self.device)[:, None, None]  # [batch, 1, W]
-            new = (causal[None] & real) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-            allowed = torch.cat([old, new], dim=-1)[:, None]  # [batch, 1, W, length + W]
-        dtype = self.dtype
+        """Additive mask [batch, 1, W, length + W]: live old columns, causal new ones, and self (`BatchKV.visible`)."""
         # a model attending in float64 (attention.py) gets its mask in float64 here, once per forward, rather
-        # than converted in every layer; the same values (the model dtype's most negative)
-        mask = torch.zeros(allowed.shape, dtype=torch.float64 if attends_wide(self.model) else dtype,
-                           device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        # than converted in every layer; the same values (`mask_fill`)
+        allowed = self.kv.visible(counts, width)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=self.device)
+        return mask.masked_fill_(~allowed, self.mask_fill)
+
+    @property
+    def mask_dtype(self) -> torch.dtype:
+        """What additive masks are made in: float64 for a model that attends in it (attention.py), else its dtype."""
+        return torch.float64 if attends_wide(self.model) else self.dtype
+
+    @property
+    def mask_fill(self) -> float:
+        """What a masked column gets in an additive mask: the model dtype's most negative value."""
+        return torch.finfo(self.dtype).min
 
     # ---- batch membership ------------------------------------------------------------------------
     def join(

@@ -111,6 +111,7 @@ class StaticStep:
     call: LeanForward
     kv: BatchKV
     dtype: torch.dtype  # the additive mask's (float64 where the model attends wide, as the runner's)
+    fill: float  # what a masked column gets (the runner's `mask_fill`)
     rows: tuple[int, ...]
     max_width: int
     mode: str  # "cuda-graph" or "eager"
@@ -123,7 +124,7 @@ class StaticStep:
     pool: object | None = None
 
     @classmethod
-    def build(cls, call: object, kv: BatchKV, mask_dtype: torch.dtype, max_rows: int, max_width: int,
+    def build(cls, call: object, kv: BatchKV, mask_dtype: torch.dtype, fill: float, max_rows: int, max_width: int,
               device: torch.device) -> StaticStep | None:
         """The static passes of a runner's forward `call` over `kv`, or None (logged) where they cannot serve it."""
         why = cls.refuses(call) or (None if kv.columns is not None else "the cache's columns are not pinned")
@@ -131,7 +132,7 @@ class StaticStep:
             log.info("compile=on: passes stay eager (%s)", why)
             return None
         mode = "cuda-graph" if device.type == "cuda" else "eager"
-        step = cls(call, kv, mask_dtype, row_buckets(max_rows), max_width, mode, fixed=mode == "cuda-graph")
+        step = cls(call, kv, mask_dtype, fill, row_buckets(max_rows), max_width, mode, fixed=mode == "cuda-graph")
         log.info("compile=on: static-shape passes (%s) for %s rows x 1-%d tokens over %d pinned columns", mode,
                  "/".join(map(str, step.rows)), max_width, kv.columns)
         return step
@@ -183,7 +184,7 @@ class StaticStep:
     def _fill(self, bucket: _Bucket, inputs, counts: list[int]) -> None:
         """This pass's ids, positions, mask and columns into the bucket's buffers (rows past the batch's: padding
         that attends its own column only)."""
-        kv, device = self.kv, self.kv.device
+        kv = self.kv
         batch, (rows, width), length = len(counts), (bucket.rows, bucket.width), kv.length
         ids = torch.zeros(rows, width, dtype=torch.long)
         for b, row in enumerate(inputs):
@@ -194,14 +195,8 @@ class StaticStep:
         bucket.ids.copy_(ids)
         bucket.positions.copy_(positions[:, None] + steps[None, :])
         bucket.cols.copy_(steps + length)
-        allowed = torch.zeros(rows, width, bucket.span, dtype=torch.bool, device=device)
-        allowed[:batch, :, :length] = kv.keep[:, None, :length]
-        on = torch.arange(width, device=device)
-        real = torch.zeros(rows, dtype=torch.long, device=device)
-        real[:batch] = torch.tensor(counts, dtype=torch.long, device=device)
-        causal = (on[None, :] <= on[:, None])[None] & (on[None, None, :] < real[:, None, None])  # [R, W, W]
-        allowed[:, :, length : length + width] = causal | torch.eye(width, dtype=torch.bool, device=device)[None]
-        bucket.mask.fill_(0.0).masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
+        allowed = kv.visible(counts, width, rows, bucket.span)  # padded rows: their own column only
+        bucket.mask.fill_(0.0).masked_fill_(~allowed[:, None], self.fill)
 
     # ---- running ----------------------------------------------------------------------------------
     def _run(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +205,8 @@ class StaticStep:
         return out.logits, out.last_hidden_state
 
     def _record(self, bucket: _Bucket) -> None:
-        """Run the bucket's pass on its buffers (what they hold is computed for real) and, on CUDA, record it."""
+        """Run the bucket's pass on its buffers (what they hold is computed for real) and, on CUDA, record it
+        (eagerly, every pass runs here)."""
         if self.mode != "cuda-graph":
             bucket.logits, bucket.hidden = self._run(bucket)
             return
@@ -252,12 +248,10 @@ class StaticStep:
         batch = len(counts)
         bucket = self._bucket(rows_bucket(batch, self.rows) if self.fixed else batch, width)
         self._fill(bucket, inputs, counts)
-        if bucket.logits is None or (self.mode == "cuda-graph" and bucket.graph is None):
-            self._record(bucket)
-        elif bucket.graph is not None:
+        if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            bucket.logits, bucket.hidden = self._run(bucket)
+            self._record(bucket)
         bucket.replays += 1
         return StaticOutput(bucket.logits[:batch].clone(), bucket.hidden[:batch].clone())
 
